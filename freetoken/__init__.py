@@ -1,0 +1,2 @@
+"""FreeToken: an LLM serving engine."""
+__version__ = "0.1.0"
