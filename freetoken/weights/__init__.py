@@ -1,0 +1,1 @@
+"""Reading checkpoints: GGUF files and safetensors directories, into HF-named tensors."""
