@@ -1,0 +1,132 @@
+"""Engine configuration: one frozen dataclass built from flags, and its resolution.
+
+Owns the flags' defaults and the arithmetic that turns them into pool sizes once the model is
+known (`EngineConfig.resolve` returns a new frozen `ResolvedConfig`). It never reads the
+environment and holds no state.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from freetoken.errors import ConfigError
+
+CACHE_TYPES = ("naive", "radix", "swa_radix")
+
+
+def swa_floor_pages(max_running: int, max_prefill: int, window: int, page_size: int) -> int:
+    """Smallest SWA pool (pages) that can always serve: each running request's window plus the
+    page it is writing, and one prefill chunk (DESIGN.md §3, "SWA floor")."""
+    per_request = math.ceil((window - 1) / page_size) + 1
+    return max_running * per_request + math.ceil(max_prefill / page_size) + 1
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine is told. `None` means "derive it" in `resolve`."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str | None = None
+    cache_type: str = "radix"
+    page_size: int = 16
+    max_running_requests: int = 16
+    max_waiting_requests: int = 256
+    max_prefill_length: int = 1024
+    num_tokens: int | None = None
+    memory_ratio: float = 0.3
+    context_length: int | None = None
+    swa_full_tokens_ratio: float | None = None
+    swa_pool_tokens: int | str | None = None  # N tokens or "floor"
+    debug_kv: bool = False
+    threads: int | None = None
+
+    def validate(self) -> None:
+        """Raise ConfigError on flags that cannot work, naming the flag."""
+        if self.cache_type not in CACHE_TYPES:
+            raise ConfigError(f"--cache-type must be one of {', '.join(CACHE_TYPES)}, got {self.cache_type!r}")
+        positive = {
+            "--page-size": self.page_size,
+            "--max-running-requests": self.max_running_requests,
+            "--max-prefill-length": self.max_prefill_length,
+        }
+        for flag, value in positive.items():
+            if value < 1:
+                raise ConfigError(f"{flag} must be at least 1, got {value}")
+        if self.max_waiting_requests < 0:
+            raise ConfigError(f"--max-waiting-requests must be >= 0, got {self.max_waiting_requests}")
+        if self.num_tokens is not None and self.num_tokens < self.page_size:
+            raise ConfigError(f"--num-tokens must be at least one page ({self.page_size}), got {self.num_tokens}")
+        if not 0.0 < self.memory_ratio <= 0.95:
+            raise ConfigError(f"--memory-ratio must be in (0, 0.95], got {self.memory_ratio}")
+        if self.context_length is not None and self.context_length < 2:
+            raise ConfigError(f"--context-length must be at least 2, got {self.context_length}")
+        if self.swa_full_tokens_ratio is not None and self.swa_pool_tokens is not None:
+            raise ConfigError("--swa-full-tokens-ratio and --swa-pool-tokens are mutually exclusive")
+        if self.swa_full_tokens_ratio is not None and not 0.0 < self.swa_full_tokens_ratio <= 1.0:
+            raise ConfigError(f"--swa-full-tokens-ratio must be in (0, 1], got {self.swa_full_tokens_ratio}")
+        pool = self.swa_pool_tokens
+        if pool is not None and pool != "floor" and not (isinstance(pool, int) and pool >= 1):
+            raise ConfigError(f"--swa-pool-tokens must be a positive number of tokens or 'floor', got {pool!r}")
+
+    def resolve(
+        self,
+        *,
+        model_context_length: int,
+        window: int | None,
+        kv_bytes_per_token: int,
+        available_bytes: int,
+    ) -> ResolvedConfig:
+        """Pool sizes and the context length for a model; refuses an SWA pool below its floor.
+
+        `kv_bytes_per_token` is what one token costs across both pools' layers; the FULL pool
+        default spends `memory_ratio` of `available_bytes` on it, capped at what
+        `max_running_requests` full contexts need.
+        """
+        self.validate()
+        context = min(self.context_length or model_context_length, model_context_length)
+        p = self.page_size
+        if self.num_tokens is not None:
+            full_pages = self.num_tokens // p
+        else:
+            by_memory = int(available_bytes * self.memory_ratio) // max(kv_bytes_per_token, 1) // p
+            by_need = self.max_running_requests * math.ceil(context / p)
+            full_pages = max(1, min(by_memory, by_need))
+        cache_type = self.cache_type
+        if window is None:
+            if cache_type == "swa_radix":
+                raise ConfigError("--cache-type swa_radix needs a model with sliding-window layers; use radix")
+            return ResolvedConfig(self, context, cache_type, full_pages, None, None)
+        if cache_type == "radix":
+            cache_type = "swa_radix"
+        floor = swa_floor_pages(self.max_running_requests, self.max_prefill_length, window, p)
+        if self.swa_pool_tokens == "floor":
+            swa_pages = floor
+        elif isinstance(self.swa_pool_tokens, int):
+            swa_pages = self.swa_pool_tokens // p
+        elif self.swa_full_tokens_ratio is not None:
+            swa_pages = int(full_pages * self.swa_full_tokens_ratio)
+        else:
+            swa_pages = max(floor, full_pages // 4)
+        if swa_pages < floor:
+            raise ConfigError(
+                f"the SWA pool ({swa_pages} pages of {p} tokens) is below its floor of {floor} pages "
+                f"({floor * p} tokens) for --max-running-requests {self.max_running_requests}, "
+                f"--max-prefill-length {self.max_prefill_length}, window {window}; raise "
+                "--swa-pool-tokens / --swa-full-tokens-ratio (or use --swa-pool-tokens floor), "
+                "or lower --max-running-requests / --max-prefill-length"
+            )
+        return ResolvedConfig(self, context, cache_type, full_pages, swa_pages, floor)
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """An EngineConfig with the model-dependent values filled in."""
+
+    engine: EngineConfig
+    context_length: int
+    cache_type: str
+    full_pages: int
+    swa_pages: int | None
+    swa_floor: int | None

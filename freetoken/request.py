@@ -1,0 +1,132 @@
+"""What a request asks for and where it stands: SamplingParams, Request, FinishReason, outputs.
+
+Owns the per-request state the scheduler and sampler read and write (token ids, how many have
+K/V written, finish reason). It holds no KV pages itself: the KV manager owns the page tables.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # an EOS / stop token id / stop string
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"  # the client went away or asked to stop
+    ERROR = "error"  # the engine could not serve it (quarantined pages, a refused request)
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. `temperature == 0` is greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None = off; k >= 0: the chosen token's logprob and the top k
+    prompt_logprobs: int | None = None  # such requests skip the prefix cache
+    skip_special_tokens: bool = True
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first parameter that is out of range."""
+        checks: list[tuple[str, bool, str]] = [
+            ("max_tokens", self.max_tokens >= 1, "must be at least 1"),
+            ("temperature", 0.0 <= self.temperature <= 100.0 and math.isfinite(self.temperature), "must be in [0, 100]"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
+            ("top_k", self.top_k >= 0 or self.top_k == -1, "must be -1, 0 (off) or positive"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
+            ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "must be in (0, 10]"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
+            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "must be in [0, 20]"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class TokenLogprob:
+    """The chosen token's logprob and the top alternatives (id, logprob), best first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class Request:
+    """One sequence being served. `num_computed` tokens of `all_ids` have K/V written."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    eos_ids: frozenset[int] = frozenset()
+    boundaries: tuple[int, ...] = ()  # marked token offsets (end of each chat message)
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    cached_tokens: int = 0  # prefix-cache hit at (first) admission
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    admitted_once: bool = False
+    preemptions: int = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        """True while tokens other than the last sampled one still wait for their K/V."""
+        return self.num_computed < self.num_tokens - 1 or not self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+
+@dataclass
+class RequestOutput:
+    """What the offline API returns per prompt."""
+
+    rid: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    cached_tokens: int
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    error: str | None = None
