@@ -1,0 +1,310 @@
+"""KVManager: the API the engine calls for KV memory (DESIGN.md §3).
+
+Owns the two page pools, the radix tree and every admitted request's page tables, and is the
+only place where a request's references are taken or dropped. It must not decide scheduling
+(who runs, who is preempted) and must not touch the physical K/V tensors.
+
+Every step of a request, in the order the engine calls it:
+
+    cached = kv.admit(rid, prompt)            # hit rule; takes the request's lease at once
+    if not kv.extend(rid, cached + chunk):    # grow both tables; evicts as needed; all-or-nothing
+        kv.release(rid)                       # does not fit: lease released in the same step
+    full, swa = kv.page_tables(rid)           # int32 tables for the forward (0 = NULL)
+    ... forward writes K/V of the chunk, samples ...
+    kv.commit(rid, tokens_written, boundaries)  # tree takes its own references
+    kv.release_out_of_window(rid, next_pos)   # SWA pages no later query can see
+    ...
+    kv.commit(rid, prompt + output[:-1]); kv.release(rid)   # finish / abort
+    kv.commit(...); kv.release(rid, preempted=True)         # preempt (path stamped recent)
+
+Exhausting a pool is a scheduling condition: `extend` returns False and changes nothing the
+request holds. Checked transfers raise `KVIntegrityError`; `audit` recounts everything;
+`quarantine` takes pages out of circulation and names the requests that must end with an error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from freetoken.errors import ConfigError
+from freetoken.kv.audit import AuditReport, holders_of, run_audit
+from freetoken.kv.errors import KVIntegrityError
+from freetoken.kv.pool import PagePool
+from freetoken.kv.table import RequestTables
+from freetoken.kv.tree import RadixTree
+from freetoken.kv.window import first_window_page, floor_to_page, num_pages
+
+CACHE_TYPES = ("naive", "radix", "swa_radix")
+
+
+def resolve_cache_type(cache_type: str, window: int | None) -> str:
+    """`radix` on a model with SWA layers is `swa_radix`; `swa_radix` without them is refused."""
+    if cache_type not in CACHE_TYPES:
+        raise ConfigError(f"--cache-type must be one of {', '.join(CACHE_TYPES)}, got {cache_type!r}")
+    if cache_type == "swa_radix" and window is None:
+        raise ConfigError(
+            "--cache-type swa_radix needs a model with sliding-window layers and this model has "
+            "none; use --cache-type radix (or naive)"
+        )
+    if cache_type == "radix" and window is not None:
+        return "swa_radix"
+    return cache_type
+
+
+class KVManager:
+    """Pools + tree + request page tables. All counts are in pages; page 0 is NULL."""
+
+    def __init__(
+        self,
+        *,
+        full_pages: int,
+        swa_pages: int | None,
+        page_size: int,
+        window: int | None,
+        cache_type: str,
+    ) -> None:
+        if page_size < 1:
+            raise ConfigError(f"page size must be >= 1, got {page_size}")
+        if full_pages < 1:
+            raise ConfigError(f"the KV pool needs at least one page, got {full_pages}")
+        if window is not None and window < 1:
+            raise ConfigError(f"a sliding window must be >= 1 token, got {window}")
+        if (window is None) != (swa_pages is None):
+            raise ConfigError("an SWA pool is sized exactly when the model has a sliding window")
+        if swa_pages is not None and swa_pages < 1:
+            raise ConfigError(f"the sliding-window KV pool needs at least one page, got {swa_pages}")
+        self.page_size = page_size
+        self.window = window
+        self.resolved_cache_type = resolve_cache_type(cache_type, window)
+        self.full_pool = PagePool("full", full_pages, self._holders)
+        self.swa_pool = PagePool("swa", swa_pages, self._holders) if swa_pages else None
+        self.tree: RadixTree | None = None
+        if self.resolved_cache_type != "naive":
+            self.tree = RadixTree(self.full_pool, self.swa_pool, page_size, window)
+        self._requests: dict[str, RequestTables] = {}
+        self.audits = 0
+        self.violations = 0
+        self.last_error: str | None = None
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _holders(self, kind: str, page: int) -> tuple[str, ...]:
+        return holders_of(kind, page, self.tree, self._requests)
+
+    def _pool(self, kind: str) -> PagePool:
+        if kind == "full":
+            return self.full_pool
+        if kind == "swa" and self.swa_pool is not None:
+            return self.swa_pool
+        raise ValueError(f"no {kind!r} pool (pools: full{', swa' if self.swa_pool else ''})")
+
+    def _req(self, rid: str) -> RequestTables:
+        req = self._requests.get(rid)
+        if req is None:
+            raise KeyError(f"request {rid!r} holds no KV pages (not admitted or released)")
+        return req
+
+    @property
+    def request_ids(self) -> list[str]:
+        return list(self._requests)
+
+    # -- request lifecycle ------------------------------------------------------------------
+
+    def admit(self, rid: str, tokens: Sequence[int], *, use_cache: bool = True) -> int:
+        """Admit a request: match its prompt and take its lease; returns the cached length.
+
+        `use_cache=False` (prompt logprobs requested) skips the cache (0). Release the lease at
+        once with `release(rid)` if the request then does not fit.
+        """
+        if rid in self._requests:
+            raise ValueError(f"request {rid!r} is already admitted")
+        req = RequestTables(rid, swa=[] if self.swa_pool is not None else None)
+        if use_cache and self.tree is not None and len(tokens) > 1:
+            hit = self.tree.match(tuple(tokens))
+            self.full_pool.incref(hit.full)
+            if self.swa_pool is not None and hit.swa is not None:
+                self.swa_pool.incref([p for p in hit.swa if p])
+                req.swa = list(hit.swa)
+            req.full = list(hit.full)
+            req.cached_len = req.next_pos = hit.length
+        self._requests[rid] = req
+        return req.cached_len
+
+    def pages_needed(self, rid: str, num_tokens: int) -> int:
+        """New pages (in each pool) that `extend(rid, num_tokens)` would take."""
+        return max(0, num_pages(num_tokens, self.page_size) - len(self._req(rid).full))
+
+    def extend(self, rid: str, num_tokens: int) -> bool:
+        """Grow both tables to cover `num_tokens` tokens, evicting as needed; all-or-nothing.
+
+        False (nothing allocated) when even eviction cannot make room: defer or preempt.
+        """
+        req = self._req(rid)
+        need = self.pages_needed(rid, num_tokens)
+        if need == 0:
+            return True
+        if not self._make_room(need):
+            return False
+        full = self.full_pool.alloc(need)
+        swa = self.swa_pool.alloc(need) if self.swa_pool is not None else []
+        if full is None or swa is None:  # unreachable after _make_room; give back, stay whole
+            self.full_pool.decref(full or [])
+            if self.swa_pool is not None:
+                self.swa_pool.decref(swa or [])
+            return False
+        req.full.extend(full)
+        if req.swa is not None:
+            req.swa.extend(swa)
+        return True
+
+    def _make_room(self, need: int) -> bool:
+        short = need - self.full_pool.num_free
+        if short > 0 and self.tree is not None:
+            self.tree.evict_full(short)
+        if self.swa_pool is not None:
+            short_swa = need - self.swa_pool.num_free
+            if short_swa > 0 and self.tree is not None:
+                self.tree.evict_swa(short_swa)
+            if self.swa_pool.num_free < need:
+                return False
+        return self.full_pool.num_free >= need
+
+    def page_tables(self, rid: str) -> tuple[np.ndarray, np.ndarray | None]:
+        """int32 [num_pages] FULL table and the SWA table of the same length (0 = NULL)."""
+        req = self._req(rid)
+        full = np.asarray(req.full, dtype=np.int32)
+        swa = None if req.swa is None else np.asarray(req.swa, dtype=np.int32)
+        return full, swa
+
+    def commit(self, rid: str, tokens: Sequence[int], boundaries: Sequence[int] = ()) -> None:
+        """Let the tree keep the request's written K/V: `tokens` are exactly the tokens whose
+        K/V is written (whole pages of them are committed); `boundaries` are positions the
+        request marks (a chat request: the end of each message). Only adds tree references."""
+        req = self._req(rid)
+        n = floor_to_page(len(tokens), self.page_size)
+        if n > len(req.full) * self.page_size:
+            raise ValueError(f"request {rid!r} commits {n} tokens but holds pages for fewer")
+        if self.tree is None or n == 0:
+            return
+        committed = tuple(tokens[:n])
+        self.tree.insert(committed, req.full, req.swa, boundaries)
+        req.committed = committed
+
+    def release_out_of_window(self, rid: str, next_pos: int) -> int:
+        """Drop the request's SWA pages no query at `next_pos` or later can see (q - k >= W).
+
+        Returns the number of entries set to NULL."""
+        req = self._req(rid)
+        req.next_pos = max(req.next_pos, next_pos)
+        if req.swa is None or self.swa_pool is None or self.window is None:
+            return 0
+        first = min(first_window_page(req.next_pos, self.window, self.page_size), len(req.swa))
+        drop = [i for i in range(first) if req.swa[i]]
+        pages = [req.swa[i] for i in drop]
+        for i in drop:
+            req.swa[i] = 0
+        self.swa_pool.decref(pages)
+        return len(pages)
+
+    def release(self, rid: str, *, preempted: bool = False) -> None:
+        """Drop every reference the request holds (finish, abort, preempt, or a lease that did
+        not fit). Commit first what is worth keeping. A second call is a no-op."""
+        req = self._requests.pop(rid, None)
+        if req is None:
+            return
+        if preempted and self.tree is not None and req.committed:
+            self.tree.touch(req.committed)
+        full, swa = req.held("full"), req.held("swa")
+        req.full = []
+        req.swa = [] if req.swa is not None else None
+        self.full_pool.decref(full)
+        if self.swa_pool is not None:
+            self.swa_pool.decref(swa)
+
+    # -- capacity and eviction --------------------------------------------------------------
+
+    def available(self, kind: str) -> int:
+        """Pages of pool `kind` an admission may count on: free pages plus what eviction could
+        free now (tree-only pages no request holds, so not those any lease pins)."""
+        pool = self._pool(kind)
+        if self.tree is None:
+            return pool.num_free
+        extra = self.tree.evictable_full() if kind == "full" else self.tree.evictable_swa()
+        return pool.num_free + extra
+
+    def evict(self, kind: str, num_pages_wanted: int) -> int:
+        """Drop tree references until `num_pages_wanted` pages of `kind` are freed (or no more
+        can be); returns the pages freed."""
+        self._pool(kind)
+        if self.tree is None:
+            return 0
+        if kind == "full":
+            return self.tree.evict_full(num_pages_wanted)
+        return self.tree.evict_swa(num_pages_wanted)
+
+    # -- integrity --------------------------------------------------------------------------
+
+    def audit(self, idle: bool) -> AuditReport:
+        """Run A1-A5 (A5 only when `idle`); counts it for `status()`."""
+        report = run_audit(
+            full_pool=self.full_pool, swa_pool=self.swa_pool, tree=self.tree,
+            requests=self._requests, page_size=self.page_size, window=self.window, idle=idle,
+        )
+        self.audits += 1
+        if not report.ok:
+            self.violations += 1
+            self.last_error = str(report.violations[0])
+        return report
+
+    def record_error(self, err: KVIntegrityError) -> None:
+        """Count an integrity error the engine caught from a checked transfer."""
+        self.violations += 1
+        self.last_error = str(err.report)
+
+    def quarantine(self, kind: str, pages: Sequence[int]) -> set[str]:
+        """Take pages out of circulation for good: they leave the free list, tree entries on
+        them are dropped. Returns the ids of the requests holding any of them (end them with
+        an error; their release is safe)."""
+        pool = self._pool(kind)
+        wanted = {int(p) for p in pages if 0 < int(p) <= pool.capacity}
+        pool.quarantine(sorted(wanted))
+        if self.tree is not None:
+            self.tree.drop(kind, sorted(wanted))
+        return {rid for rid, req in self._requests.items() if wanted & set(req.held(kind))}
+
+    def status(self) -> dict[str, object]:
+        """The `/v1/cache/status` fields this layer owns (the engine adds `floor`)."""
+        pools: dict[str, dict[str, int]] = {}
+        quarantined_total = 0
+        for pool in (self.full_pool, self.swa_pool):
+            if pool is None:
+                continue
+            q = set(pool.quarantined_pages())
+            held = {p for r in self._requests.values() for p in r.held(pool.kind)} - q
+            tree_pages: set[int] = set()
+            if self.tree is not None:
+                tree_pages = {
+                    p for n in self.tree.nodes() for p in (n.full if pool.kind == "full" else n.swa)
+                } - q - {0}
+            pools[pool.kind] = {
+                "capacity": pool.capacity,
+                "free": pool.num_free,
+                "cached": len(tree_pages - held),
+                "in_use": len(held),
+                "quarantined": len(q),
+            }
+            quarantined_total += len(q)
+        return {
+            "cache_type": self.resolved_cache_type,
+            "page_size": self.page_size,
+            "pools": pools,
+            "integrity": {
+                "ok": self.violations == 0,
+                "audits": self.audits,
+                "violations": self.violations,
+                "quarantined_pages": quarantined_total,
+                "last_error": self.last_error,
+            },
+        }

@@ -1,0 +1,28 @@
+"""One request's page tables: the request's own references.
+
+Owns the data of a request's KV holding: its FULL and SWA page tables (entry i covers tokens
+[i*P, (i+1)*P); 0 = NULL, no reference) and the positions that say which SWA entries must be
+live. Every non-NULL entry is exactly one reference the request holds. It does no pool
+operation itself; the manager changes an entry only together with the matching incref/decref.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestTables:
+    """Page tables of one admitted request."""
+
+    rid: str
+    full: list[int] = field(default_factory=list)
+    swa: list[int] | None = None  # same length as full; None for a model without SWA layers
+    next_pos: int = 0  # first position still to be queried (entries before its window are NULL)
+    cached_len: int = 0  # tokens the admission hit let it skip
+    committed: tuple[int, ...] = ()  # the tokens of its last commit (page-aligned)
+
+    def held(self, kind: str) -> list[int]:
+        """The non-NULL entries of one table (each is one reference)."""
+        table = self.full if kind == "full" else (self.swa or [])
+        return [p for p in table if p]
