@@ -1,0 +1,1 @@
+"""Paged attention: batch metadata and the plain-torch reference backend."""

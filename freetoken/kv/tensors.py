@@ -1,0 +1,73 @@
+"""The physical K/V memory: one key and one value tensor per layer, in pages.
+
+Owns allocating the tensors of the two pools (FULL for full-attention layers, SWA for
+sliding-window layers) and writing / gathering them by slot or page. A layer's tensors are
+`[num_pages + 1, page_size, n_kv_heads, head_dim]` where page 0 is the NULL sentinel: zero-filled
+and never written. It does not decide which page belongs to whom (that is the KV core's page
+pool and manager) and it does not compute attention.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from freetoken.models.config import ModelConfig
+
+
+class KVTensors:
+    """K/V pages of every layer. Slot `s` of a pool is token `s % P` of page `s // P`."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        full_pages: int,
+        swa_pages: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if full_pages < 1:
+            raise ValueError(f"the FULL pool needs at least one page, got {full_pages}")
+        if config.has_swa and swa_pages < 1:
+            raise ValueError(f"a model with sliding-window layers needs SWA pages, got {swa_pages}")
+        self.page_size = page_size
+        self.num_full_pages = full_pages
+        self.num_swa_pages = swa_pages if config.has_swa else 0
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.sliding = tuple(config.is_sliding(i) for i in range(config.num_layers))
+        self.k: list[torch.Tensor] = []  # per layer: [pages + 1, P, n_kv_heads, head_dim]
+        self.v: list[torch.Tensor] = []
+        for sliding in self.sliding:
+            pages = self.num_swa_pages if sliding else self.num_full_pages
+            shape = (pages + 1, page_size, config.num_kv_heads, config.head_dim)
+            self.k.append(torch.zeros(shape, dtype=dtype, device=self.device))
+            self.v.append(torch.zeros(shape, dtype=dtype, device=self.device))
+
+    @staticmethod
+    def bytes_per_page(config: ModelConfig, page_size: int, dtype: torch.dtype, sliding: bool) -> int:
+        """Bytes one page of the SWA (`sliding`) or FULL pool takes over all layers of its kind."""
+        layers = len(config.swa_layers) if sliding else len(config.full_layers)
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * layers * page_size * config.num_kv_heads * config.head_dim * element
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the K/V of T tokens: slots [T] int64 (>= page_size), k and v [T, n_kv_heads, head_dim]."""
+        k_flat = self.k[layer].view(-1, *self.k[layer].shape[2:])  # [(pages + 1) * P, n_kv, D]
+        v_flat = self.v[layer].view(-1, *self.v[layer].shape[2:])  # [(pages + 1) * P, n_kv, D]
+        k_flat.index_copy_(0, slots, k.to(self.dtype))
+        v_flat.index_copy_(0, slots, v.to(self.dtype))
+
+    def gather(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the pages `pages` [B, C] -> each [B, C * P, n_kv_heads, head_dim]."""
+        b, c = pages.shape
+        idx = pages.long()
+        k = self.k[layer][idx]  # [B, C, P, n_kv, D]
+        v = self.v[layer][idx]  # [B, C, P, n_kv, D]
+        return k.view(b, c * self.page_size, *k.shape[3:]), v.view(b, c * self.page_size, *v.shape[3:])
+
+    def null_pages_are_zero(self) -> bool:
+        """True while page 0 of every layer is still all zeros (a check for tests and audits)."""
+        return all(bool((t[0] == 0).all()) for t in (*self.k, *self.v))

@@ -1,0 +1,297 @@
+"""Model configuration: one frozen dataclass for every supported family.
+
+Owns `ModelConfig` and reading it from a Hugging Face `config.json` dict (as transformers 5.x
+writes it, and the older keys `rope_theta` / `rope_local_base_freq` / `rope_scaling`). It does
+not read GGUF metadata (the weights package builds a `ModelConfig` from that) and holds no
+weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from freetoken.errors import ModelLoadError
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+ARCHITECTURES = ("llama", "gemma3", "gpt_oss")
+
+_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding of one layer kind. Fields other than `theta` matter only for scaled types:
+    `factor` (linear, llama3, yarn), `original_max_position_embeddings` (llama3, yarn),
+    `low_freq_factor`/`high_freq_factor` (llama3), `beta_fast`/`beta_slow`/`truncate`/
+    `attention_factor`/`mscale`/`mscale_all_dim` (yarn)."""
+
+    theta: float
+    rope_type: str = "default"
+    factor: float | None = None
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    truncate: bool = True
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything the model code needs to know about a checkpoint's architecture."""
+
+    architecture: str  # one of ARCHITECTURES
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    layer_types: tuple[str, ...]  # FULL_ATTENTION / SLIDING_ATTENTION per layer
+    rope_full: RopeConfig  # rope of full-attention layers
+    rope_sliding: RopeConfig  # rope of sliding-window layers (== rope_full where one rope is used)
+    sliding_window: int | None = None  # W: keys a query sees, itself included (q - k < W)
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    query_pre_attn_scalar: float | None = None  # attention scale is its -0.5 power when set
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.architecture not in ARCHITECTURES:
+            raise ModelLoadError(f"unsupported architecture {self.architecture!r}")
+        if len(self.layer_types) != self.num_layers:
+            raise ModelLoadError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        bad = sorted(set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION})
+        if bad:
+            raise ModelLoadError(f"unsupported layer types {bad}")
+        if self.has_swa and (self.sliding_window is None or self.sliding_window < 1):
+            raise ModelLoadError("the model has sliding-window layers but no valid sliding_window")
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ModelLoadError(f"{self.num_heads} heads are not a multiple of {self.num_kv_heads} kv heads")
+        for rope in (self.rope_full, self.rope_sliding):
+            if rope.rope_type not in _ROPE_TYPES:
+                raise ModelLoadError(f"unsupported rope type {rope.rope_type!r}")
+
+    @property
+    def has_swa(self) -> bool:
+        return SLIDING_ATTENTION in self.layer_types
+
+    @property
+    def swa_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == SLIDING_ATTENTION)
+
+    @property
+    def full_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION)
+
+    def is_sliding(self, layer: int) -> bool:
+        return self.layer_types[layer] == SLIDING_ATTENTION
+
+    @property
+    def attention_scale(self) -> float:
+        base = self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.head_dim
+        return float(base) ** -0.5
+
+    @classmethod
+    def from_hf(cls, config: Mapping[str, Any]) -> ModelConfig:
+        """Read a Hugging Face `config.json` dict (llama, gemma3_text, gemma3, gpt_oss)."""
+        model_type = config.get("model_type")
+        if model_type == "gemma3":
+            text = config.get("text_config")
+            if not isinstance(text, Mapping):
+                raise ModelLoadError("gemma3 config.json has no text_config")
+            return _from_gemma3({**text, "model_type": "gemma3_text"})
+        if model_type == "gemma3_text":
+            return _from_gemma3(config)
+        if model_type == "llama":
+            return _from_llama(config)
+        if model_type == "gpt_oss":
+            return _from_gpt_oss(config)
+        raise ModelLoadError(
+            f"unsupported model_type {model_type!r} (supported: llama, gemma3, gemma3_text, gpt_oss)"
+        )
+
+
+def _get(config: Mapping[str, Any], key: str, default: Any) -> Any:
+    """`config[key]`, or `default` when the key is absent or null."""
+    value = config.get(key)
+    return default if value is None else value
+
+
+def _require(config: Mapping[str, Any], key: str) -> Any:
+    if config.get(key) is None:
+        raise ModelLoadError(f"config.json lacks {key!r}")
+    return config[key]
+
+
+def _rope(params: Mapping[str, Any], theta: float) -> RopeConfig:
+    """One rope dict (`rope_parameters` entry or legacy `rope_scaling`) over a default theta."""
+    rope_type = params.get("rope_type", params.get("type", "default"))
+
+    def opt(key: str) -> float | None:
+        value = params.get(key)
+        return None if value is None else float(value)
+
+    orig = params.get("original_max_position_embeddings")
+    return RopeConfig(
+        theta=float(_get(params, "rope_theta", theta)),
+        rope_type=str(rope_type),
+        factor=opt("factor"),
+        original_max_position_embeddings=None if orig is None else int(orig),
+        low_freq_factor=opt("low_freq_factor"),
+        high_freq_factor=opt("high_freq_factor"),
+        beta_fast=opt("beta_fast"),
+        beta_slow=opt("beta_slow"),
+        truncate=bool(params.get("truncate", True)),
+        attention_factor=opt("attention_factor"),
+        mscale=opt("mscale"),
+        mscale_all_dim=opt("mscale_all_dim"),
+    )
+
+
+def _single_rope(config: Mapping[str, Any], default_theta: float) -> RopeConfig:
+    """The one rope of a model whose layers all share it (llama, gpt_oss)."""
+    params = dict(_get(config, "rope_parameters", None) or _get(config, "rope_scaling", None) or {})
+    theta = float(_get(config, "rope_theta", default_theta))
+    rope = _rope(params, theta)
+    if rope.rope_type in ("llama3", "yarn") and rope.original_max_position_embeddings is None:
+        max_pos = int(_get(config, "original_max_position_embeddings", config.get("max_position_embeddings", 2048)))
+        rope = _rope({**params, "original_max_position_embeddings": max_pos}, theta)
+    return rope
+
+
+def _eos(config: Mapping[str, Any]) -> tuple[int, ...]:
+    eos = config.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
+
+
+def _common(config: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """Fields read the same way for every family; `defaults` are the transformers class defaults."""
+
+    def get(key: str) -> Any:
+        return _get(config, key, defaults.get(key))
+
+    hidden = int(_require(config, "hidden_size"))
+    heads = int(_require(config, "num_attention_heads"))
+    return dict(
+        vocab_size=int(_require(config, "vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(_require(config, "intermediate_size")),
+        num_layers=int(_require(config, "num_hidden_layers")),
+        num_heads=heads,
+        num_kv_heads=int(_get(config, "num_key_value_heads", heads)),
+        head_dim=int(_get(config, "head_dim", hidden // heads)),
+        rms_norm_eps=float(get("rms_norm_eps")),
+        max_position_embeddings=int(get("max_position_embeddings")),
+        tie_word_embeddings=bool(get("tie_word_embeddings")),
+        attention_bias=bool(get("attention_bias")),
+        bos_token_id=get("bos_token_id"),
+        eos_token_ids=_eos({"eos_token_id": get("eos_token_id")}),
+        pad_token_id=config.get("pad_token_id"),
+    )
+
+
+def _from_llama(config: Mapping[str, Any]) -> ModelConfig:
+    defaults = dict(
+        rms_norm_eps=1e-6, max_position_embeddings=2048, tie_word_embeddings=False,
+        attention_bias=False, bos_token_id=1, eos_token_id=2,
+    )
+    rope = _single_rope(config, 10_000.0)
+    common = _common(config, defaults)
+    return ModelConfig(
+        architecture="llama",
+        **common,
+        layer_types=(FULL_ATTENTION,) * common["num_layers"],
+        rope_full=rope,
+        rope_sliding=rope,
+        hidden_act=str(_get(config, "hidden_act", "silu")),
+        mlp_bias=bool(_get(config, "mlp_bias", False)),
+    )
+
+
+def _from_gemma3(config: Mapping[str, Any]) -> ModelConfig:
+    if config.get("use_bidirectional_attention"):
+        raise ModelLoadError("gemma3 with use_bidirectional_attention is not supported")
+    defaults = dict(
+        rms_norm_eps=1e-6, max_position_embeddings=131_072, tie_word_embeddings=True,
+        attention_bias=False, bos_token_id=2, eos_token_id=1,
+    )
+    common = _common(config, defaults)
+    num_layers = common["num_layers"]
+    layer_types = config.get("layer_types")
+    if layer_types is None:
+        pattern = int(_get(config, "sliding_window_pattern", 6))
+        layer_types = [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(num_layers)]
+
+    params = config.get("rope_parameters")
+    if isinstance(params, Mapping) and FULL_ATTENTION in params:
+        rope_full = _rope(params[FULL_ATTENTION] or {}, 1_000_000.0)
+        rope_sliding = _rope(params.get(SLIDING_ATTENTION) or {}, 10_000.0)
+    else:  # legacy keys: rope_scaling applies to the global layers only
+        scaling = dict(params or config.get("rope_scaling") or {})
+        rope_full = _rope(scaling, float(_get(config, "rope_theta", 1_000_000.0)))
+        rope_sliding = RopeConfig(theta=float(_get(config, "rope_local_base_freq", 10_000.0)))
+    return ModelConfig(
+        architecture="gemma3",
+        **common,
+        layer_types=tuple(layer_types),
+        rope_full=rope_full,
+        rope_sliding=rope_sliding,
+        sliding_window=int(_get(config, "sliding_window", 4096)),
+        hidden_act=str(_get(config, "hidden_activation", _get(config, "hidden_act", "gelu_pytorch_tanh"))),
+        query_pre_attn_scalar=float(_get(config, "query_pre_attn_scalar", 256)),
+        attn_logit_softcapping=config.get("attn_logit_softcapping"),
+        final_logit_softcapping=config.get("final_logit_softcapping"),
+    )
+
+
+def _from_gpt_oss(config: Mapping[str, Any]) -> ModelConfig:
+    defaults = dict(
+        rms_norm_eps=1e-5, max_position_embeddings=131_072, tie_word_embeddings=False,
+        attention_bias=True, bos_token_id=None, eos_token_id=None,
+    )
+    common = _common(config, defaults)
+    num_layers = common["num_layers"]
+    layer_types = config.get("layer_types") or [
+        SLIDING_ATTENTION if (i + 1) % 2 else FULL_ATTENTION for i in range(num_layers)
+    ]
+    if config.get("rope_parameters") is None and config.get("rope_scaling") is None:
+        config = {**config, "rope_parameters": {
+            "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "truncate": False, "original_max_position_embeddings": 4096,
+        }}
+    rope = _single_rope(config, 150_000.0)
+    return ModelConfig(
+        architecture="gpt_oss",
+        **common,
+        layer_types=tuple(layer_types),
+        rope_full=rope,
+        rope_sliding=rope,
+        sliding_window=int(_get(config, "sliding_window", 128)),
+        hidden_act="swiglu_clamped",
+        num_experts=int(_get(config, "num_local_experts", 128)),
+        num_experts_per_tok=int(_get(config, "num_experts_per_tok", 4)),
+        swiglu_alpha=float(_get(config, "swiglu_alpha", 1.702)),
+        swiglu_limit=float(_get(config, "swiglu_limit", 7.0)),
+    )

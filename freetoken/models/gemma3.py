@@ -1,0 +1,117 @@
+"""Gemma 3 (text): interleaved sliding-window and global layers over a paged KV cache.
+
+Owns the Gemma 3 module tree (parameter names follow transformers' Gemma3ForCausalLM without the
+`model.` prefix) and its forward: embeddings scaled by sqrt(hidden) in the model dtype, q/k
+norms, four (1 + w) RMSNorms per block, separate rope bases for local and global layers, the
+query_pre_attn_scalar attention scale and optional soft-capping. It does not read files.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from freetoken.attention.metadata import ForwardBatch
+from freetoken.kv.tensors import KVTensors
+from freetoken.models.config import ModelConfig
+from freetoken.models.layers import (
+    GatedMLP, RMSNorm, Rotary, apply_rope, compute_dtype, embedding, linear, load_named,
+    paged_self_attention, strip_prefix,
+)
+
+# Tensors of the multimodal checkpoint that the text model does not use.
+_IGNORED = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
+
+
+def _norm(dim: int, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> RMSNorm:
+    return RMSNorm(dim, config.rms_norm_eps, dtype, device, unit_offset=True, scale_in_float=True)
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        c, bias = config, config.attention_bias
+        self.config = config
+        self.q_proj = linear(c.hidden_size, c.num_heads * c.head_dim, bias, dtype, device)
+        self.k_proj = linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias, dtype, device)
+        self.v_proj = linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias, dtype, device)
+        self.o_proj = linear(c.num_heads * c.head_dim, c.hidden_size, bias, dtype, device)
+        self.q_norm = _norm(c.head_dim, c, dtype, device)
+        self.k_norm = _norm(c.head_dim, c, dtype, device)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, batch: ForwardBatch, kv: KVTensors
+    ) -> torch.Tensor:
+        c = self.config
+        T = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(T, c.num_heads, c.head_dim))  # [T, H, D]
+        k = self.k_norm(self.k_proj(x).view(T, c.num_kv_heads, c.head_dim))  # [T, n_kv, D]
+        v = self.v_proj(x).view(T, c.num_kv_heads, c.head_dim)  # [T, n_kv, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = paged_self_attention(q, k, v, layer, c, batch, kv)  # [T, H, D]
+        return self.o_proj(out.reshape(T, c.num_heads * c.head_dim))  # [T, hidden]
+
+
+class Gemma3Block(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        c = config
+        self.input_layernorm = _norm(c.hidden_size, c, dtype, device)
+        self.self_attn = Gemma3Attention(c, dtype, device)
+        self.post_attention_layernorm = _norm(c.hidden_size, c, dtype, device)
+        self.pre_feedforward_layernorm = _norm(c.hidden_size, c, dtype, device)
+        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, False, dtype, device)
+        self.post_feedforward_layernorm = _norm(c.hidden_size, c, dtype, device)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, batch: ForwardBatch, kv: KVTensors
+    ) -> torch.Tensor:
+        h = self.self_attn(self.input_layernorm(x), cos, sin, layer, batch, kv)
+        x = x + self.post_attention_layernorm(h)
+        h = self.mlp(self.pre_feedforward_layernorm(x))
+        return x + self.post_feedforward_layernorm(h)
+
+
+class Gemma3ForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        c = config
+        self.config = config
+        self.embed_tokens = embedding(c.vocab_size, c.hidden_size, dtype, device)
+        self.layers = nn.ModuleList(Gemma3Block(c, dtype, device) for _ in range(c.num_layers))
+        self.norm = _norm(c.hidden_size, c, dtype, device)
+        self.lm_head = None if c.tie_word_embeddings else linear(c.hidden_size, c.vocab_size, False, dtype, device)
+        self.rotary_full = Rotary(c.rope_full, c.head_dim, device)
+        self.rotary_sliding = Rotary(c.rope_sliding, c.head_dim, device)
+        # transformers rounds sqrt(hidden) to the model dtype (55.4256 becomes 55.5 in bfloat16).
+        self.embed_scale = torch.tensor(c.hidden_size**0.5, dtype=torch.float32).to(dtype)
+
+    def _rename(self, name: str) -> str | None:
+        if name.startswith(_IGNORED) or (name == "lm_head.weight" and self.lm_head is None):
+            return None
+        return strip_prefix(name, _PREFIXES)
+
+    def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Load HF-named tensors (text-only or multimodal Gemma 3 checkpoints)."""
+        load_named(self, tensors, self._rename)
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv: KVTensors) -> torch.Tensor:
+        """input_ids [T] -> logits [N, vocab] for the rows batch.logits_indices."""
+        x = self.embed_tokens(input_ids) * self.embed_scale.to(input_ids.device)  # [T, hidden]
+        rope_full = self.rotary_full.cos_sin(batch.positions, x.dtype)  # ([T, D / 2], [T, D / 2])
+        rope_sliding = self.rotary_sliding.cos_sin(batch.positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            cos, sin = rope_sliding if self.config.is_sliding(i) else rope_full
+            x = layer(x, cos, sin, i, batch, kv)
+        x = self.norm(x[batch.logits_indices])  # [N, hidden]
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(x, head)  # [N, vocab]
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.to(compute_dtype(logits.dtype))

@@ -1,0 +1,92 @@
+"""The Llama family (Llama 2/3, SmolLM2, ...): pre-norm blocks of GQA attention and a SwiGLU MLP.
+
+Owns the module tree (parameter names follow transformers' LlamaForCausalLM without the
+`model.` prefix) and its forward over a paged KV cache. It does not read files or pick pages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from freetoken.attention.metadata import ForwardBatch
+from freetoken.kv.tensors import KVTensors
+from freetoken.models.config import ModelConfig
+from freetoken.models.layers import (
+    GatedMLP, RMSNorm, Rotary, apply_rope, compute_dtype, embedding, linear, load_named,
+    paged_self_attention, strip_prefix,
+)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        c, bias = config, config.attention_bias
+        self.config = config
+        self.q_proj = linear(c.hidden_size, c.num_heads * c.head_dim, bias, dtype, device)
+        self.k_proj = linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias, dtype, device)
+        self.v_proj = linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias, dtype, device)
+        self.o_proj = linear(c.num_heads * c.head_dim, c.hidden_size, bias, dtype, device)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, batch: ForwardBatch, kv: KVTensors
+    ) -> torch.Tensor:
+        c = self.config
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, c.num_heads, c.head_dim)  # [T, H, D]
+        k = self.k_proj(x).view(T, c.num_kv_heads, c.head_dim)  # [T, n_kv, D]
+        v = self.v_proj(x).view(T, c.num_kv_heads, c.head_dim)  # [T, n_kv, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = paged_self_attention(q, k, v, layer, c, batch, kv)  # [T, H, D]
+        return self.o_proj(out.reshape(T, c.num_heads * c.head_dim))  # [T, hidden]
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        c = config
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
+        self.self_attn = LlamaAttention(c, dtype, device)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
+        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, c.mlp_bias, dtype, device)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, batch: ForwardBatch, kv: KVTensors
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, batch, kv)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        c = config
+        self.config = config
+        self.embed_tokens = embedding(c.vocab_size, c.hidden_size, dtype, device)
+        self.layers = nn.ModuleList(LlamaBlock(c, dtype, device) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
+        self.lm_head = None if c.tie_word_embeddings else linear(c.hidden_size, c.vocab_size, False, dtype, device)
+        self.rotary = Rotary(c.rope_full, c.head_dim, device)
+
+    def _rename(self, name: str) -> str | None:
+        if name == "lm_head.weight" and self.lm_head is None:
+            return None  # tied: the embedding is the head
+        return strip_prefix(name, ("model.",))
+
+    def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Load HF-named tensors (`model.layers.0.self_attn.q_proj.weight`, ...)."""
+        load_named(self, tensors, self._rename)
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv: KVTensors) -> torch.Tensor:
+        """input_ids [T] -> logits [N, vocab] for the rows batch.logits_indices."""
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)  # [T, D / 2] each
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, i, batch, kv)
+        x = self.norm(x[batch.logits_indices])  # [N, hidden]
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, head).to(compute_dtype(x.dtype))  # [N, vocab]

@@ -1,0 +1,43 @@
+"""Choosing the model class for a configuration.
+
+Owns the map from `ModelConfig.architecture` to a family's module and the protocol every family
+implements. It does not load weights from files (the weights package does that).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+import torch
+
+from freetoken.attention.metadata import ForwardBatch
+from freetoken.errors import ModelLoadError
+from freetoken.kv.tensors import KVTensors
+from freetoken.models.config import ModelConfig
+from freetoken.models.gemma3 import Gemma3ForCausalLM
+from freetoken.models.gpt_oss import GptOssForCausalLM
+from freetoken.models.llama import LlamaForCausalLM
+
+
+class CausalLM(Protocol):
+    config: ModelConfig
+
+    def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Copy HF-named tensors into the model; ModelLoadError names missing/unexpected ones."""
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv: KVTensors) -> torch.Tensor:
+        """input_ids [T] -> logits [N, vocab] (float32, float64 for a float64 model)."""
+
+    def __call__(self, input_ids: torch.Tensor, batch: ForwardBatch, kv: KVTensors) -> torch.Tensor: ...
+
+
+def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
+    """An uninitialised model of the config's family (call load_weights next)."""
+    if config.architecture == "llama":
+        return LlamaForCausalLM(config, dtype, device)
+    if config.architecture == "gemma3":
+        return Gemma3ForCausalLM(config, dtype, device)
+    if config.architecture == "gpt_oss":
+        return GptOssForCausalLM(config, dtype, device)
+    raise ModelLoadError(f"unsupported architecture {config.architecture!r}")
