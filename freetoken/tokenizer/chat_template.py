@@ -1,0 +1,177 @@
+"""Chat templates: rendering a list of messages into a prompt string with jinja2.
+
+Owns the sandboxed jinja2 environment chat templates run in (set up the way Hugging Face
+transformers sets it up, so a model's template renders the same text), the typed errors of
+rendering, and the built-in templates used when a model ships none (Gemma 3: the bundled Gemma is a
+base model without a template). It does not tokenize and does not parse model output.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from freetoken.errors import FreeTokenError
+
+
+class NoChatTemplate(FreeTokenError):
+    """The model has no chat template and none is built in for its architecture."""
+
+
+class ChatTemplateError(FreeTokenError):
+    """A chat template failed to compile or refused the conversation (its `raise_exception`)."""
+
+
+# Gemma 3's turn format: a system message is folded into the first user turn, the assistant's role
+# is called "model", turns must alternate starting with the user, and the text of each turn is
+# trimmed. The template writes BOS itself.
+GEMMA3_CHAT_TEMPLATE = """\
+{%- macro turn_text(content) -%}
+  {%- if content is string -%}
+    {{- content | trim -}}
+  {%- elif content is iterable -%}
+    {%- for part in content -%}
+      {%- if part['type'] == 'text' -%}{{- part['text'] | trim -}}
+      {%- elif part['type'] == 'image' -%}{{- '<start_of_image>' -}}
+      {%- endif -%}
+    {%- endfor -%}
+  {%- else -%}
+    {{- raise_exception('message content must be a string or a list of parts') -}}
+  {%- endif -%}
+{%- endmacro -%}
+{{- bos_token -}}
+{%- set state = namespace(head='', turns=messages) -%}
+{%- if messages and messages[0]['role'] == 'system' -%}
+  {%- set system = messages[0]['content'] -%}
+  {%- if system is not string -%}{%- set system = system[0]['text'] -%}{%- endif -%}
+  {%- set state.head = system + '\\n\\n' -%}
+  {%- set state.turns = messages[1:] -%}
+{%- endif -%}
+{%- for message in state.turns -%}
+  {%- set expected = 'user' if loop.index0 % 2 == 0 else 'assistant' -%}
+  {%- if message['role'] != expected -%}
+    {{- raise_exception('Gemma 3 conversations must alternate user/assistant/user/... after an optional system message') -}}
+  {%- endif -%}
+  {{- '<start_of_turn>' + ('model' if message['role'] == 'assistant' else 'user') + '\\n' -}}
+  {%- if loop.first -%}{{- state.head -}}{%- endif -%}
+  {{- turn_text(message['content']) -}}
+  {{- '<end_of_turn>\\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<start_of_turn>model\\n' -}}{%- endif -%}
+"""
+
+_BUILTIN_TEMPLATES: dict[str, str] = {
+    "gemma3": GEMMA3_CHAT_TEMPLATE,
+    "gemma3_text": GEMMA3_CHAT_TEMPLATE,
+}
+
+
+def builtin_chat_template(architecture: str) -> str | None:
+    """The template used for `architecture` (GGUF `general.architecture` or HF `model_type`) when
+    the model ships none, or None."""
+    return _BUILTIN_TEMPLATES.get(architecture)
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (marks assistant text for training masks in HF);
+    here it renders its body unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render_body"), [], [], body).set_lineno(lineno)
+
+    def _render_body(self, caller: jinja2.runtime.Macro) -> str:
+        return caller()
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    value: object,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # Unlike jinja2's own filter: no HTML escaping, and the json.dumps options templates use.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class ChatTemplate:
+    """One compiled chat template."""
+
+    def __init__(self, source: str) -> None:
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True,
+            lstrip_blocks=True,
+            extensions=[_GenerationBlock, jinja2.ext.loopcontrols],
+        )
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        try:
+            self._template = env.from_string(source)
+        except jinja2.exceptions.TemplateError as err:
+            raise ChatTemplateError(f"the chat template does not compile: {err}") from None
+        self.source = source
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, object]],
+        *,
+        add_generation_prompt: bool,
+        tools: Sequence[Mapping[str, object]] | None = None,
+        bos_token: str = "",
+        eos_token: str = "",
+        extra_context: Mapping[str, object] | None = None,
+    ) -> str:
+        """The prompt text. `extra_context` adds template variables (e.g. `enable_thinking`); the
+        named arguments win over it."""
+        context: dict[str, object] = dict(extra_context or {})
+        context.update(
+            messages=[dict(m) for m in messages],
+            add_generation_prompt=add_generation_prompt,
+            tools=None if tools is None else [dict(t) for t in tools],
+            bos_token=bos_token,
+            eos_token=eos_token,
+        )
+        try:
+            return self._template.render(context)
+        except jinja2.exceptions.TemplateError as err:
+            raise ChatTemplateError(f"the chat template refused the conversation: {err}") from None
+
+
+def render_chat_template(
+    source: str,
+    messages: Sequence[Mapping[str, object]],
+    *,
+    add_generation_prompt: bool,
+    tools: Sequence[Mapping[str, object]] | None = None,
+    bos_token: str = "",
+    eos_token: str = "",
+    extra_context: Mapping[str, object] | None = None,
+) -> str:
+    """Compile `source` and render it once (see `ChatTemplate.render`)."""
+    return ChatTemplate(source).render(
+        messages,
+        add_generation_prompt=add_generation_prompt,
+        tools=tools,
+        bos_token=bos_token,
+        eos_token=eos_token,
+        extra_context=extra_context,
+    )
