@@ -55,12 +55,15 @@ class ForwardBatch:
         all_logits: bool | Sequence[bool] = False,
         device: torch.device | str = "cpu",
         sliding_window: int | None = None,
+        logits_indices: Sequence[int] | None = None,
     ) -> ForwardBatch:
         """Form a batch from `(positions_start, num_new_tokens, full_table, swa_table)` per request.
 
         `all_logits` (one flag, or one per request) asks for logits at every new token instead
         of only the last (prompt logprobs). `sliding_window` lets sliding layers gather only the
         table columns that can hold in-window keys; without it they gather every column.
+        `logits_indices`, when given, names the rows of T that produce logits (possibly none)
+        and overrides `all_logits`.
         Raises ValueError when a table is too short or maps a new token to the NULL page.
         """
         if not requests:
@@ -121,10 +124,15 @@ class ForwardBatch:
             else:
                 first_page = np.zeros(len(requests), dtype=np.int64)
 
-        logit_rows = [
-            np.arange(query_start[b], query_start[b + 1]) if flag else np.array([query_start[b + 1] - 1])
-            for b, flag in enumerate(flags)
-        ]
+        if logits_indices is not None:
+            rows = np.asarray(logits_indices, dtype=np.int64).reshape(-1)
+            if ((rows < 0) | (rows >= len(positions))).any():
+                raise ValueError(f"logits_indices must lie in [0, {len(positions)})")
+        else:
+            rows = np.concatenate([
+                np.arange(query_start[b], query_start[b + 1]) if flag else np.array([query_start[b + 1] - 1])
+                for b, flag in enumerate(flags)
+            ])
 
         def t64(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
@@ -141,7 +149,7 @@ class ForwardBatch:
             swa_table=None if swa is None else t32(swa),
             full_slots=t64(full_slots),
             swa_slots=None if swa_slots is None else t64(swa_slots),
-            logits_indices=t64(np.concatenate(logit_rows)),
+            logits_indices=t64(rows),
             token_request=t64(token_request),
             token_offset=t64(token_offset),
             max_query_len=int(counts.max()),

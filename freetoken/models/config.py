@@ -137,12 +137,6 @@ def _get(config: Mapping[str, Any], key: str, default: Any) -> Any:
     return default if value is None else value
 
 
-def _require(config: Mapping[str, Any], key: str) -> Any:
-    if config.get(key) is None:
-        raise ModelLoadError(f"config.json lacks {key!r}")
-    return config[key]
-
-
 def _rope(params: Mapping[str, Any], theta: float) -> RopeConfig:
     """One rope dict (`rope_parameters` entry or legacy `rope_scaling`) over a default theta."""
     rope_type = params.get("rope_type", params.get("type", "default"))
@@ -187,33 +181,41 @@ def _eos(config: Mapping[str, Any]) -> tuple[int, ...]:
 
 
 def _common(config: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
-    """Fields read the same way for every family; `defaults` are the transformers class defaults."""
+    """Fields read the same way for every family; `defaults` are the transformers class defaults
+    (hub configs such as Gemma 3's nested text_config rely on them)."""
 
     def get(key: str) -> Any:
-        return _get(config, key, defaults.get(key))
+        value = _get(config, key, defaults.get(key))
+        if value is None and key in _REQUIRED:
+            raise ModelLoadError(f"config.json lacks {key!r}")
+        return value
 
-    hidden = int(_require(config, "hidden_size"))
-    heads = int(_require(config, "num_attention_heads"))
+    hidden = int(get("hidden_size"))
+    heads = int(get("num_attention_heads"))
     return dict(
-        vocab_size=int(_require(config, "vocab_size")),
+        vocab_size=int(get("vocab_size")),
         hidden_size=hidden,
-        intermediate_size=int(_require(config, "intermediate_size")),
-        num_layers=int(_require(config, "num_hidden_layers")),
+        intermediate_size=int(get("intermediate_size")),
+        num_layers=int(get("num_hidden_layers")),
         num_heads=heads,
-        num_kv_heads=int(_get(config, "num_key_value_heads", heads)),
-        head_dim=int(_get(config, "head_dim", hidden // heads)),
+        num_kv_heads=int(_get(config, "num_key_value_heads", defaults.get("num_key_value_heads", heads))),
+        head_dim=int(_get(config, "head_dim", defaults.get("head_dim", hidden // heads))),
         rms_norm_eps=float(get("rms_norm_eps")),
         max_position_embeddings=int(get("max_position_embeddings")),
         tie_word_embeddings=bool(get("tie_word_embeddings")),
         attention_bias=bool(get("attention_bias")),
         bos_token_id=get("bos_token_id"),
         eos_token_ids=_eos({"eos_token_id": get("eos_token_id")}),
-        pad_token_id=config.get("pad_token_id"),
+        pad_token_id=get("pad_token_id"),
     )
+
+
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 def _from_llama(config: Mapping[str, Any]) -> ModelConfig:
     defaults = dict(
+        vocab_size=32_000, hidden_size=4096, intermediate_size=11_008, num_hidden_layers=32, num_attention_heads=32,
         rms_norm_eps=1e-6, max_position_embeddings=2048, tie_word_embeddings=False,
         attention_bias=False, bos_token_id=1, eos_token_id=2,
     )
@@ -234,8 +236,10 @@ def _from_gemma3(config: Mapping[str, Any]) -> ModelConfig:
     if config.get("use_bidirectional_attention"):
         raise ModelLoadError("gemma3 with use_bidirectional_attention is not supported")
     defaults = dict(
+        vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256,
         rms_norm_eps=1e-6, max_position_embeddings=131_072, tie_word_embeddings=True,
-        attention_bias=False, bos_token_id=2, eos_token_id=1,
+        attention_bias=False, bos_token_id=2, eos_token_id=1, pad_token_id=0,
     )
     common = _common(config, defaults)
     num_layers = common["num_layers"]
@@ -268,6 +272,8 @@ def _from_gemma3(config: Mapping[str, Any]) -> ModelConfig:
 
 def _from_gpt_oss(config: Mapping[str, Any]) -> ModelConfig:
     defaults = dict(
+        vocab_size=201_088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=36, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64,
         rms_norm_eps=1e-5, max_position_embeddings=131_072, tie_word_embeddings=False,
         attention_bias=True, bos_token_id=None, eos_token_id=None,
     )
