@@ -9,9 +9,23 @@ pool and manager) and it does not compute attention.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from freetoken.models.config import ModelConfig
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What the K/V memory needs to know of a model: which layers slide, and the head shape.
+    (The model config builds it: `ModelConfig.kv_layout()`; kv never imports models.)"""
+
+    sliding: tuple[bool, ...]  # per layer: True = sliding-window layer (SWA pool)
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def has_swa(self) -> bool:
+        return any(self.sliding)
 
 
 class KVTensors:
@@ -19,7 +33,7 @@ class KVTensors:
 
     def __init__(
         self,
-        config: ModelConfig,
+        config: KVLayout,
         full_pages: int,
         swa_pages: int,
         page_size: int,
@@ -37,7 +51,7 @@ class KVTensors:
         self.num_swa_pages = swa_pages if config.has_swa else 0
         self.dtype = dtype
         self.device = torch.device(device)
-        self.sliding = tuple(config.is_sliding(i) for i in range(config.num_layers))
+        self.sliding = config.sliding
         self.k: list[torch.Tensor] = []  # per layer: [pages + 1, P, n_kv_heads, head_dim]
         self.v: list[torch.Tensor] = []
         for sliding in self.sliding:
@@ -47,9 +61,9 @@ class KVTensors:
             self.v.append(torch.zeros(shape, dtype=dtype, device=self.device))
 
     @staticmethod
-    def bytes_per_page(config: ModelConfig, page_size: int, dtype: torch.dtype, sliding: bool) -> int:
+    def bytes_per_page(config: KVLayout, page_size: int, dtype: torch.dtype, sliding: bool) -> int:
         """Bytes one page of the SWA (`sliding`) or FULL pool takes over all layers of its kind."""
-        layers = len(config.swa_layers) if sliding else len(config.full_layers)
+        layers = sum(1 for s in config.sliding if s == sliding)
         element = torch.empty((), dtype=dtype).element_size()
         return 2 * layers * page_size * config.num_kv_heads * config.head_dim * element
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from freetoken.errors import ModelLoadError
+from freetoken.kv.tensors import KVLayout
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -102,6 +103,10 @@ class ModelConfig:
     @property
     def full_layers(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION)
+
+    def kv_layout(self) -> KVLayout:
+        """The shape of this model's paged K/V memory."""
+        return KVLayout(tuple(self.is_sliding(i) for i in range(self.num_layers)), self.num_kv_heads, self.head_dim)
 
     def is_sliding(self, layer: int) -> bool:
         return self.layer_types[layer] == SLIDING_ATTENTION

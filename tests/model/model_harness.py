@@ -84,7 +84,7 @@ class PagedRunner:
 
     def __init__(self, model: CausalLM, page_size: int, dtype: torch.dtype, pages: int = 96, seed: int = 0) -> None:
         self.model, self.config, self.P = model, model.config, page_size
-        self.kv = KVTensors(self.config, pages, pages, page_size, dtype, "cpu")
+        self.kv = KVTensors(self.config.kv_layout(), pages, pages, page_size, dtype, "cpu")
         rng = np.random.default_rng(seed)
         self.free_full = [int(p) for p in rng.permutation(np.arange(1, pages + 1))]
         self.free_swa = [int(p) for p in rng.permutation(np.arange(1, pages + 1))]

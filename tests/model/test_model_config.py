@@ -99,16 +99,16 @@ def test_unsupported_model_type() -> None:
 
 def test_kv_tensors_pools_and_null_page() -> None:
     c = ModelConfig.from_hf({**GEMMA3_270M, "num_hidden_layers": 3, "sliding_window_pattern": 3})
-    kv = KVTensors(c, full_pages=5, swa_pages=2, page_size=4, dtype=torch.float32, device="cpu")
+    kv = KVTensors(c.kv_layout(), full_pages=5, swa_pages=2, page_size=4, dtype=torch.float32, device="cpu")
     assert kv.k[0].shape == (3, 4, 1, 256) and kv.k[2].shape == (6, 4, 1, 256)
     k = torch.randn(3, 1, 256)
     kv.write(2, torch.tensor([4 * 5 + 3, 4 + 0, 4 + 1]), k, -k)
     gk, gv = kv.gather(2, torch.tensor([[1, 5]]))
     assert torch.equal(gk[0, 0], k[1]) and torch.equal(gk[0, 1], k[2]) and torch.equal(gk[0, 7], k[0])
     assert torch.equal(gv[0, 7], -k[0]) and kv.null_pages_are_zero()
-    assert KVTensors.bytes_per_page(c, 4, torch.bfloat16, sliding=True) == 2 * 2 * 4 * 256 * 2
+    assert KVTensors.bytes_per_page(c.kv_layout(), 4, torch.bfloat16, sliding=True) == 2 * 2 * 4 * 256 * 2
     with pytest.raises(ValueError, match="SWA pages"):
-        KVTensors(c, full_pages=5, swa_pages=0, page_size=4, dtype=torch.float32, device="cpu")
+        KVTensors(c.kv_layout(), full_pages=5, swa_pages=0, page_size=4, dtype=torch.float32, device="cpu")
 
 
 def test_load_weights_names_missing_unexpected_and_misshaped() -> None:
