@@ -105,6 +105,9 @@ class Tokenizer:
             backend = Backend.from_file(str(tokenizer_file))
         except Exception as err:  # the Rust side raises plain Exception subclasses
             raise ModelLoadError(f"{tokenizer_file} is not a readable tokenizer ({err})") from None
+        # Some tokenizer.json files carry padding/truncation settings; ids must be the text's only.
+        backend.no_padding()
+        backend.no_truncation()
         config = _read_json(root / "tokenizer_config.json")
         bos_id = _token_id(backend, config.get("bos_token"))
         eos_id = _token_id(backend, config.get("eos_token"))

@@ -109,3 +109,16 @@ def test_no_template_falls_back_to_the_builtin_only_for_gemma3(tmp_path: Path) -
         Tokenizer.from_pretrained_dir(tmp_path).apply_chat_template([{"role": "user", "content": "hi"}])
     _update_json(tmp_path / "config.json", model_type="gemma3_text")
     assert Tokenizer.from_pretrained_dir(tmp_path).chat_template == GEMMA3_CHAT_TEMPLATE
+
+
+def test_padding_and_truncation_in_tokenizer_json_are_ignored(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer as Backend
+
+    write_tiny_tokenizer(tmp_path)
+    plain = Tokenizer.from_pretrained_dir(tmp_path).encode("hello there")
+    backend = Backend.from_file(str(tmp_path / "tokenizer.json"))
+    backend.enable_padding(length=32, pad_id=0, pad_token="<|endoftext|>")
+    backend.enable_truncation(max_length=2)
+    backend.save(str(tmp_path / "tokenizer.json"))
+    assert len(plain) > 2
+    assert Tokenizer.from_pretrained_dir(tmp_path).encode("hello there") == plain
