@@ -1,0 +1,112 @@
+"""Loading a GGUF checkpoint into HF-named, dequantized torch tensors and an HF config dict.
+
+Owns the walk over a GGUF file: open it (memory-mapped), check the architecture, the tensor names
+and the quant types before decoding anything, then dequantize tensor by tensor into HF names and
+layouts. It does not build models, tokenizers or engine configs. Every failure a user can cause
+(missing, truncated or corrupt file, unsupported architecture or quant type) is a one-line
+ModelLoadError.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import torch
+from tqdm import tqdm
+
+from freetoken.errors import ModelLoadError
+from freetoken.weights.dequant import SUPPORTED_TYPES, dequantize, type_name
+from freetoken.weights.gguf_config import architecture_of, hf_config_from_metadata
+from freetoken.weights.gguf_metadata import metadata_of, open_gguf
+from freetoken.weights.names import HFTensorAssembler, hf_target
+
+# Called after each tensor with (tensors done, tensors in the file, GGUF name of the tensor).
+ProgressCallback = Callable[[int, int, str], None]
+
+
+@dataclass
+class GGUFCheckpoint:
+    """What a GGUF file holds, in Hugging Face terms."""
+
+    hf_config: dict[str, object]
+    tensors: dict[str, torch.Tensor]  # HF parameter name -> dequantized tensor
+    metadata: dict[str, object]  # every GGUF key/value, decoded
+    quant_types: dict[str, int]  # GGML type name -> number of tensors stored in it
+
+
+def tqdm_progress(description: str = "loading weights") -> ProgressCallback:
+    """A ProgressCallback that draws a tqdm bar on stderr and closes it after the last tensor."""
+    bars: list[tqdm] = []
+
+    def update(done: int, total: int, name: str) -> None:
+        if not bars:
+            bars.append(tqdm(total=total, desc=description, unit="tensor", file=sys.stderr, leave=False))
+        bars[0].update(1)
+        if done == total:
+            bars[0].close()
+
+    return update
+
+
+def torch_shape(t: gguf.ReaderTensor) -> tuple[int, ...]:
+    """A tensor's shape outermost first (GGUF stores ne, innermost first)."""
+    return tuple(int(x) for x in reversed(t.shape.tolist()))
+
+
+def quant_type_counts(reader: gguf.GGUFReader) -> dict[str, int]:
+    return dict(Counter(type_name(t.tensor_type) for t in reader.tensors))
+
+
+def _check_tensors(path: Path, arch: str, reader: gguf.GGUFReader) -> None:
+    """Fail before decoding anything: every tensor must have a known name and a supported type."""
+    for t in reader.tensors:
+        if t.tensor_type not in SUPPORTED_TYPES:
+            raise ModelLoadError(f"{path}: unsupported quant type {type_name(t.tensor_type)} for tensor {t.name}")
+        try:
+            hf_target(arch, t.name)
+        except ModelLoadError as err:
+            raise ModelLoadError(f"{path}: {err}") from None
+
+
+def load_gguf(
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    progress: ProgressCallback | None = None,
+    device: torch.device | str | None = None,
+) -> GGUFCheckpoint:
+    """Read the GGUF file at `path`: HF config, HF-named tensors in `dtype` on `device`, metadata
+    and the count of tensors per quant type."""
+    p = Path(path)
+    reader = open_gguf(p)
+    metadata = metadata_of(reader)
+    try:
+        arch = architecture_of(metadata)
+        hf_config = hf_config_from_metadata(metadata, [t.name for t in reader.tensors])
+    except ModelLoadError as err:
+        raise ModelLoadError(f"{p}: {err}") from None
+    _check_tensors(p, arch, reader)
+    assembler = HFTensorAssembler(
+        arch,
+        int(hf_config["num_attention_heads"]),  # type: ignore[arg-type]
+        int(hf_config["num_key_value_heads"]),  # type: ignore[arg-type]
+        dtype,
+    )
+    total = len(reader.tensors)
+    for i, t in enumerate(reader.tensors):
+        try:
+            values = dequantize(t.data, t.tensor_type, torch_shape(t), t.name, device=device)
+            assembler.add(t.name, values)
+        except ModelLoadError as err:
+            raise ModelLoadError(f"{p}: {err}") from None
+        if progress is not None:
+            progress(i + 1, total, t.name)
+    try:
+        tensors = assembler.finish()
+    except ModelLoadError as err:
+        raise ModelLoadError(f"{p}: {err}") from None
+    return GGUFCheckpoint(hf_config, tensors, metadata, quant_type_counts(reader))

@@ -1,0 +1,201 @@
+"""GGUF metadata -> a Hugging Face style config dict.
+
+Owns the translation of a GGUF file's architecture keys into the keys transformers' config
+classes use (`LlamaConfig`, `Gemma3TextConfig`, `GptOssConfig`), so the rest of FreeToken reads
+one config format whatever the checkpoint. The dict also always carries `layer_types` (one of
+"full_attention" / "sliding_attention" per layer) and `sliding_window` (None without SWA layers).
+
+What the files omit is filled in with the rules llama.cpp itself applies:
+
+- Gemma 3: every 6th layer is global (layers 5, 11, 17, ...), the others slide; rope base 10000
+  on sliding layers and the file's `rope.freq_base` on global ones; `query_pre_attn_scalar` is
+  head_dim (hidden / heads for the 62-layer 27B model); no soft-capping unless the file says so.
+- gpt-oss: layers alternate sliding / full starting with sliding; YaRN with beta_fast 32,
+  beta_slow 1, no truncation of the correction range (as the model's own config.json); clamped
+  SwiGLU with alpha 1.702 and limit 7.0.
+
+It reads no tensor data and knows nothing of tensor names beyond `output.weight` (tied embeddings).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+
+from freetoken.errors import ModelLoadError
+from freetoken.weights.names import check_architecture
+
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+
+GEMMA3_SWA_PATTERN = 6  # one global layer per 6; llama.cpp's set_swa_pattern(6)
+GEMMA3_LOCAL_ROPE_BASE = 10_000.0
+GEMMA3_27B_LAYERS = 62
+GPT_OSS_SWIGLU_ALPHA = 1.702
+GPT_OSS_SWIGLU_LIMIT = 7.0
+
+_MODEL_TYPE = {"llama": "llama", "gemma3": "gemma3_text", "gpt-oss": "gpt_oss"}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "gemma3": "Gemma3ForCausalLM", "gpt-oss": "GptOssForCausalLM"}
+
+_MISSING = object()
+
+
+class _Keys:
+    """Typed access to `<arch>.<key>` metadata with one-line errors for missing keys."""
+
+    def __init__(self, metadata: Mapping[str, object], arch: str) -> None:
+        self.md = metadata
+        self.arch = arch
+
+    def raw(self, key: str, default: object = _MISSING) -> object:
+        full = key if key.startswith(("general.", "tokenizer.")) else f"{self.arch}.{key}"
+        if full in self.md:
+            return self.md[full]
+        if default is _MISSING:
+            raise ModelLoadError(f"GGUF metadata lacks {full}")
+        return default
+
+    def int(self, key: str, default: object = _MISSING) -> int:
+        value = self.raw(key, default)
+        if isinstance(value, list):  # some files store per-layer values; the models here are uniform
+            value = max(value)
+        return int(value)  # type: ignore[arg-type]
+
+    def float(self, key: str, default: object = _MISSING) -> float:
+        return float(self.raw(key, default))  # type: ignore[arg-type]
+
+    def optional_int(self, key: str) -> int | None:
+        value = self.raw(key, None)
+        return None if value is None else int(value)  # type: ignore[arg-type]
+
+    def optional_float(self, key: str) -> float | None:
+        value = self.raw(key, None)
+        return None if value is None else float(value)  # type: ignore[arg-type]
+
+
+def architecture_of(metadata: Mapping[str, object]) -> str:
+    arch = metadata.get("general.architecture")
+    if not isinstance(arch, str):
+        raise ModelLoadError("GGUF metadata lacks general.architecture")
+    check_architecture(arch)
+    return arch
+
+
+def _vocab_size(k: _Keys) -> int:
+    tokens = k.raw("tokenizer.ggml.tokens", None)
+    if isinstance(tokens, list) and tokens:
+        return len(tokens)
+    return k.int("vocab_size")
+
+
+def _common(k: _Keys, tensor_names: Collection[str]) -> dict[str, object]:
+    heads = k.int("attention.head_count")
+    return {
+        "model_type": _MODEL_TYPE[k.arch],
+        "architectures": [_ARCHITECTURES[k.arch]],
+        "vocab_size": _vocab_size(k),
+        "hidden_size": k.int("embedding_length"),
+        "num_hidden_layers": k.int("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": k.int("attention.head_count_kv", heads),
+        "max_position_embeddings": k.int("context_length"),
+        "rms_norm_eps": k.float("attention.layer_norm_rms_epsilon"),
+        "bos_token_id": k.optional_int("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": k.optional_int("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": k.optional_int("tokenizer.ggml.padding_token_id"),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "attention_dropout": 0.0,
+    }
+
+
+def _llama(k: _Keys, cfg: dict[str, object]) -> None:
+    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])  # type: ignore[arg-type]
+    head_dim = k.int("rope.dimension_count", k.int("attention.key_length", hidden // heads))
+    layers = int(cfg["num_hidden_layers"])  # type: ignore[arg-type]
+    cfg.update(
+        intermediate_size=k.int("feed_forward_length"),
+        head_dim=head_dim,
+        hidden_act="silu",
+        rope_parameters={"rope_type": "default", "rope_theta": k.float("rope.freq_base", 10_000.0)},
+        attention_bias=False,
+        mlp_bias=False,
+        pretraining_tp=1,
+        layer_types=[FULL] * layers,
+        sliding_window=None,
+    )
+
+
+def _gemma3_layer_types(k: _Keys, layers: int) -> list[str]:
+    pattern = k.raw("attention.sliding_window_pattern", GEMMA3_SWA_PATTERN)
+    if isinstance(pattern, list):  # per-layer flags, true = sliding
+        if len(pattern) != layers:
+            raise ModelLoadError(f"{k.arch}.attention.sliding_window_pattern has {len(pattern)} entries for {layers} layers")
+        return [SLIDING if flag else FULL for flag in pattern]
+    n = int(pattern)  # type: ignore[arg-type]
+    return [FULL if (i + 1) % n == 0 else SLIDING for i in range(layers)]
+
+
+def _gemma3(k: _Keys, cfg: dict[str, object]) -> None:
+    layers = int(cfg["num_hidden_layers"])  # type: ignore[arg-type]
+    head_dim = k.int("attention.key_length", 256)
+    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])  # type: ignore[arg-type]
+    full_rope: dict[str, object] = {"rope_type": "default", "rope_theta": k.float("rope.freq_base", 1_000_000.0)}
+    if k.raw("rope.scaling.type", None) == "linear":
+        full_rope.update(rope_type="linear", factor=k.float("rope.scaling.factor"))
+    cfg.update(
+        intermediate_size=k.int("feed_forward_length"),
+        head_dim=head_dim,
+        hidden_activation="gelu_pytorch_tanh",
+        rope_parameters={
+            SLIDING: {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_ROPE_BASE},
+            FULL: full_rope,
+        },
+        attention_bias=False,
+        query_pre_attn_scalar=hidden // heads if layers == GEMMA3_27B_LAYERS else head_dim,
+        sliding_window=k.int("attention.sliding_window"),
+        layer_types=_gemma3_layer_types(k, layers),
+        final_logit_softcapping=k.optional_float("final_logit_softcapping"),
+        attn_logit_softcapping=k.optional_float("attn_logit_softcapping"),
+        use_bidirectional_attention=False,
+    )
+
+
+def _gpt_oss(k: _Keys, cfg: dict[str, object]) -> None:
+    layers = int(cfg["num_hidden_layers"])  # type: ignore[arg-type]
+    rope: dict[str, object] = {"rope_type": "default", "rope_theta": k.float("rope.freq_base", 150_000.0)}
+    if k.raw("rope.scaling.type", None) == "yarn":
+        rope.update(
+            rope_type="yarn",
+            factor=k.float("rope.scaling.factor"),
+            original_max_position_embeddings=k.int("rope.scaling.original_context_length", 4096),
+            beta_fast=32.0,
+            beta_slow=1.0,
+            truncate=False,
+        )
+    cfg.update(
+        intermediate_size=k.int("expert_feed_forward_length", k.int("feed_forward_length", 0)),
+        head_dim=k.int("attention.key_length"),
+        num_local_experts=k.int("expert_count"),
+        num_experts_per_tok=k.int("expert_used_count"),
+        hidden_act="silu",
+        rope_parameters=rope,
+        attention_bias=True,
+        sliding_window=k.int("attention.sliding_window"),
+        layer_types=[SLIDING if i % 2 == 0 else FULL for i in range(layers)],
+        swiglu_alpha=GPT_OSS_SWIGLU_ALPHA,
+        swiglu_limit=GPT_OSS_SWIGLU_LIMIT,
+    )
+    if cfg["intermediate_size"] == 0:
+        raise ModelLoadError("GGUF metadata lacks gpt-oss.expert_feed_forward_length")
+
+
+def hf_config_from_metadata(metadata: Mapping[str, object], tensor_names: Collection[str]) -> dict[str, object]:
+    """The HF config dict for a GGUF file's metadata and tensor names.
+
+    Raises ModelLoadError "unsupported architecture: X" for other architectures, and for missing
+    required keys.
+    """
+    arch = architecture_of(metadata)
+    k = _Keys(metadata, arch)
+    cfg = _common(k, tensor_names)
+    {"llama": _llama, "gemma3": _gemma3, "gpt-oss": _gpt_oss}[arch](k, cfg)
+    return cfg

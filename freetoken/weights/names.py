@@ -1,0 +1,211 @@
+"""GGUF tensor names and layouts -> Hugging Face transformers names and layouts.
+
+Owns, for the architectures FreeToken runs from GGUF files (`llama`, `gemma3`, `gpt-oss`), which
+HF parameter each GGUF tensor becomes and how its values are rearranged on the way:
+
+- llama: llama.cpp's converter permutes the rows of q_proj / k_proj (per head, from HF's
+  "first half / second half" rotary layout to interleaved pairs); we undo that permutation.
+- gemma3: llama.cpp stores every RMSNorm weight as `w + 1` (Gemma's norm multiplies by `1 + w`);
+  we subtract 1 so the tensors mean what HF's Gemma3RMSNorm expects.
+- gpt-oss: experts are stored as separate gate / up / down stacks in ggml's [out, in] layout; HF
+  keeps `gate_up_proj` [E, H, 2I] with gate and up interleaved on the last axis (gate at even
+  indices), `down_proj` [E, I, H], and the biases alike.
+
+A file without `output.weight` has tied embeddings: no `lm_head.weight` is produced, and the
+config says `tie_word_embeddings`. This module does not read files or dequantize.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from freetoken.errors import ModelLoadError
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "gemma3", "gpt-oss")
+
+_GLOBAL: dict[str, str] = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+_ATTENTION: dict[str, str] = {
+    f"attn_{g}.{kind}": f"self_attn.{h}_proj.{kind}"
+    for g, h in (("q", "q"), ("k", "k"), ("v", "v"), ("output", "o"))
+    for kind in ("weight", "bias")
+}
+
+_DENSE_MLP: dict[str, str] = {
+    f"ffn_{p}.{kind}": f"mlp.{p}_proj.{kind}" for p in ("gate", "up", "down") for kind in ("weight", "bias")
+}
+
+_LAYER: dict[str, dict[str, str]] = {
+    "llama": {
+        **_ATTENTION,
+        **_DENSE_MLP,
+        "attn_norm.weight": "input_layernorm.weight",
+        "ffn_norm.weight": "post_attention_layernorm.weight",
+    },
+    "gemma3": {
+        **_ATTENTION,
+        **_DENSE_MLP,
+        "attn_norm.weight": "input_layernorm.weight",
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+        "attn_q_norm.weight": "self_attn.q_norm.weight",
+        "attn_k_norm.weight": "self_attn.k_norm.weight",
+    },
+    "gpt-oss": {
+        **_ATTENTION,
+        "attn_norm.weight": "input_layernorm.weight",
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "attn_sinks.weight": "self_attn.sinks",
+        "ffn_gate_inp.weight": "mlp.router.weight",
+        "ffn_gate_inp.bias": "mlp.router.bias",
+        "ffn_down_exps.weight": "mlp.experts.down_proj",
+        "ffn_down_exps.bias": "mlp.experts.down_proj_bias",
+        "ffn_gate_exps.weight": "mlp.experts.gate_up_proj",
+        "ffn_up_exps.weight": "mlp.experts.gate_up_proj",
+        "ffn_gate_up_exps.weight": "mlp.experts.gate_up_proj",
+        "ffn_gate_exps.bias": "mlp.experts.gate_up_proj_bias",
+        "ffn_up_exps.bias": "mlp.experts.gate_up_proj_bias",
+        "ffn_gate_up_exps.bias": "mlp.experts.gate_up_proj_bias",
+    },
+}
+
+# Tensors llama.cpp writes that have no HF parameter: Llama 3 rope frequency factors (HF derives
+# them from the rope config) and the unused rotary table of old conversions.
+_IGNORED: frozenset[str] = frozenset({"rope_freqs.weight"})
+_IGNORED_IN_LAYER: frozenset[str] = frozenset({"attn_rot_embd.weight"})
+
+# gpt-oss expert halves: which interleaved slot of gate_up_proj(_bias) a tensor fills.
+_GATE_UP_PART: dict[str, int] = {"ffn_gate_exps": 0, "ffn_up_exps": 1}
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a GGUF tensor goes: an HF parameter, or one interleaved half of one (`part` 0 = gate
+    at even indices of the last axis, 1 = up at odd indices)."""
+
+    hf_name: str
+    part: int | None = None
+
+
+def check_architecture(arch: str) -> None:
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"unsupported architecture: {arch}")
+
+
+def hf_target(arch: str, gguf_name: str) -> Target | None:
+    """The HF destination of a GGUF tensor; None for a tensor HF has no parameter for.
+
+    Raises ModelLoadError for an architecture or a tensor name this module does not know.
+    """
+    check_architecture(arch)
+    if gguf_name in _GLOBAL:
+        return Target(_GLOBAL[gguf_name])
+    if gguf_name in _IGNORED:
+        return None
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
+        rest = parts[2]
+        if rest in _IGNORED_IN_LAYER:
+            return None
+        hf_rest = _LAYER[arch].get(rest)
+        if hf_rest is not None:
+            part = _GATE_UP_PART.get(rest.rsplit(".", 1)[0])
+            return Target(f"model.layers.{parts[1]}.{hf_rest}", part)
+    raise ModelLoadError(f"{arch} GGUF file has an unexpected tensor {gguf_name}")
+
+
+def unpermute_rotary_rows(t: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's row permutation of a Llama q/k projection (weight [rows, in] or bias).
+
+    llama.cpp turned each head's rows (first half, second half) into interleaved pairs; row
+    `2j + s` of a head came from HF row `s * (d / 2) + j`.
+    """
+    rows = t.shape[0]
+    if rows % (2 * n_heads) != 0:
+        raise ModelLoadError(f"q/k projection with {rows} rows cannot be split into {n_heads} rotary heads")
+    half = rows // n_heads // 2
+    # [heads, half, 2, ...] -> [heads, 2, half, ...]
+    return t.reshape(n_heads, half, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+
+
+def _to_hf_layout(arch: str, rest: str, t: torch.Tensor, n_heads: int, n_kv_heads: int) -> torch.Tensor:
+    """Rearrange the values of one layer tensor (`rest` = name after `blk.N.`) into HF's layout."""
+    if arch == "llama":
+        if rest.startswith("attn_q."):
+            return unpermute_rotary_rows(t, n_heads)
+        if rest.startswith("attn_k."):
+            return unpermute_rotary_rows(t, n_kv_heads)
+    elif arch == "gemma3":
+        if rest.endswith("norm.weight"):
+            return t - 1
+    elif arch == "gpt-oss":
+        if rest.endswith("_exps.weight"):
+            return t.transpose(-1, -2)  # ggml [E, out, in] -> HF [E, in, out]
+    return t
+
+
+def _interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """[..., I] gate and up -> [..., 2I] with gate at even and up at odd indices."""
+    if gate.shape != up.shape:
+        raise ModelLoadError(f"expert gate {list(gate.shape)} and up {list(up.shape)} shapes differ")
+    return torch.stack((gate, up), dim=-1).reshape(*gate.shape[:-1], 2 * gate.shape[-1])
+
+
+class HFTensorAssembler:
+    """Collects GGUF tensors one at a time and hands back the HF state dict.
+
+    Tensors are renamed and rearranged as they arrive (in the precision they come in, so the
+    Gemma norm shift is exact), then stored in `dtype`; the gate and up halves of gpt-oss experts
+    wait here until both are present.
+    """
+
+    def __init__(
+        self, arch: str, num_attention_heads: int, num_key_value_heads: int, dtype: torch.dtype = torch.float32
+    ) -> None:
+        check_architecture(arch)
+        self.arch = arch
+        self.dtype = dtype
+        self.n_heads = num_attention_heads
+        self.n_kv_heads = num_key_value_heads
+        self.tensors: dict[str, torch.Tensor] = {}
+        self._halves: dict[str, dict[int, torch.Tensor]] = {}
+
+    def add(self, gguf_name: str, tensor: torch.Tensor) -> None:
+        target = hf_target(self.arch, gguf_name)
+        if target is None:
+            return
+        rest = gguf_name.split(".", 2)[2] if gguf_name.startswith("blk.") else gguf_name
+        t = _to_hf_layout(self.arch, rest, tensor, self.n_heads, self.n_kv_heads)
+        if rest.startswith("ffn_gate_up_exps."):
+            # fused [.., 2I] halves (gate first) -> interleaved
+            gate, up = t.chunk(2, dim=-1)
+            t = _interleave(gate, up)
+        if target.part is None:
+            self._put(target.hf_name, t, gguf_name)
+            return
+        halves = self._halves.setdefault(target.hf_name, {})
+        if target.part in halves:
+            raise ModelLoadError(f"GGUF file holds {gguf_name} twice")
+        halves[target.part] = t
+        if len(halves) == 2:
+            del self._halves[target.hf_name]
+            self._put(target.hf_name, _interleave(halves[0], halves[1]), gguf_name)
+
+    def _put(self, hf_name: str, t: torch.Tensor, gguf_name: str) -> None:
+        if hf_name in self.tensors:
+            raise ModelLoadError(f"GGUF file holds {gguf_name} twice")
+        self.tensors[hf_name] = t.to(self.dtype).contiguous()
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        """The HF state dict; raises ModelLoadError when an expert half never arrived."""
+        if self._halves:
+            missing = ", ".join(sorted(self._halves))
+            raise ModelLoadError(f"GGUF file has only one of the gate / up expert tensors for {missing}")
+        return self.tensors
