@@ -37,6 +37,7 @@ from freetoken.kv.tree import RadixTree
 from freetoken.kv.window import first_window_page, floor_to_page, num_pages
 
 CACHE_TYPES = ("naive", "radix", "swa_radix")
+EVICT_BATCH_DIVISOR = 32
 
 
 def resolve_cache_type(cache_type: str, window: int | None) -> str:
@@ -160,13 +161,15 @@ class KVManager:
         return True
 
     def _make_room(self, need: int) -> bool:
+        # An eviction pass scans the tree, so when one is needed it frees at least 1/32 of the
+        # pool: the scan is paid once per many decode steps, not once per page.
         short = need - self.full_pool.num_free
         if short > 0 and self.tree is not None:
-            self.tree.evict_full(short)
+            self.tree.evict_full(max(short, self.full_pool.capacity // EVICT_BATCH_DIVISOR))
         if self.swa_pool is not None:
             short_swa = need - self.swa_pool.num_free
             if short_swa > 0 and self.tree is not None:
-                self.tree.evict_swa(short_swa)
+                self.tree.evict_swa(max(short_swa, self.swa_pool.capacity // EVICT_BATCH_DIVISOR))
             if self.swa_pool.num_free < need:
                 return False
         return self.full_pool.num_free >= need
