@@ -1,0 +1,74 @@
+"""Building an engine from an EngineConfig: load the model, size the pools, wire the parts.
+
+Owns start-up: dtype and device choice, torch threads, pool sizing from memory (via
+`EngineConfig.resolve`, which refuses an SWA pool below its floor) and allocating the K/V
+tensors. Nothing here runs per step.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import psutil
+import torch
+
+from freetoken.config import EngineConfig, ResolvedConfig
+from freetoken.engine.engine import Engine
+from freetoken.engine.runner import Runner
+from freetoken.kv.manager import KVManager
+from freetoken.kv.tensors import KVTensors
+from freetoken.models.config import ModelConfig
+from freetoken.models.load import LoadedModel, load_model
+from freetoken.utils.hardware import default_device, resolve_dtype
+
+log = logging.getLogger("freetoken.engine")
+
+
+def resolve_for_model(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, device: torch.device) -> ResolvedConfig:
+    full_bytes = KVTensors.bytes_per_page(model_config.kv_layout(), 1, dtype, sliding=False)
+    swa_bytes = KVTensors.bytes_per_page(model_config.kv_layout(), 1, dtype, sliding=True) if model_config.has_swa else 0
+    if device.type == "cuda":
+        available = torch.cuda.mem_get_info(device)[0]
+    else:
+        available = psutil.virtual_memory().available
+    return config.resolve(
+        model_context_length=model_config.max_position_embeddings,
+        window=model_config.sliding_window if model_config.has_swa else None,
+        kv_bytes_per_token=full_bytes + swa_bytes // 4,
+        available_bytes=available,
+    )
+
+
+def build_engine_for(config: EngineConfig, loaded: LoadedModel) -> Engine:
+    """An engine over an already loaded model (tests reuse one model across engines)."""
+    resolved = resolve_for_model(config, loaded.config, loaded.dtype, loaded.device)
+    window = loaded.config.sliding_window if loaded.config.has_swa else None
+    kv = KVManager(
+        full_pages=resolved.full_pages,
+        swa_pages=resolved.swa_pages,
+        page_size=config.page_size,
+        window=window,
+        cache_type=resolved.cache_type,
+    )
+    tensors = KVTensors(
+        loaded.config.kv_layout(), resolved.full_pages, resolved.swa_pages or 0, config.page_size, loaded.dtype, loaded.device
+    )
+    log.info(
+        "KV pools: full %d pages, swa %s pages of %d tokens; cache %s; context %d",
+        resolved.full_pages, resolved.swa_pages, config.page_size, resolved.cache_type, resolved.context_length,
+    )
+    return Engine(resolved, Runner(loaded.model, loaded.config, tensors, kv), kv)
+
+
+def load_for(config: EngineConfig) -> LoadedModel:
+    config.validate()
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+    device = torch.device(config.device) if config.device else default_device()
+    dtype = resolve_dtype(config.dtype, device)
+    return load_model(config.model, dtype, device)
+
+
+def build_engine(config: EngineConfig) -> tuple[Engine, LoadedModel]:
+    loaded = load_for(config)
+    return build_engine_for(config, loaded), loaded

@@ -1,0 +1,222 @@
+"""The engine loop: `step()` = schedule -> forward -> sample -> commit -> release.
+
+Owns the requests in flight, finishing them (EOS, stop ids, max_tokens, context), aborts, and
+integrity handling: a `KVIntegrityError` or a failed audit is logged with its full report, its
+pages quarantined and the requests holding them ended with an error, and serving goes on —
+unless `debug_kv` is set, where it is fatal so that tests surface bugs. It sees token ids only.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from freetoken.config import ResolvedConfig
+from freetoken.engine.runner import Runner
+from freetoken.engine.sampler import prompt_logprobs, sample
+from freetoken.engine.scheduler import ScheduledItem, Scheduler
+from freetoken.errors import FreeTokenError
+from freetoken.kv.errors import KVIntegrityError
+from freetoken.kv.manager import KVManager
+from freetoken.request import FinishReason, Request, RequestStatus, TokenLogprob
+
+log = logging.getLogger("freetoken.engine")
+
+
+class RequestRefused(FreeTokenError):
+    """A request the engine can never serve; `code` is a machine-readable reason."""
+
+    def __init__(self, message: str, code: str = "invalid_request", param: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.param = param
+
+
+@dataclass
+class RequestUpdate:
+    """What happened to one request in one step."""
+
+    rid: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+
+class Engine:
+    def __init__(self, config: ResolvedConfig, runner: Runner, kv: KVManager) -> None:
+        self.config = config
+        self.runner = runner
+        self.kv = kv
+        self.scheduler = Scheduler(kv, config)
+        self.requests: dict[str, Request] = {}
+        self.steps = 0
+        self._pending: dict[str, RequestUpdate] = {}  # updates produced outside step()
+
+    # -- requests in ----------------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        """Queue `req`, or raise RequestRefused if it could never be served."""
+        if req.rid in self.requests:
+            raise RequestRefused(f"request id {req.rid!r} is already in flight")
+        req.params.validate()
+        vocab = self.runner.vocab_size
+        if not req.prompt_ids:
+            raise RequestRefused("the prompt is empty", param="prompt")
+        if any(t < 0 or t >= vocab for t in req.prompt_ids):
+            raise RequestRefused(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        total = len(req.prompt_ids) + req.params.max_tokens
+        if total > self.config.context_length:
+            raise RequestRefused(
+                f"this request needs {len(req.prompt_ids)} prompt + {req.params.max_tokens} output tokens, "
+                f"past the context length of {self.config.context_length}",
+                code="context_length_exceeded",
+                param="max_tokens",
+            )
+        if math.ceil(total / self.config.engine.page_size) > self.config.full_pages:
+            raise RequestRefused(
+                f"this request needs {total} tokens of KV memory; the pool holds "
+                f"{self.config.full_pages * self.config.engine.page_size}",
+                code="context_length_exceeded",
+                param="max_tokens",
+            )
+        if req.params.seed is not None:
+            req.generator = torch.Generator().manual_seed(req.params.seed)
+        self.requests[req.rid] = req
+        self.scheduler.add(req)
+
+    def abort(self, rid: str) -> None:
+        """End a request now (client gone, stop string seen): commit, release, report."""
+        self.finish(rid, FinishReason.ABORT)
+
+    def finish(self, rid: str, reason: FinishReason, error: str | None = None) -> None:
+        req = self.requests.get(rid)
+        if req is None or req.finished:
+            return
+        self._finish(req, reason, error)
+        self._pending[rid] = RequestUpdate(rid, finished=True, finish_reason=reason, error=error)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self._pending)
+
+    # -- one step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestUpdate]:
+        """Run one batch. Returns an update per request that changed."""
+        updates = self._pending
+        self._pending = {}
+        try:
+            self._step(updates)
+        except KVIntegrityError as err:
+            self.kv.record_error(err)
+            self._integrity_failure(err, updates)
+            return list(updates.values())
+        idle = not self.scheduler.has_work()
+        if idle or self.config.engine.debug_kv:
+            report = self.kv.audit(idle=idle)  # counted in kv.status()["integrity"]
+            if not report.ok:
+                self._integrity_failure(KVIntegrityError(report.violations), updates)
+        return list(updates.values())
+
+    def _step(self, updates: dict[str, RequestUpdate]) -> None:
+        items = self.scheduler.schedule()
+        if not items:
+            return
+        self.steps += 1
+        logits = self.runner.forward(items)  # one row per item that samples (+ prompt rows)
+        sampling: list[ScheduledItem] = []
+        rows: list[torch.Tensor] = []
+        offset = 0
+        for item in items:
+            item.req.num_computed += item.n
+            if item.all_logits:
+                chunk = logits[offset : offset + item.n]
+                offset += item.n
+                self._record_prompt_logprobs(item, chunk)
+                if item.samples:
+                    sampling.append(item)
+                    rows.append(chunk[-1])
+            elif item.samples:
+                sampling.append(item)
+                rows.append(logits[offset])
+                offset += 1
+        if sampling:
+            result = sample(torch.stack(rows), [it.req for it in sampling])
+            for item, tok, lp in zip(sampling, result.token_ids, result.logprobs):
+                req = item.req
+                req.output_ids.append(tok)
+                if lp is not None:
+                    req.logprobs.append(lp)
+                upd = updates.setdefault(req.rid, RequestUpdate(req.rid))
+                upd.new_token_ids.append(tok)
+                upd.new_logprobs.append(lp)
+                reason = self._stop_reason(req, tok)
+                if reason is not None:
+                    self._finish(req, reason)
+                    upd.finished, upd.finish_reason = True, reason
+        for item in items:
+            req = item.req
+            if req.finished or req.status is not RequestStatus.RUNNING:
+                continue
+            if not item.samples:  # a prefill chunk: its K/V becomes reusable now
+                self.kv.commit(req.rid, req.all_ids[: req.num_computed], boundaries=req.boundaries)
+            self.kv.release_out_of_window(req.rid, req.num_computed)
+
+    def _record_prompt_logprobs(self, item: ScheduledItem, chunk: torch.Tensor) -> None:
+        prompt = item.req.prompt_ids
+        if item.start == 0:
+            item.req.prompt_logprobs = [None]
+        end = min(item.start + item.n, len(prompt) - 1)  # row j predicts prompt[start + j + 1]
+        if end > item.start:
+            k = item.req.params.prompt_logprobs or 0
+            next_ids = prompt[item.start + 1 : end + 1]
+            item.req.prompt_logprobs.extend(prompt_logprobs(chunk[: end - item.start], next_ids, k))
+
+    def _stop_reason(self, req: Request, tok: int) -> FinishReason | None:
+        p = req.params
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in req.eos_ids):
+            return FinishReason.STOP
+        if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.config.context_length:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, req: Request, reason: FinishReason, error: str | None = None) -> None:
+        """Commit the tokens whose K/V is written (prompt + output - 1 at most), then release."""
+        if req.status is RequestStatus.RUNNING and reason is not FinishReason.ERROR:
+            self.kv.commit(req.rid, req.all_ids[: req.num_computed], boundaries=req.boundaries)
+        self.kv.release(req.rid)
+        self.scheduler.remove(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.error = error
+        del self.requests[req.rid]
+
+    # -- integrity ------------------------------------------------------------------------
+
+    def _integrity_failure(self, err: KVIntegrityError, updates: dict[str, RequestUpdate]) -> None:
+        """Log the full report; quarantine its pages and end the requests holding them. Fatal
+        under `debug_kv`, so that tests surface the bug."""
+        log.error("KV integrity failure:\n%s", "\n".join(str(r) for r in err.reports))
+        if self.config.engine.debug_kv:
+            raise err
+        holders: set[str] = set()
+        for kind, pages in err.pages().items():
+            holders |= self.kv.quarantine(kind, sorted(pages))
+        message = "the KV memory of this request failed an integrity check; its pages were quarantined"
+        for rid in sorted(holders):
+            req = self.requests.get(rid)
+            if req is not None:
+                self._finish(req, FinishReason.ERROR, message)
+                updates[rid] = RequestUpdate(rid, finished=True, finish_reason=FinishReason.ERROR, error=message)
+
+    def status(self) -> dict[str, object]:
+        """The `/v1/cache/status` document: the KV manager's pools and integrity, plus the floor."""
+        doc = self.kv.status()
+        if self.config.swa_floor is not None:
+            doc["floor"] = self.config.swa_floor
+        doc["preemptions"] = self.scheduler.preemptions
+        return doc

@@ -1,0 +1,126 @@
+"""Which requests run in the next step, and with how many tokens.
+
+Owns the waiting and running queues, admission over both KV pools, chunked prefill within
+`max_prefill_length`, and preemption when a running request cannot grow. Running out of a pool
+is a scheduling condition here: a request waits, or the youngest running one is preempted; it is
+never an exception. It does not run the model or sample.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from freetoken.config import ResolvedConfig
+from freetoken.kv.manager import KVManager
+from freetoken.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledItem:
+    """One request's share of a step: K/V for tokens [start, start + n) gets computed."""
+
+    req: Request
+    start: int
+    n: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this step computes the request's last known token, so it gets a new one."""
+        return self.start + self.n == self.req.num_tokens
+
+    @property
+    def all_logits(self) -> bool:
+        return self.req.params.prompt_logprobs is not None and self.start < len(self.req.prompt_ids)
+
+
+class Scheduler:
+    def __init__(self, kv: KVManager, config: ResolvedConfig) -> None:
+        self.kv = kv
+        self.config = config
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last one is preempted first
+        self.preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, req: Request) -> None:
+        """Forget a request (finished or aborted); its pages are the caller's to release."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def schedule(self) -> list[ScheduledItem]:
+        """The batch of the next step: running requests first (oldest first), then admissions."""
+        budget = self.config.engine.max_prefill_length
+        items: list[ScheduledItem] = []
+        preempted_before = self.preemptions
+        for req in list(self.running):
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            remaining = req.num_tokens - req.num_computed
+            n = 1 if remaining == 1 else min(remaining, budget)
+            if n == 0:
+                continue
+            if not self._grow(req, req.num_computed + n, items):
+                continue
+            if remaining > 1:
+                budget -= n
+            items.append(ScheduledItem(req, req.num_computed, n))
+        if self.preemptions != preempted_before:
+            return items  # memory is short: admitting now would only take back what was freed
+        while self.waiting and budget > 0 and len(self.running) < self.config.engine.max_running_requests:
+            req = self.waiting[0]
+            item = self._admit(req, budget)
+            if item is None:
+                break  # first come, first served: nobody overtakes a request that does not fit
+            self.waiting.popleft()
+            self.running.append(req)
+            req.status = RequestStatus.RUNNING
+            budget -= item.n
+            items.append(item)
+        return items
+
+    def _admit(self, req: Request, budget: int) -> ScheduledItem | None:
+        use_cache = req.params.prompt_logprobs is None
+        cached = self.kv.admit(req.rid, req.all_ids, use_cache=use_cache)
+        n = min(req.num_tokens - cached, budget)
+        if not self.kv.extend(req.rid, cached + n):
+            self.kv.release(req.rid)  # the lease goes back in the same step
+            return None
+        if not req.admitted_once:
+            req.cached_tokens = cached
+            req.admitted_once = True
+        req.num_computed = cached
+        return ScheduledItem(req, cached, n)
+
+    def _grow(self, req: Request, num_tokens: int, items: list[ScheduledItem]) -> bool:
+        """Make `req`'s tables cover `num_tokens`, preempting the youngest requests as needed.
+        False when `req` itself had to be preempted."""
+        while not self.kv.extend(req.rid, num_tokens):
+            # Requests are refused up front when they could never fit alone, so preempting the
+            # youngest requests (at worst `req` itself) always ends this loop.
+            victim = self.running[-1]
+            self.preempt(victim)
+            items[:] = [it for it in items if it.req is not victim]
+            if victim is req:
+                return False
+        return True
+
+    def preempt(self, req: Request) -> None:
+        """Commit what `req` has written, release its pages and requeue it at the front."""
+        self.kv.commit(req.rid, req.all_ids[: req.num_computed])
+        self.kv.release(req.rid, preempted=True)
+        self.running.remove(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed = 0
+        req.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(req)

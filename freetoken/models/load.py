@@ -1,0 +1,57 @@
+"""Loading a model for serving: checkpoint -> ModelConfig -> model with weights -> tokenizer.
+
+Owns the one path every entry point (`ft generate`, `LLM`, the engine process) uses to turn
+`--model` into a ready model and its tokenizer. It does not size KV memory or schedule anything.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from freetoken.errors import ModelLoadError
+from freetoken.models.config import ModelConfig
+from freetoken.models.registry import build_model
+from freetoken.tokenizer import Tokenizer
+from freetoken.weights.loader import ModelSource, load_checkpoint, resolve_model
+
+log = logging.getLogger("freetoken.models")
+
+
+@dataclass
+class LoadedModel:
+    source: ModelSource
+    config: ModelConfig
+    model: torch.nn.Module
+    tokenizer: Tokenizer
+    dtype: torch.dtype
+    device: torch.device
+    quant_types: dict[str, int]
+
+
+def load_tokenizer(source: ModelSource, metadata: dict[str, object] | None) -> Tokenizer:
+    if source.kind == "gguf":
+        assert metadata is not None  # a GGUF checkpoint always carries its metadata
+        return Tokenizer.from_gguf_metadata(metadata)
+    return Tokenizer.from_pretrained_dir(source.path)
+
+
+def load_model(spec: str | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    """Resolve `spec`, read its weights in `dtype`, build the model on `device`."""
+    t0 = time.perf_counter()
+    source = resolve_model(spec)
+    log.info("loading %s from %s", source.name, source.path)
+    ckpt = load_checkpoint(source, dtype)
+    config = ModelConfig.from_hf(ckpt.hf_config)
+    model = build_model(config, dtype, device)
+    try:
+        model.load_weights(ckpt.tensors)
+    except (KeyError, ValueError, RuntimeError) as err:
+        raise ModelLoadError(f"{source.path}: weights do not fit the {config.architecture} model ({err})") from None
+    model.eval()
+    tokenizer = load_tokenizer(source, ckpt.metadata)
+    log.info("loaded %s (%s, %s) in %.1f s", source.name, config.architecture, dtype, time.perf_counter() - t0)
+    return LoadedModel(source, config, model, tokenizer, dtype, device, ckpt.quant_types)

@@ -1,0 +1,49 @@
+"""Tiny random-weight models written as real checkpoint directories (safetensors + config.json +
+tokenizer.json + a ChatML chat template), for engine and server tests.
+
+The weights are seeded transformers models, so the same directory also loads in transformers
+as a reference. Vocabulary: the tiny byte-level tokenizer of `freetoken.tokenizer.testing`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+from freetoken.tokenizer.testing import write_tiny_tokenizer
+
+VOCAB = 320
+
+# Window 7 with page size 4 (not a multiple): prompts of a few dozen tokens cross it many times.
+GEMMA3 = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, sliding_window=7, sliding_window_pattern=2, query_pre_attn_scalar=16,
+    rope_local_base_freq=100.0, rope_theta=10_000.0, max_position_embeddings=1024,
+    bos_token_id=0, eos_token_id=2, pad_token_id=0,
+)
+LLAMA = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, tie_word_embeddings=True, rope_theta=5000.0, max_position_embeddings=1024,
+    bos_token_id=0, eos_token_id=2, pad_token_id=0,
+)
+FAMILIES = {
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, GEMMA3),
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, LLAMA),
+}
+
+
+def write_tiny_model(family: str, directory: Path, seed: int = 0, **overrides: object) -> Path:
+    """Write a seeded tiny model of `family` with its tokenizer to `directory`; returns it."""
+    config_cls, model_cls, kwargs = FAMILIES[family]
+    torch.manual_seed(seed)
+    config = config_cls(**{**kwargs, **overrides}, attn_implementation="eager")
+    model = model_cls(config).eval()
+    with torch.no_grad():  # default inits are near-degenerate (norms at 1): spread the logits
+        for name, p in model.named_parameters():
+            p.add_(torch.randn_like(p) * (0.1 if "norm" in name else 0.02))
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    write_tiny_tokenizer(directory, vocab_size=VOCAB)
+    return directory
