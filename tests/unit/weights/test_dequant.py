@@ -40,6 +40,7 @@ def sample_tensors(reader: gguf.GGUFReader, per_type: int = 2) -> list[gguf.Read
     return chosen
 
 
+@pytest.mark.real_model
 @pytest.mark.parametrize("which", ["gemma", "smollm2"])
 def test_real_tensors_match_reference(which: str, request: pytest.FixtureRequest) -> None:
     reader = request.getfixturevalue(f"{which}_reader")
@@ -54,6 +55,7 @@ def test_real_tensors_match_reference(which: str, request: pytest.FixtureRequest
     assert seen == expected
 
 
+@pytest.mark.real_model
 def test_real_q8_0_embedding_in_small_chunks(gemma_reader: gguf.GGUFReader, monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunk boundaries (here not a multiple of a row) do not change the result."""
     import freetoken.weights.dequant as dq
