@@ -117,10 +117,20 @@ class Engine:
             return list(updates.values())
         idle = not self.scheduler.has_work()
         if idle or self.config.engine.debug_kv:
-            report = self.kv.audit(idle=idle)  # counted in kv.status()["integrity"]
-            if not report.ok:
-                self._integrity_failure(KVIntegrityError(report.violations), updates)
+            self._audit(idle, updates)
         return list(updates.values())
+
+    def audit_now(self) -> list[RequestUpdate]:
+        """Run the full audit between steps (the server does it periodically); a failure is
+        handled as in `step`. Returns the updates of requests it ended."""
+        updates: dict[str, RequestUpdate] = {}
+        self._audit(not self.scheduler.has_work(), updates)
+        return list(updates.values())
+
+    def _audit(self, idle: bool, updates: dict[str, RequestUpdate]) -> None:
+        report = self.kv.audit(idle=idle)  # counted in kv.status()["integrity"]
+        if not report.ok:
+            self._integrity_failure(KVIntegrityError(report.violations), updates)
 
     def _step(self, updates: dict[str, RequestUpdate]) -> None:
         items = self.scheduler.schedule()
