@@ -54,20 +54,20 @@ class _Keys:
             raise ModelLoadError(f"GGUF metadata lacks {full}")
         return default
 
-    def int(self, key: str, default: object = _MISSING) -> int:
+    def integer(self, key: str, default: object = _MISSING) -> int:
         value = self.raw(key, default)
         if isinstance(value, list):  # some files store per-layer values; the models here are uniform
             value = max(value)
         return int(value)  # type: ignore[arg-type]
 
-    def float(self, key: str, default: object = _MISSING) -> float:
+    def real(self, key: str, default: object = _MISSING) -> float:
         return float(self.raw(key, default))  # type: ignore[arg-type]
 
-    def optional_int(self, key: str) -> int | None:
+    def optional_integer(self, key: str) -> int | None:
         value = self.raw(key, None)
         return None if value is None else int(value)  # type: ignore[arg-type]
 
-    def optional_float(self, key: str) -> float | None:
+    def optional_real(self, key: str) -> float | None:
         value = self.raw(key, None)
         return None if value is None else float(value)  # type: ignore[arg-type]
 
@@ -84,24 +84,24 @@ def _vocab_size(k: _Keys) -> int:
     tokens = k.raw("tokenizer.ggml.tokens", None)
     if isinstance(tokens, list) and tokens:
         return len(tokens)
-    return k.int("vocab_size")
+    return k.integer("vocab_size")
 
 
 def _common(k: _Keys, tensor_names: Collection[str]) -> dict[str, object]:
-    heads = k.int("attention.head_count")
+    heads = k.integer("attention.head_count")
     return {
         "model_type": _MODEL_TYPE[k.arch],
         "architectures": [_ARCHITECTURES[k.arch]],
         "vocab_size": _vocab_size(k),
-        "hidden_size": k.int("embedding_length"),
-        "num_hidden_layers": k.int("block_count"),
+        "hidden_size": k.integer("embedding_length"),
+        "num_hidden_layers": k.integer("block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": k.int("attention.head_count_kv", heads),
-        "max_position_embeddings": k.int("context_length"),
-        "rms_norm_eps": k.float("attention.layer_norm_rms_epsilon"),
-        "bos_token_id": k.optional_int("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": k.optional_int("tokenizer.ggml.eos_token_id"),
-        "pad_token_id": k.optional_int("tokenizer.ggml.padding_token_id"),
+        "num_key_value_heads": k.integer("attention.head_count_kv", heads),
+        "max_position_embeddings": k.integer("context_length"),
+        "rms_norm_eps": k.real("attention.layer_norm_rms_epsilon"),
+        "bos_token_id": k.optional_integer("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": k.optional_integer("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": k.optional_integer("tokenizer.ggml.padding_token_id"),
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "attention_dropout": 0.0,
     }
@@ -109,13 +109,16 @@ def _common(k: _Keys, tensor_names: Collection[str]) -> dict[str, object]:
 
 def _llama(k: _Keys, cfg: dict[str, object]) -> None:
     hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])  # type: ignore[arg-type]
-    head_dim = k.int("rope.dimension_count", k.int("attention.key_length", hidden // heads))
+    head_dim = k.integer("rope.dimension_count", k.integer("attention.key_length", hidden // heads))
     layers = int(cfg["num_hidden_layers"])  # type: ignore[arg-type]
+    rope: dict[str, object] = {"rope_type": "default", "rope_theta": k.real("rope.freq_base", 10_000.0)}
+    if k.raw("rope.scaling.type", None) == "linear":
+        rope.update(rope_type="linear", factor=k.real("rope.scaling.factor"))
     cfg.update(
-        intermediate_size=k.int("feed_forward_length"),
+        intermediate_size=k.integer("feed_forward_length"),
         head_dim=head_dim,
         hidden_act="silu",
-        rope_parameters={"rope_type": "default", "rope_theta": k.float("rope.freq_base", 10_000.0)},
+        rope_parameters=rope,
         attention_bias=False,
         mlp_bias=False,
         pretraining_tp=1,
@@ -136,13 +139,13 @@ def _gemma3_layer_types(k: _Keys, layers: int) -> list[str]:
 
 def _gemma3(k: _Keys, cfg: dict[str, object]) -> None:
     layers = int(cfg["num_hidden_layers"])  # type: ignore[arg-type]
-    head_dim = k.int("attention.key_length", 256)
+    head_dim = k.integer("attention.key_length", 256)
     hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])  # type: ignore[arg-type]
-    full_rope: dict[str, object] = {"rope_type": "default", "rope_theta": k.float("rope.freq_base", 1_000_000.0)}
+    full_rope: dict[str, object] = {"rope_type": "default", "rope_theta": k.real("rope.freq_base", 1_000_000.0)}
     if k.raw("rope.scaling.type", None) == "linear":
-        full_rope.update(rope_type="linear", factor=k.float("rope.scaling.factor"))
+        full_rope.update(rope_type="linear", factor=k.real("rope.scaling.factor"))
     cfg.update(
-        intermediate_size=k.int("feed_forward_length"),
+        intermediate_size=k.integer("feed_forward_length"),
         head_dim=head_dim,
         hidden_activation="gelu_pytorch_tanh",
         rope_parameters={
@@ -151,35 +154,35 @@ def _gemma3(k: _Keys, cfg: dict[str, object]) -> None:
         },
         attention_bias=False,
         query_pre_attn_scalar=hidden // heads if layers == GEMMA3_27B_LAYERS else head_dim,
-        sliding_window=k.int("attention.sliding_window"),
+        sliding_window=k.integer("attention.sliding_window"),
         layer_types=_gemma3_layer_types(k, layers),
-        final_logit_softcapping=k.optional_float("final_logit_softcapping"),
-        attn_logit_softcapping=k.optional_float("attn_logit_softcapping"),
+        final_logit_softcapping=k.optional_real("final_logit_softcapping"),
+        attn_logit_softcapping=k.optional_real("attn_logit_softcapping"),
         use_bidirectional_attention=False,
     )
 
 
 def _gpt_oss(k: _Keys, cfg: dict[str, object]) -> None:
     layers = int(cfg["num_hidden_layers"])  # type: ignore[arg-type]
-    rope: dict[str, object] = {"rope_type": "default", "rope_theta": k.float("rope.freq_base", 150_000.0)}
+    rope: dict[str, object] = {"rope_type": "default", "rope_theta": k.real("rope.freq_base", 150_000.0)}
     if k.raw("rope.scaling.type", None) == "yarn":
         rope.update(
             rope_type="yarn",
-            factor=k.float("rope.scaling.factor"),
-            original_max_position_embeddings=k.int("rope.scaling.original_context_length", 4096),
+            factor=k.real("rope.scaling.factor"),
+            original_max_position_embeddings=k.integer("rope.scaling.original_context_length", 4096),
             beta_fast=32.0,
             beta_slow=1.0,
             truncate=False,
         )
     cfg.update(
-        intermediate_size=k.int("expert_feed_forward_length", k.int("feed_forward_length", 0)),
-        head_dim=k.int("attention.key_length"),
-        num_local_experts=k.int("expert_count"),
-        num_experts_per_tok=k.int("expert_used_count"),
+        intermediate_size=k.integer("expert_feed_forward_length", k.integer("feed_forward_length", 0)),
+        head_dim=k.integer("attention.key_length"),
+        num_local_experts=k.integer("expert_count"),
+        num_experts_per_tok=k.integer("expert_used_count"),
         hidden_act="silu",
         rope_parameters=rope,
         attention_bias=True,
-        sliding_window=k.int("attention.sliding_window"),
+        sliding_window=k.integer("attention.sliding_window"),
         layer_types=[SLIDING if i % 2 == 0 else FULL for i in range(layers)],
         swiglu_alpha=GPT_OSS_SWIGLU_ALPHA,
         swiglu_limit=GPT_OSS_SWIGLU_LIMIT,

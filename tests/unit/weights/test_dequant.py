@@ -140,3 +140,22 @@ def test_size_mismatch_is_a_load_error() -> None:
         dequantize(np.zeros(34, dtype=np.uint8), Q.Q8_0, (2, 32), "short")
     with pytest.raises(ModelLoadError, match="not a multiple"):
         dequantize(np.zeros(34, dtype=np.uint8), Q.Q8_0, (1, 31), "ragged")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("qtype", sorted(F16_FIELDS, key=int) + [Q.MXFP4, Q.BF16, Q.F16])
+def test_cuda_matches_cpu(qtype: Q) -> None:
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(200 + int(qtype))
+    raw = rng.integers(0, 256, (32, type_size * 8), dtype=np.uint8)
+    for offset in F16_FIELDS.get(qtype, []):
+        for b in range(8):
+            scales = rng.uniform(-2.0, 2.0, 32).astype(np.float16)
+            raw[:, b * type_size + offset : b * type_size + offset + 2] = scales.view(np.uint8).reshape(32, 2)
+    if qtype in (Q.BF16, Q.F16):
+        raw = rng.standard_normal((32, 8 * type_size // 2)).astype(np.float16).view(np.uint8)
+    shape = (32, 8 * block_size)
+    got = dequantize(raw, qtype, shape, "cuda", device="cuda")
+    assert got.device.type == "cuda"
+    assert torch.equal(got.cpu(), dequantize(raw, qtype, shape, "cpu"))
