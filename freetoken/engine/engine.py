@@ -45,6 +45,8 @@ class RequestUpdate:
     finished: bool = False
     finish_reason: FinishReason | None = None
     error: str | None = None
+    cached_tokens: int = 0  # prefix-cache hit of the request's (first) admission
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first update, when asked
 
 
 class Engine:
@@ -161,7 +163,9 @@ class Engine:
                 req.output_ids.append(tok)
                 if lp is not None:
                     req.logprobs.append(lp)
-                upd = updates.setdefault(req.rid, RequestUpdate(req.rid))
+                upd = updates.setdefault(req.rid, RequestUpdate(req.rid, cached_tokens=req.cached_tokens))
+                if len(req.output_ids) == 1 and req.params.prompt_logprobs is not None:
+                    upd.prompt_logprobs = req.prompt_logprobs
                 upd.new_token_ids.append(tok)
                 upd.new_logprobs.append(lp)
                 reason = self._stop_reason(req, tok)
