@@ -9,8 +9,10 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the API process imports this module and must not pay for torch
+    import torch
 
 
 class FinishReason(str, enum.Enum):
@@ -95,7 +97,7 @@ class Request:
     error: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
-    generator: torch.Generator | None = None
+    generator: torch.Generator | None = None  # the request's own, when it has a seed
     admitted_once: bool = False
     preemptions: int = 0
 

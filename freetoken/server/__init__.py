@@ -1,0 +1,1 @@
+"""`ft serve`: the HTTP API process, the engine process, and the supervisor between them."""

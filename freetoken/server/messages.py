@@ -1,0 +1,130 @@
+"""The typed messages between the API process and the engine process, and their wire format.
+
+Owns the message dataclasses and their msgpack encoding: `encode(msg) -> bytes`,
+`decode(bytes) -> msg`. Every message is a plain dataclass of ints, floats, strings, lists and
+dicts; the type travels as its class name from a closed registry (no pickling, no string RPC
+beyond that tag). It knows nothing of sockets or processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+# -- API process -> engine process ---------------------------------------------------------
+
+
+@dataclass
+class AddRequest:
+    rid: str
+    prompt_ids: list[int]
+    params: dict[str, Any]  # SamplingParams fields (tuples as lists)
+    eos_ids: list[int] = field(default_factory=list)
+    boundaries: list[int] = field(default_factory=list)
+
+
+@dataclass
+class AbortRequest:
+    """The client went away (or a timeout): end the request, release its pages."""
+
+    rid: str
+
+
+@dataclass
+class FinishRequest:
+    """The detokenizer matched a stop string: finish the request as `stop`."""
+
+    rid: str
+
+
+@dataclass
+class StatusQuery:
+    """Ask for the engine's `/v1/cache/status` document and counters."""
+
+    query_id: int
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+# -- engine process -> API process ---------------------------------------------------------
+
+
+@dataclass
+class Ready:
+    """The engine loaded its model and serves. Sent once per engine process start."""
+
+    model_name: str
+    architecture: str
+    vocab_size: int
+    context_length: int
+    cache_type: str
+    page_size: int
+    pid: int
+
+
+@dataclass
+class TokenUpdate:
+    """New tokens of one request (and its end, when `finished`)."""
+
+    rid: str
+    token_ids: list[int]
+    logprobs: list[Any] = field(default_factory=list)  # per token: None or [token_id, logprob, [[id, lp], ...]]
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    cached_tokens: int = 0
+    prompt_logprobs: list[Any] | None = None
+
+
+@dataclass
+class Refused:
+    """The engine cannot serve this request (it never entered the queue)."""
+
+    rid: str
+    message: str
+    code: str
+    param: str | None = None
+
+
+@dataclass
+class StatusReply:
+    query_id: int
+    status: dict[str, Any]
+
+
+@dataclass
+class EngineError:
+    """A fatal error in the engine process, sent before it exits when it can."""
+
+    message: str
+
+
+MESSAGES: dict[str, type] = {
+    cls.__name__: cls
+    for cls in (
+        AddRequest, AbortRequest, FinishRequest, StatusQuery, Shutdown,
+        Ready, TokenUpdate, Refused, StatusReply, EngineError,
+    )
+}
+
+
+def encode(msg: object) -> bytes:
+    """msgpack of `[type name, fields]`."""
+    name = type(msg).__name__
+    if name not in MESSAGES:
+        raise TypeError(f"{name} is not a FreeToken message")
+    return msgpack.packb([name, dataclasses.asdict(msg)], use_bin_type=True)  # type: ignore[arg-type]
+
+
+def decode(data: bytes) -> object:
+    name, fields = msgpack.unpackb(data, raw=False)
+    cls = MESSAGES.get(name)
+    if cls is None:
+        raise ValueError(f"unknown message type {name!r}")
+    return cls(**fields)
