@@ -1,7 +1,7 @@
 """Page and sliding-window arithmetic shared by the tree, the manager and the audit.
 
 Owns the pure functions that say which pages a window covers, the hit rule of DESIGN.md §3 and
-the SWA pool floor. No state, no pools, no tree: everything here is a function of integers.
+the SWA pool floor (whose formula lives in `freetoken.config`). No state, no pools, no tree: everything here is a function of integers.
 
 Window convention: W counts the keys a query sees including itself, so a query at position q
 sees keys k with q - k < W. Page i covers token positions [i*P, (i+1)*P).
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from freetoken.config import swa_floor_pages
 from freetoken.errors import ConfigError
 
 
@@ -64,31 +65,9 @@ def hit_length(
 
 
 def swa_floor(max_running: int, max_prefill: int, window: int, page_size: int) -> int:
-    """Smallest SWA pool that can serve R running requests and one C-token prefill chunk.
-
-    Each running request keeps the pages of its last W - 1 tokens plus the page it writes,
-    and a prefill chunk needs its own pages on top: R * (ceil((W - 1) / P) + 1) + ceil(C / P) + 1.
-    """
+    """Smallest SWA pool that can serve R running requests and one C-token prefill chunk:
+    R * (ceil((W - 1) / P) + 1) + ceil(C / P) + 1. One formula for the project: the engine's
+    start-up check (`EngineConfig.resolve`) uses the same function."""
     if min(max_running, max_prefill, window, page_size) < 1:
         raise ConfigError("swa_floor needs positive max_running, max_prefill, window, page_size")
-    per_request = num_pages(window - 1, page_size) + 1
-    return max_running * per_request + num_pages(max_prefill, page_size) + 1
-
-
-def check_swa_pool(
-    swa_pages: int, *, max_running: int, max_prefill: int, window: int, page_size: int
-) -> None:
-    """Refuse an SWA pool below the floor with a message naming the floor and the flags."""
-    floor = swa_floor(max_running, max_prefill, window, page_size)
-    if swa_pages < floor:
-        raise ConfigError(
-            f"the sliding-window KV pool has {swa_pages} pages, below its floor of {floor} pages "
-            f"(--max-running-requests {max_running} x (ceil(({window} - 1) / {page_size}) + 1) "
-            f"+ ceil(--max-prefill-length {max_prefill} / {page_size}) + 1); enlarge the pool or "
-            f"lower --max-running-requests / --max-prefill-length"
-        )
-
-
-def default_swa_pages(full_pages: int, floor: int) -> int:
-    """The default SWA pool: max(floor, 0.25 x FULL pool)."""
-    return max(floor, full_pages // 4)
+    return swa_floor_pages(max_running, max_prefill, window, page_size)

@@ -10,7 +10,7 @@ from freetoken.kv.errors import KVIntegrityError
 from freetoken.kv.manager import KVManager, resolve_cache_type
 from freetoken.kv.pool import PagePool
 from freetoken.kv.window import (
-    check_swa_pool, default_swa_pages, first_window_page, hit_length, num_pages, swa_floor,
+    first_window_page, hit_length, num_pages, swa_floor,
 )
 
 # -- pool ----------------------------------------------------------------------------------
@@ -123,10 +123,6 @@ def test_window_arithmetic_and_floor() -> None:
     assert swa_floor(2, 10, 6, 4) == 2 * (2 + 1) + 3 + 1
     with pytest.raises(ConfigError):
         swa_floor(0, 10, 6, 4)
-    with pytest.raises(ConfigError, match="floor of 10 pages.*--max-running-requests"):
-        check_swa_pool(9, max_running=2, max_prefill=10, window=6, page_size=4)
-    check_swa_pool(10, max_running=2, max_prefill=10, window=6, page_size=4)
-    assert default_swa_pages(1000, 10) == 250 and default_swa_pages(8, 10) == 10
 
 
 # -- cache types and config ----------------------------------------------------------------
