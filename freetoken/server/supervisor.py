@@ -1,0 +1,213 @@
+"""The supervisor: starts the engine process, watches it, restarts it with backoff.
+
+Owns the engine process's life: a `spawn` start (the API process never forks its state into the
+engine), watching the process sentinel on the asyncio loop so that a death is seen the moment it
+happens, the restart policy (exponential backoff, a bounded number of restarts within a window,
+no restart at all when the engine reported that its model or configuration cannot work), the
+restart count, and the stop sequence (wait, terminate, kill). It does not talk to the engine:
+the client owns the sockets and is told through two callbacks, `on_spawn` (a new incarnation
+is about to start: give it its endpoints) and `on_exit` (it is gone, and what happens next).
+It never imports torch: the engine process imports its main module itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import multiprocessing.process
+import signal
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from freetoken.config import EngineConfig
+
+log = logging.getLogger("freetoken.server")
+
+# Exit codes of the engine process (worker.py returns them).
+EXIT_OK = 0
+EXIT_FAILED = 1  # a fatal error while serving: a restart may help
+EXIT_STARTUP = 3  # the model or the configuration cannot work: a restart will not help
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """Backoff `first_delay_s` doubling up to `max_delay_s`; give up when more than
+    `max_restarts` exits fall within the last `window_s` seconds."""
+
+    first_delay_s: float = 0.5
+    max_delay_s: float = 10.0
+    max_restarts: int = 5
+    window_s: float = 300.0
+
+    def next_delay(self, exit_times: Sequence[float], now: float) -> float | None:
+        """Seconds to wait before the next start, given the times of past exits (this one
+        included); None = give up."""
+        recent = sum(1 for t in exit_times if now - t <= self.window_s)
+        if recent > self.max_restarts:
+            return None
+        return min(self.first_delay_s * 2 ** max(recent - 1, 0), self.max_delay_s)
+
+
+@dataclass(frozen=True)
+class WorkerEndpoints:
+    """Where one engine process listens (`engine`, it binds) and answers (`api`, it connects)."""
+
+    engine: str
+    api: str
+
+
+@dataclass(frozen=True)
+class ExitReport:
+    """An engine process ended on its own. `restart_in` is None when the supervisor gave up."""
+
+    pid: int | None
+    exitcode: int | None
+    how: str  # "exited with code 1", "was killed by SIGKILL"
+    restart_in: float | None
+    why_not: str | None = None  # why the supervisor gave up
+
+
+def describe_exit(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "ended (exit code unknown)"
+    if exitcode < 0:
+        try:
+            return f"was killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"was killed by signal {-exitcode}"
+    return f"exited with code {exitcode}"
+
+
+def _engine_process_main(config: EngineConfig, endpoints: WorkerEndpoints, served_name: str) -> None:
+    """The engine process's entry point. The worker module (and with it torch) is imported here,
+    in the engine process, so that the API process never pays for it."""
+    import sys
+
+    from freetoken.server.worker import run_worker
+
+    sys.exit(run_worker(config, engine_endpoint=endpoints.engine, api_endpoint=endpoints.api, served_name=served_name))
+
+
+async def _sentinel_ready(process: multiprocessing.process.BaseProcess, timeout: float | None) -> bool:
+    """Wait until `process` is gone (its sentinel becomes readable); False on timeout."""
+    loop = asyncio.get_running_loop()
+    gone: asyncio.Future[None] = loop.create_future()
+    sentinel = process.sentinel
+
+    def on_ready() -> None:
+        if not gone.done():
+            gone.set_result(None)
+
+    loop.add_reader(sentinel, on_ready)
+    try:
+        await asyncio.wait_for(gone, timeout)
+        return True
+    except asyncio.TimeoutError:
+        return False
+    finally:
+        loop.remove_reader(sentinel)
+
+
+class Supervisor:
+    """Runs one engine process at a time on the current asyncio loop."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        served_name: str,
+        on_spawn: Callable[[int], WorkerEndpoints],
+        on_exit: Callable[[ExitReport], Awaitable[None]],
+        policy: RestartPolicy | None = None,
+    ) -> None:
+        self._config = config
+        self._served_name = served_name
+        self._on_spawn = on_spawn
+        self._on_exit = on_exit
+        self.policy = policy or RestartPolicy()
+        self._mp = multiprocessing.get_context("spawn")
+        self.process: multiprocessing.process.BaseProcess | None = None
+        self.restarts = 0
+        self._exit_times: deque[float] = deque(maxlen=self.policy.max_restarts + 2)
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    @property
+    def watching(self) -> bool:
+        """True until the supervisor gave up or was stopped."""
+        return self._task is not None and not self._task.done()
+
+    def start(self) -> None:
+        """Start the first engine process and keep watching; returns at once."""
+        if self._task is not None:
+            raise RuntimeError("the supervisor is already started")
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="freetoken-supervisor")
+
+    async def _run(self) -> None:
+        incarnation = 0
+        while not self._stopping:
+            endpoints = self._on_spawn(incarnation)
+            process = self._mp.Process(
+                target=_engine_process_main,
+                args=(self._config, endpoints, self._served_name),
+                name=f"freetoken-engine-{incarnation}",
+                daemon=True,  # if the API process exits without stop(), multiprocessing ends it
+            )
+            try:
+                process.start()
+            except OSError as err:
+                report = self._plan(None, None, f"could not be started ({err})")
+            else:
+                self.process = process
+                log.info("engine process %d started (incarnation %d)", process.pid, incarnation)
+                await _sentinel_ready(process, None)
+                process.join(1.0)  # the process is gone: this only reaps it
+                if self._stopping:
+                    return
+                report = self._plan(process.pid, process.exitcode, describe_exit(process.exitcode))
+            log.error(
+                "engine process %s %s; %s", report.pid, report.how,
+                f"restarting in {report.restart_in:.1f} s" if report.restart_in is not None else f"giving up: {report.why_not}",
+            )
+            await self._on_exit(report)
+            if report.restart_in is None:
+                return
+            await asyncio.sleep(report.restart_in)
+            self.restarts += 1
+            incarnation += 1
+
+    def _plan(self, pid: int | None, code: int | None, how: str) -> ExitReport:
+        if code == EXIT_STARTUP:
+            return ExitReport(pid, code, how, None, "the engine cannot start with this model and configuration")
+        now = time.monotonic()
+        self._exit_times.append(now)
+        delay = self.policy.next_delay(self._exit_times, now)
+        why_not = None
+        if delay is None:
+            why_not = f"it died more than {self.policy.max_restarts} times within {self.policy.window_s:.0f} s"
+        return ExitReport(pid, code, how, delay, why_not)
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        """Stop watching and end the engine process: wait up to `timeout` for it to exit (the
+        caller has sent it Shutdown), then terminate, then kill. Idempotent."""
+        self._stopping = True
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        process = self.process
+        if process is None or process.exitcode is not None:
+            return
+        if not await _sentinel_ready(process, timeout):
+            log.warning("engine process %d did not exit within %.1f s: terminating it", process.pid, timeout)
+            process.terminate()
+            if not await _sentinel_ready(process, 3.0):
+                process.kill()
+                await _sentinel_ready(process, 3.0)
+        process.join(1.0)
