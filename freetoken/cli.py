@@ -1,4 +1,4 @@
-"""`ft`: the command line. Argparse to config objects, then one call; no logic of its own.
+"""`ft`: the command line (`ft serve | generate | inspect`). Argparse to config objects, then one call; no logic of its own.
 
 Errors meant for the user (`FreeTokenError`) are printed as one line on stderr with a non-zero
 exit code, never as a traceback. `ft generate` prints the completion alone on stdout.
@@ -34,6 +34,39 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help=MODEL_HELP)
 
 
+def _swa_pool_tokens(value: str) -> int | str:
+    if value == "floor":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens or 'floor', got {value!r}") from None
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (default: gemma3-270m on 127.0.0.1:1919)")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=1919, help="port to listen on (default 1919)")
+    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: the short name or file stem)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on /v1 routes")
+    p.add_argument("--chat-template", default=None, metavar="FILE", help="a jinja2 chat template overriding the model's")
+    p.add_argument("--enable-cache-report", action="store_true", help="report prefix-cache hits in usage.prompt_tokens_details.cached_tokens")
+    p.add_argument("--max-running-requests", type=int, default=16, help="requests decoded together (default 16)")
+    p.add_argument("--max-waiting-requests", type=int, default=256, help="requests queued beyond the running ones; more get 429 (default 256)")
+    p.add_argument("--max-prefill-length", type=int, default=1024, help="prompt tokens prefilled per step (default 1024)")
+    p.add_argument("--num-tokens", type=int, default=None, help="FULL KV pool size in tokens (default: from --memory-ratio)")
+    p.add_argument("--memory-ratio", type=float, default=0.3, help="share of free memory the FULL KV pool may use (default 0.3)")
+    p.add_argument("--context-length", type=int, default=None, help="cap the model's context length")
+    p.add_argument("--cache-type", default="radix", choices=["naive", "radix", "swa_radix"], help="prefix cache (default radix; swa_radix on SWA models)")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
+    p.add_argument("--swa-full-tokens-ratio", type=float, default=None, help="SWA pool size as a share of the FULL pool")
+    p.add_argument("--swa-pool-tokens", type=_swa_pool_tokens, default=None, metavar="N|floor", help="SWA pool size in tokens, or 'floor'")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="auto = bfloat16 where the hardware is fast at it, else float32")
+    p.add_argument("--threads", type=int, default=None, help="the engine process's torch threads (default: torch's choice)")
+    p.add_argument("--debug-kv", action="store_true", help="audit the KV cache after every step; a violation is fatal (for tests)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ft", description="FreeToken: an LLM serving engine")
     parser.add_argument("--version", action="version", version=f"freetoken {__version__}")
@@ -41,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_generate(sub)
     _add_inspect(sub)
+    _add_serve(sub)
     return parser
 
 
@@ -67,6 +101,40 @@ def _inspect(args: argparse.Namespace) -> None:
     sys.stdout.write(describe_model(args.model) + "\n")
 
 
+def _serve(args: argparse.Namespace) -> None:
+    from freetoken.config import EngineConfig
+    from freetoken.server.serve import run_server
+    from freetoken.server.settings import ServerConfig
+
+    engine = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        cache_type=args.cache_type,
+        page_size=args.page_size,
+        max_running_requests=args.max_running_requests,
+        max_waiting_requests=args.max_waiting_requests,
+        max_prefill_length=args.max_prefill_length,
+        num_tokens=args.num_tokens,
+        memory_ratio=args.memory_ratio,
+        context_length=args.context_length,
+        swa_full_tokens_ratio=args.swa_full_tokens_ratio,
+        swa_pool_tokens=args.swa_pool_tokens,
+        debug_kv=args.debug_kv,
+        threads=args.threads,
+    )
+    server = ServerConfig(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name,
+        chat_template=args.chat_template,
+        enable_cache_report=args.enable_cache_report,
+        max_running_requests=args.max_running_requests,
+        max_waiting_requests=args.max_waiting_requests,
+    )
+    run_server(engine, server)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -76,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    handlers = {"generate": _generate, "inspect": _inspect}
+    handlers = {"generate": _generate, "inspect": _inspect, "serve": _serve}
     try:
         handlers[args.command](args)
     except FreeTokenError as err:

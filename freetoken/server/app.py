@@ -1,0 +1,184 @@
+"""The FastAPI app of `ft serve`: routes, API-key check, request parsing.
+
+Owns the HTTP surface of DESIGN.md §4: `/v1/completions`, `/v1/chat/completions`, `/v1/models`,
+`/health`, `/v1/cache/status`, `/metrics`. Bodies are parsed here (malformed JSON, a body that is
+not an object and schema errors are 400s naming the field), then handed to the route modules.
+The app reaches the engine only through its `EngineClient`; it never imports torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+
+from freetoken import __version__
+from freetoken.errors import FreeTokenError
+from freetoken.server.context import DEFAULT_MODEL_ALIAS, ServingContext
+from freetoken.server.errors import APIError, bad_request, from_pydantic, install_error_handlers
+from freetoken.server.openai_chat import create_chat_completion
+from freetoken.server.openai_completions import create_completion
+from freetoken.server.protocol import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=BaseModel)
+STATUS_TIMEOUT_S = 10.0
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    raw = await request.body()
+    try:
+        obj = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise bad_request(f"the request body is not valid JSON ({err})", code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(obj).__name__}", code="invalid_json")
+    try:
+        return model.model_validate(obj)
+    except ValidationError as err:
+        raise from_pydantic(err) from None
+
+
+def _authorized(request: Request, key: str) -> bool:
+    bearer = request.headers.get("authorization", "")
+    if bearer[:7].lower() == "bearer " and hmac.compare_digest(bearer[7:].strip().encode(), key.encode()):
+        return True
+    given = request.headers.get("x-api-key")
+    return given is not None and hmac.compare_digest(given.encode(), key.encode())
+
+
+async def engine_status(ctx: ServingContext) -> dict[str, Any]:
+    """The `/v1/cache/status` document: the engine's status, with every DESIGN.md §4 field present."""
+    doc = dict(await asyncio.wait_for(ctx.client.status(), timeout=STATUS_TIMEOUT_S))
+    doc.setdefault("floor", None)  # models without sliding-window layers have no SWA floor
+    info = ctx.client.info
+    doc.setdefault("model", ctx.served_name)
+    doc["engine"] = {
+        "state": ctx.client.state,
+        "pid": None if info is None else info.pid,
+        "restarts": ctx.client.restarts,
+        "in_flight": ctx.client.num_in_flight,
+    }
+    return doc
+
+
+def build_app(ctx: ServingContext, *, manage_client: bool = True) -> FastAPI:
+    """The app over a serving context. With `manage_client`, the app's lifespan starts the engine
+    client (which launches the engine process) and stops it at shutdown."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if manage_client:
+            await ctx.client.start()
+        try:
+            yield
+        finally:
+            if manage_client:
+                await ctx.client.stop()
+
+    app = FastAPI(title="FreeToken", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    install_error_handlers(app)
+
+    @app.middleware("http")
+    async def check_api_key(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        key = ctx.config.api_key
+        if key is not None and request.url.path.startswith("/v1") and not _authorized(request, key):
+            return APIError(
+                401, "a valid API key is required: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'", code="invalid_api_key"
+            ).response()
+        return await call_next(request)
+
+    async def generation_route(
+        endpoint: str, request: Request, model: type[M], handler: Callable[[ServingContext, M], Awaitable[Response]]
+    ) -> Response:
+        try:
+            return await handler(ctx, await parse_body(request, model))
+        except APIError as err:
+            ctx.metrics.record_request(endpoint, err.status)
+            raise
+        except FreeTokenError as err:  # e.g. the engine went away between the checks and the call
+            ctx.metrics.record_request(endpoint, 503)
+            raise APIError(503, f"engine unavailable: {err}", code="engine_unavailable") from None
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generation_route("completions", request, CompletionRequest, create_completion)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generation_route("chat", request, ChatCompletionRequest, create_chat_completion)
+
+    def model_card() -> dict[str, Any]:
+        info = ctx.client.info
+        return {
+            "id": ctx.served_name,
+            "object": "model",
+            "created": int(started),
+            "owned_by": "freetoken",
+            "max_model_len": None if info is None else info.context_length,
+        }
+
+    started = time.time()
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        ctx.check_model(model_id)
+        return model_card()
+
+    @app.get("/health")
+    async def health() -> Response:
+        client = ctx.client
+        info = client.info
+        if client.state != "ready" or info is None:
+            reason = client.reason or ("the engine is loading" if client.state == "loading" else "the engine is down")
+            return JSONResponse({"status": "error", "message": reason, "state": client.state, "restarts": client.restarts}, status_code=503)
+        return JSONResponse(
+            {
+                "status": "ok",
+                "model": ctx.served_name,
+                "architecture": info.architecture,
+                "context_length": info.context_length,
+                "pid": info.pid,
+                "restarts": client.restarts,
+                "in_flight": client.num_in_flight,
+            }
+        )
+
+    @app.get("/v1/cache/status")
+    async def cache_status() -> dict[str, Any]:
+        ctx.ready_info()
+        try:
+            return await engine_status(ctx)
+        except (FreeTokenError, TimeoutError) as err:
+            raise APIError(503, f"engine unavailable: {err or 'no status reply'}", code="engine_unavailable") from None
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        status = None
+        if ctx.client.state == "ready":
+            try:
+                status = await engine_status(ctx)
+            except (FreeTokenError, TimeoutError):
+                status = None
+        ctx.metrics.update_engine(
+            up=ctx.client.state == "ready", restarts=ctx.client.restarts, in_flight=ctx.client.num_in_flight, status=status
+        )
+        return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    app.state.serving = ctx
+    log.debug("app built for %s (alias %r)", ctx.served_name, DEFAULT_MODEL_ALIAS)
+    return app

@@ -1,0 +1,151 @@
+"""`POST /v1/chat/completions`: messages -> the model's chat template -> engine choices.
+
+Owns rendering the conversation (the model's template, the built-in Gemma 3 one, or
+`--chat-template`; a model with none is a 400 that says so), the message boundaries handed to
+the engine (token offsets where each message ends, so the prefix cache keeps their windows),
+the default `max_tokens` (the rest of the context) and the `chat.completion` bodies and stream
+chunks, logprobs included. Tool calling is not here (issue 6): `tools` is refused by protocol.py.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import replace
+from typing import Any
+
+from fastapi.responses import JSONResponse, Response
+
+from freetoken.server.context import ServingContext
+from freetoken.server.errors import bad_request
+from freetoken.server.generation import ChoiceSpec, Clock, Piece, collect, first_piece, merge, run_choice
+from freetoken.server.protocol import ChatCompletionRequest, check_context, check_max_tokens
+from freetoken.server.streaming import Tally, record, sse_response, sse_stream
+from freetoken.tokenizer import ChatTemplateError, NoChatTemplate, Tokenizer
+
+ENDPOINT = "chat"
+MAX_BOUNDARY_MESSAGES = 256  # past this many messages, boundaries are not computed (quadratic renders)
+
+
+def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]]) -> tuple[list[int], tuple[int, ...]]:
+    """Prompt ids of the conversation and the token offset where each message ends (where that is
+    a token edge of the full prompt; a template that renders a prefix differently gives none)."""
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except NoChatTemplate:
+        raise bad_request(
+            "this model has no chat template and none is built in for its architecture; start the server with "
+            "--chat-template FILE, or use /v1/completions",
+            param="messages",
+            code="no_chat_template",
+        ) from None
+    except ChatTemplateError as err:
+        raise bad_request(f"the chat template refused these messages: {err}", param="messages") from None
+    encoding = tokenizer.backend.encode(text, add_special_tokens=False)
+    ids = list(encoding.ids)
+    if len(messages) > MAX_BOUNDARY_MESSAGES:
+        return ids, ()
+    token_end = {end: i + 1 for i, (_, end) in enumerate(encoding.offsets)}
+    boundaries: list[int] = []
+    for k in range(1, len(messages) + 1):
+        try:
+            prefix = tokenizer.apply_chat_template(messages[:k], add_generation_prompt=False)
+        except (ChatTemplateError, NoChatTemplate):
+            continue
+        if text.startswith(prefix) and len(prefix) in token_end:
+            offset = token_end[len(prefix)]
+            if offset < len(ids) and (not boundaries or offset > boundaries[-1]):
+                boundaries.append(offset)
+    return ids, tuple(boundaries)
+
+
+def chat_logprobs(tokenizer: Tokenizer, entries: list[Any]) -> list[dict[str, Any]]:
+    """OpenAI's chat logprobs `content` items."""
+
+    def item(token_id: int, logprob: float) -> dict[str, Any]:
+        text = tokenizer.decode([token_id])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    out = []
+    for entry in entries:
+        if entry is None:
+            continue
+        top = entry[2] if len(entry) > 2 else []
+        out.append({**item(entry[0], entry[1]), "top_logprobs": [item(t, lp) for t, lp in top]})
+    return out
+
+
+async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest) -> Response:
+    clock = Clock()
+    req.check_common()
+    ctx.check_model(req.model)
+    if not req.messages:
+        raise bad_request("messages must not be empty", param="messages")
+    requested = req.requested_max_tokens()
+    max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    check_max_tokens(requested, max_param)
+    logprobs_k = req.logprobs_k()
+    req.sampling_params(1 if requested is None else requested, logprobs=logprobs_k)  # range checks first
+    info = ctx.ready_info()
+    ids, boundaries = render_chat(ctx.tokenizer, [m.for_template() for m in req.messages])
+    max_tokens = requested if requested is not None else info.context_length - len(ids)
+    check_context(len(ids), max(max_tokens, 1), info.context_length, prompt_param="messages", max_param=max_param)
+    base = req.sampling_params(max_tokens, logprobs=logprobs_k)
+    n = req.num_choices
+    ctx.check_capacity(n)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    eos = frozenset(ctx.tokenizer.stop_ids)
+    specs = [
+        ChoiceSpec(
+            j, f"{request_id}-{j}", ids, base if base.seed is None or j == 0 else replace(base, seed=base.seed + j), eos, boundaries
+        )
+        for j in range(n)
+    ]
+    tally = Tally([len(ids)], [0] * n)
+    pieces = merge([run_choice(ctx.client, spec, ctx.tokenizer) for spec in specs])
+    head = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": ctx.served_name}
+
+    if not req.stream:
+        results = await collect(ctx.client, pieces, n, clock)
+        tally.add_results(results)
+        choices = [
+            {
+                "index": j,
+                "message": {"role": "assistant", "content": res.text},
+                "logprobs": None if logprobs_k is None else {"content": chat_logprobs(ctx.tokenizer, res.logprobs)},
+                "finish_reason": res.finish_reason,
+            }
+            for j, res in enumerate(results)
+        ]
+        record(ctx, ENDPOINT, 200, tally, clock)
+        return JSONResponse({**head, "choices": choices, "usage": tally.usage(ctx.config.enable_cache_report)})
+
+    first = await first_piece(ctx.client, pieces)
+    include_usage = req.include_usage
+    chunk_head = {**head, "object": "chat.completion.chunk"}
+
+    def chunk(index: int, delta: dict[str, Any], logprobs: Any, finish: str | None) -> dict[str, Any]:
+        out = {**chunk_head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+        if include_usage:
+            out["usage"] = None
+        return out
+
+    preamble = [chunk(j, {"role": "assistant", "content": ""}, None, None) for j in range(n)]
+
+    def chunks(piece: Piece) -> list[dict[str, Any]]:
+        logprobs = None
+        if logprobs_k is not None:
+            logprobs = {"content": chat_logprobs(ctx.tokenizer, piece.logprobs)}
+        if not piece.text and piece.finish_reason is None and not (logprobs and logprobs["content"]):
+            return []
+        delta = {"content": piece.text} if piece.text else {}
+        return [chunk(piece.index, delta, logprobs, piece.finish_reason)]
+
+    def usage_chunk(t: Tally) -> dict[str, Any]:
+        return {**chunk_head, "choices": [], "usage": t.usage(ctx.config.enable_cache_report)}
+
+    events = sse_stream(
+        ctx, ENDPOINT, pieces, first, tally=tally, clock=clock, preamble=preamble, chunks=chunks,
+        usage_chunk=usage_chunk if include_usage else None,
+    )
+    return sse_response(events)

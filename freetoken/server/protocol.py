@@ -1,0 +1,226 @@
+"""The OpenAI request schemas (pydantic) and the checks that turn a request into SamplingParams.
+
+Owns what a completions or chat request may contain: every accepted field with its type, the
+fields the server knows but does not implement (each refused with a 400 that names it), and
+`sampling_params()`, which range-checks the sampling fields. Types are strict (a string is not a
+number, 0 is not a boolean) and unknown fields are refused. It does no tokenization and knows
+nothing of the engine; responses are built as plain dicts by the route modules.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from freetoken.request import SamplingParams
+from freetoken.server.errors import APIError, bad_request
+
+MAX_N = 16
+MAX_STOP_STRINGS = 16
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = False
+
+
+class _Sampling(_Strict):
+    """Fields shared by both endpoints. `None` (JSON null) means the default."""
+
+    model: str
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extension: 0 or -1 = off
+    min_p: float | None = None  # extension
+    repetition_penalty: float | None = None  # extension
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # extension
+    seed: int | None = None
+    ignore_eos: bool | None = None  # extension
+    skip_special_tokens: bool | None = None  # extension
+    user: str | None = None  # accepted and unused, as OpenAI documents it (an end-user id)
+    logit_bias: dict[str, float] | None = None  # known, not implemented
+
+    def unimplemented_fields(self) -> tuple[str, ...]:
+        return ("logit_bias",)
+
+    def refuse_unimplemented(self) -> None:
+        """A field the server knows but does not implement is a 400 that names it."""
+        for name in self.unimplemented_fields():
+            if getattr(self, name) is not None:
+                raise bad_request(f"'{name}' is not supported by this server", param=name, code="unsupported_parameter")
+
+    @property
+    def num_choices(self) -> int:
+        return 1 if self.n is None else self.n
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options is not None and self.stream_options.include_usage)
+
+    def stop_strings(self) -> tuple[str, ...]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise bad_request(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", param="stop")
+        return tuple(s for s in stops if s)
+
+    def check_common(self) -> None:
+        self.refuse_unimplemented()
+        if not 1 <= self.num_choices <= MAX_N:
+            raise bad_request(f"n must be in [1, {MAX_N}], got {self.n}", param="n")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise bad_request(f"seed must be in [0, 2**63), got {self.seed}", param="seed")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+
+    def sampling_params(self, max_tokens: int, *, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+        """Range-checked SamplingParams (a 400 naming the field when one is out of range)."""
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            frequency_penalty=0.0 if self.frequency_penalty is None else self.frequency_penalty,
+            presence_penalty=0.0 if self.presence_penalty is None else self.presence_penalty,
+            seed=self.seed,
+            stop=self.stop_strings(),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=bool(self.ignore_eos),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=True if self.skip_special_tokens is None else self.skip_special_tokens,
+        )
+        try:
+            params.validate()
+        except ValueError as err:
+            name = str(err).split(" ", 1)[0]
+            raise bad_request(str(err), param=name, code="invalid_value") from None
+        return params
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    echo: bool | None = False
+    logprobs: int | None = None
+    suffix: str | None = None  # known, not implemented
+    best_of: int | None = None  # known, not implemented
+
+    def unimplemented_fields(self) -> tuple[str, ...]:
+        return ("logit_bias", "suffix", "best_of")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+Role = Literal["system", "user", "assistant", "tool"]
+
+
+class ChatMessage(_Strict):
+    role: Role
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # earlier assistant turns, rendered by the template
+
+    def text(self) -> str:
+        """Text parts are joined with newlines."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        for key in ("name", "tool_call_id", "tool_calls"):
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = value
+        return out
+
+
+_CHAT_UNIMPLEMENTED = (
+    "logit_bias", "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "response_format",
+    "audio", "modalities", "prediction", "web_search_options", "reasoning_effort", "metadata", "store",
+    "service_tier",
+)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    # known, not implemented (tools: issue 6); each is a 400 naming it when set
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+    def unimplemented_fields(self) -> tuple[str, ...]:
+        return _CHAT_UNIMPLEMENTED
+
+    def requested_max_tokens(self) -> int | None:
+        if self.max_tokens is not None and self.max_completion_tokens is not None and self.max_tokens != self.max_completion_tokens:
+            raise bad_request("max_tokens and max_completion_tokens disagree; send one", param="max_completion_tokens")
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def logprobs_k(self) -> int | None:
+        """The engine's `logprobs` (None = off, k = the chosen token and the top k)."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+        if not self.logprobs:
+            return None
+        k = self.top_logprobs or 0
+        if not 0 <= k <= 20:
+            raise bad_request(f"top_logprobs must be in [0, 20], got {k}", param="top_logprobs")
+        return k
+
+
+def check_max_tokens(max_tokens: int | None, param: str = "max_tokens") -> None:
+    if max_tokens is not None and max_tokens < 1:
+        raise bad_request(f"{param} must be at least 1, got {max_tokens}", param=param, code="invalid_value")
+
+
+def check_context(prompt_len: int, max_tokens: int, context_length: int, *, prompt_param: str, max_param: str) -> None:
+    """Prompt + max_tokens past the context is a 400 `context_length_exceeded`, never clamped."""
+    if prompt_len >= context_length:
+        raise APIError(
+            400,
+            f"this model's context length is {context_length} tokens; the prompt has {prompt_len}",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    if prompt_len + max_tokens > context_length:
+        raise APIError(
+            400,
+            f"this model's context length is {context_length} tokens; the request asks for {prompt_len} prompt "
+            f"+ {max_tokens} completion tokens; lower {max_param}",
+            param=max_param,
+            code="context_length_exceeded",
+        )

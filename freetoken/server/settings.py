@@ -1,0 +1,46 @@
+"""The HTTP server's own settings: one frozen `ServerConfig` built from `ft serve` flags.
+
+Owns what the API process needs beyond the engine's `EngineConfig`: where to listen, the API key,
+the served model name, the chat template override, the cache report switch and the admission
+limit. It reads no environment variables and holds no state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from freetoken.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Flags of the API process. `max_running_requests` and `max_waiting_requests` are the
+    engine's (same flags): their sum is how many requests may be in flight before a 429."""
+
+    host: str = "127.0.0.1"
+    port: int = 1919
+    api_key: str | None = None
+    served_model_name: str | None = None
+    chat_template: str | None = None  # a path to a jinja2 file overriding the model's template
+    enable_cache_report: bool = False
+    max_running_requests: int = 16
+    max_waiting_requests: int = 256
+    startup_timeout_s: float = 900.0  # how long `run_server` waits for the first engine start
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the flag that cannot work."""
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port must be in [0, 65535], got {self.port}")
+        if self.api_key is not None and not self.api_key:
+            raise ConfigError("--api-key must not be empty")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ConfigError("--served-model-name must not be empty")
+        if self.max_running_requests < 1:
+            raise ConfigError(f"--max-running-requests must be at least 1, got {self.max_running_requests}")
+        if self.max_waiting_requests < 0:
+            raise ConfigError(f"--max-waiting-requests must be >= 0, got {self.max_waiting_requests}")
+
+    @property
+    def max_in_flight(self) -> int:
+        """Requests (choices) the server accepts at once; beyond it, 429."""
+        return self.max_running_requests + self.max_waiting_requests

@@ -1,0 +1,140 @@
+"""Server-sent events and usage accounting shared by the OpenAI routes.
+
+Owns `Tally` (prompt, completion and cache-hit tokens of one HTTP request, and its
+`usage` object), `sse_stream` (pieces -> `data: {...}` events, `data: [DONE]` at the end; an engine
+failure after the stream started becomes one `data: {"error": {...}}` event and the stream closes
+without `[DONE]`), and the metrics each request records when it ends. Response bodies are built by
+the callbacks the routes pass in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi.responses import StreamingResponse
+
+from freetoken.errors import FreeTokenError
+from freetoken.server.context import ServingContext
+from freetoken.server.generation import DONE_EVENT, ChoiceResult, Clock, Piece, _close, engine_error, failed_choice, sse
+
+CLIENT_CLOSED = 499  # the status recorded for a client that went away mid-stream
+
+
+@dataclass
+class Tally:
+    """Token counts of one request. `choice_prompt[i]` is the prompt index of choice i."""
+
+    prompt_lens: list[int]
+    choice_prompt: list[int]
+    completion: list[int] = field(default_factory=list)
+    cached: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.completion = [0] * len(self.choice_prompt)
+        self.cached = [0] * len(self.choice_prompt)
+
+    def add(self, piece: Piece) -> None:
+        self.completion[piece.index] += len(piece.token_ids)
+        self.cached[piece.index] = max(self.cached[piece.index], piece.cached_tokens)
+
+    def add_results(self, results: list[ChoiceResult]) -> None:
+        for i, res in enumerate(results):
+            self.completion[i] = len(res.token_ids)
+            self.cached[i] = res.cached_tokens
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(self.prompt_lens)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(self.completion)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Per prompt the best hit among its choices (they share the prompt), summed over prompts."""
+        best = [0] * len(self.prompt_lens)
+        for i, p in enumerate(self.choice_prompt):
+            best[p] = max(best[p], self.cached[i])
+        return sum(best)
+
+    def usage(self, cache_report: bool) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+        if cache_report:
+            out["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        return out
+
+
+def record(ctx: ServingContext, endpoint: str, status: int, tally: Tally, clock: Clock) -> None:
+    now = time.perf_counter()
+    ctx.metrics.record_request(
+        endpoint,
+        status,
+        prompt_tokens=tally.prompt_tokens if status == 200 else 0,
+        completion_tokens=tally.completion_tokens,
+        cached_tokens=tally.cached_tokens,
+        ttft_s=None if clock.first_token is None else clock.first_token - clock.start,
+        latency_s=now - clock.start if status == 200 else None,
+    )
+
+
+def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(
+        events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
+
+
+async def sse_stream(
+    ctx: ServingContext,
+    endpoint: str,
+    pieces: AsyncIterator[Piece],
+    first: Piece | None,
+    *,
+    tally: Tally,
+    clock: Clock,
+    preamble: list[dict[str, Any]],
+    chunks: Callable[[Piece], list[dict[str, Any]]],
+    usage_chunk: Callable[[Tally], dict[str, Any]] | None,
+) -> AsyncIterator[str]:
+    """The event stream of one request (its first piece already taken, see `first_piece`)."""
+    status = CLIENT_CLOSED
+    try:
+        for obj in preamble:
+            yield sse(obj)
+        piece = first
+        while piece is not None:
+            clock.saw(piece)
+            tally.add(piece)
+            if piece.error is not None:
+                err = failed_choice(ctx.client, piece.error)
+                status = err.status
+                yield sse(err.body())
+                return
+            for obj in chunks(piece):
+                yield sse(obj)
+            try:
+                piece = await anext(pieces)
+            except StopAsyncIteration:
+                piece = None
+        if usage_chunk is not None:
+            yield sse(usage_chunk(tally))
+        status = 200
+        yield DONE_EVENT
+    except FreeTokenError as exc:
+        err = engine_error(ctx.client, exc)
+        status = err.status
+        yield sse(err.body())
+    except asyncio.CancelledError:
+        status = CLIENT_CLOSED
+        raise
+    finally:
+        await _close(pieces)
+        record(ctx, endpoint, status, tally, clock)

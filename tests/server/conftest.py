@@ -1,0 +1,50 @@
+"""Fixtures for server tests: tiny model directories and one shared `ft serve` over the tiny
+sliding-window model (small pools, chunked prefill, --debug-kv, an API key, cache report)."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from serving import ServeProcess, pid_alive  # noqa: E402
+
+API_KEY = "test-key-123"
+SHARED_FLAGS = [
+    "--page-size", "4", "--num-tokens", "4096", "--max-running-requests", "4", "--max-waiting-requests", "2",
+    "--max-prefill-length", "12", "--enable-cache-report", "--debug-kv", "--dtype", "float32", "--threads", "1",
+]
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tiny_models import write_tiny_model
+
+    return write_tiny_model("gemma3", tmp_path_factory.mktemp("serve_tiny_gemma") / "tiny-gemma")
+
+
+@pytest.fixture(scope="session")
+def server(tiny_gemma_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    """One `ft serve` for the OpenAI-surface, seed, soak, disconnect and queue tests."""
+    proc = ServeProcess(str(tiny_gemma_dir), SHARED_FLAGS, tmp_path_factory.mktemp("serve_logs") / "shared.log", api_key=API_KEY)
+    try:
+        proc.wait_healthy()
+        yield proc
+    finally:
+        code = proc.stop()
+    assert_clean_shutdown(proc, code)
+
+
+def assert_clean_shutdown(proc: ServeProcess, code: int) -> None:
+    """SIGTERM: uvicorn finishes its shutdown (the app stops the engine), then re-raises the signal."""
+    assert code in (0, -signal.SIGTERM), f"ft serve exited with {code} on SIGTERM:\n{proc.log()}"
+    log = proc.log()
+    assert "Application shutdown complete" in log, log
+    for pid in proc.engine_pids:
+        assert not pid_alive(pid), f"engine process {pid} outlived the server"

@@ -1,0 +1,111 @@
+"""Start a real `ft serve` subprocess on a free port of 127.0.0.1 for a test module, and poll it.
+
+Owns `ServeProcess` (launch, wait until /health is 200, stop with SIGTERM, log on failure) and the
+idle-balance check of `/v1/cache/status`. Deadlines are generous and nothing is timed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+READY_DEADLINE_S = 240.0
+IDLE_DEADLINE_S = 120.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServeProcess:
+    def __init__(self, model: str, args: list[str], log_path: Path, api_key: str | None = None) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "freetoken.cli", "serve", "--model", model, "--port", str(self.port), *args]
+        if api_key is not None:
+            cmd += ["--api-key", api_key]
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.engine_pids: set[int] = set()  # every engine pid /health reported
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[2])
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {} if self.api_key is None else {"Authorization": f"Bearer {self.api_key}"}
+
+    def http(self, timeout: float = 120.0) -> httpx.Client:
+        return httpx.Client(base_url=self.base, headers=self.headers, timeout=timeout)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def wait_healthy(self, deadline_s: float = READY_DEADLINE_S) -> dict[str, Any]:
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ft serve exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                r = httpx.get(f"{self.base}/health", timeout=5)
+                if r.status_code == 200:
+                    self.engine_pids.add(r.json()["pid"])
+                    return r.json()
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"ft serve did not become healthy in {deadline_s} s:\n{self.log()}")
+
+    def cache_status(self) -> dict[str, Any]:
+        r = httpx.get(f"{self.base}/v1/cache/status", headers=self.headers, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def wait_idle(self) -> dict[str, Any]:
+        """The cache status once nothing is in flight and no page is held by a request."""
+        end = time.monotonic() + IDLE_DEADLINE_S
+        status = self.cache_status()
+        while time.monotonic() < end:
+            status = self.cache_status()
+            if status["engine"]["in_flight"] == 0 and all(p["in_use"] == 0 for p in status["pools"].values()):
+                return status
+            time.sleep(0.2)
+        raise AssertionError(f"not idle after {IDLE_DEADLINE_S} s: {status}")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+        return int(self.proc.returncode)
+
+
+def pid_alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def assert_balanced_idle(status: dict[str, Any]) -> None:
+    """DESIGN.md §4: every pool balances, nothing in use, no audit violation."""
+    assert status["integrity"]["violations"] == 0, status
+    assert status["integrity"]["ok"] is True, status
+    for name, pool in status["pools"].items():
+        assert pool["in_use"] == 0, (name, pool)
+        assert pool["capacity"] == pool["free"] + pool["cached"] + pool["in_use"] + pool["quarantined"], (name, pool)
