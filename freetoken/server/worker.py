@@ -35,6 +35,7 @@ log = logging.getLogger("freetoken.engine")
 
 AUDIT_INTERVAL_S = 5.0  # full audit while busy (at idle, every step audits)
 IDLE_POLL_MS = 100  # how long an idle engine blocks for a message before checking its parent
+MAX_MESSAGES_PER_STEP = 1024  # a flood of arrivals cannot starve the running requests
 LINGER_MS = 2000  # how long the last messages (EngineError) may take to leave at exit
 
 
@@ -196,14 +197,17 @@ class WorkerLoop:
             self.send(TokenUpdate(req.rid, [], finished=True, finish_reason=FinishReason.ERROR.value, error=message))
         report = self.engine.kv.audit(idle=not self.engine.scheduler.has_work())
         if not report.ok:
-            raise EngineFatal(f"{message}; afterwards the KV state failed its audit: {'; '.join(str(v) for v in report.violations)}")
+            violations = "; ".join(str(v) for v in report.violations)
+            raise EngineFatal(f"{message}; afterwards the KV state failed its audit: {violations}")
 
 
 def serve(loop: WorkerLoop, pull: zmq.Socket, parent_pid: int) -> int:  # type: ignore[type-arg]
     """Receive everything pending (blocking briefly only when idle), apply it, step; repeat."""
     while True:
         timeout = 0 if loop.engine.has_work() else IDLE_POLL_MS
-        while pull.poll(timeout):
+        for _ in range(MAX_MESSAGES_PER_STEP):
+            if not pull.poll(timeout):
+                break
             timeout = 0
             msg = decode(pull.recv())
             if not loop.apply(msg):
