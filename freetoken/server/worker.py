@@ -209,7 +209,11 @@ def serve(loop: WorkerLoop, pull: zmq.Socket, parent_pid: int) -> int:  # type: 
             if not pull.poll(timeout):
                 break
             timeout = 0
-            msg = decode(pull.recv())
+            try:
+                msg = decode(pull.recv())
+            except (ValueError, TypeError) as err:  # a bad message is the sender's bug, not ours
+                log.error("dropped an undecodable message: %s", err)
+                continue
             if not loop.apply(msg):
                 log.info("engine process %d: shutting down", os.getpid())
                 return EXIT_OK
