@@ -1,0 +1,108 @@
+"""Killing the engine process under `ft serve`: /health goes non-200, an in-flight stream ends
+with an error event (no hang, no [DONE]), then the supervisor's new engine serves again. Also:
+the app module keeps torch out of the API process, and a model without a chat template says so."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import assert_clean_shutdown
+from serving import ServeProcess
+
+MODEL = "tiny-gemma"
+
+
+@pytest.fixture(scope="module")
+def own_server(tiny_gemma_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    flags = ["--page-size", "4", "--num-tokens", "2048", "--max-running-requests", "2", "--dtype", "float32", "--threads", "1"]
+    proc = ServeProcess(str(tiny_gemma_dir), flags, tmp_path_factory.mktemp("restart_logs") / "restart.log")
+    try:
+        proc.wait_healthy()
+        yield proc
+    finally:
+        code = proc.stop()
+    assert_clean_shutdown(proc, code)
+
+
+def test_engine_killed_mid_stream_then_back(own_server: ServeProcess) -> None:
+    first_pid = own_server.wait_healthy()["pid"]
+    body = {"model": MODEL, "prompt": [5, 6, 7, 8], "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
+    events: list[str] = []
+    with httpx.Client(base_url=own_server.base, timeout=120) as c, c.stream("POST", "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        for line in lines:
+            if line.startswith("data: "):
+                events.append(line)
+                break
+        os.kill(first_pid, signal.SIGKILL)
+        for line in lines:  # must end (with an error event), not hang
+            if line.startswith("data: "):
+                events.append(line)
+    assert "data: [DONE]" not in events
+    last = json.loads(events[-1][6:])
+    assert "error" in last and last["error"]["message"], last
+    deadline = time.monotonic() + 240
+    health = httpx.get(f"{own_server.base}/health", timeout=30)
+    while health.status_code != 200 and time.monotonic() < deadline:
+        assert health.json()["status"] == "error" and health.json()["message"]
+        time.sleep(0.2)
+        health = httpx.get(f"{own_server.base}/health", timeout=30)
+    assert health.status_code == 200 and health.json()["pid"] != first_pid and health.json()["restarts"] >= 1
+    own_server.engine_pids.add(health.json()["pid"])
+    r = httpx.post(f"{own_server.base}/v1/completions", json={"model": MODEL, "prompt": "back again", "max_tokens": 3}, timeout=120)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    assert "freetoken_engine_restarts 1.0" in httpx.get(f"{own_server.base}/metrics", timeout=30).text
+
+
+def test_health_is_503_while_engine_is_down(own_server: ServeProcess) -> None:
+    pid = own_server.wait_healthy()["pid"]
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    seen = None
+    while time.monotonic() < deadline:
+        r = httpx.get(f"{own_server.base}/health", timeout=30)
+        if r.status_code != 200 or r.json()["pid"] != pid:
+            seen = r
+            break
+        time.sleep(0.02)
+    assert seen is not None and seen.status_code == 503, seen and seen.text
+    assert seen.json()["status"] == "error" and seen.json()["message"]
+    busy = httpx.post(f"{own_server.base}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1}, timeout=60)
+    assert busy.status_code in (200, 503)  # 503 while down; 200 only if the restart already finished
+    if busy.status_code == 503:
+        assert busy.json()["error"]["code"] == "engine_unavailable"
+    own_server.engine_pids.add(own_server.wait_healthy()["pid"])
+
+
+def test_app_import_keeps_torch_out() -> None:
+    code = "import sys, freetoken.server.app, freetoken.server.serve; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parents[2])
+    assert out.stdout.strip() == "False"
+
+
+def test_model_without_chat_template_is_a_400(tmp_path: Path) -> None:
+    from freetoken.server.errors import APIError
+    from freetoken.server.openai_chat import render_chat
+    from freetoken.tokenizer import Tokenizer
+    from freetoken.tokenizer.testing import write_tiny_tokenizer
+
+    write_tiny_tokenizer(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = Tokenizer.from_pretrained_dir(tmp_path)
+    with pytest.raises(APIError) as info:
+        render_chat(tok, [{"role": "user", "content": "hi"}])
+    assert info.value.status == 400 and info.value.code == "no_chat_template"
+    tok.chat_template = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}<|im_start|>"
+    ids, boundaries = render_chat(tok, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}])
+    assert boundaries and all(0 < b < len(ids) for b in boundaries) and list(boundaries) == sorted(boundaries)
