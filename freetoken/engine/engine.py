@@ -141,7 +141,7 @@ class Engine:
         self.steps += 1
         logits = self.runner.forward(items)  # one row per item that samples (+ prompt rows)
         sampling: list[ScheduledItem] = []
-        rows: list[torch.Tensor] = []
+        rows: list[int] = []
         offset = 0
         for item in items:
             item.req.num_computed += item.n
@@ -151,13 +151,13 @@ class Engine:
                 self._record_prompt_logprobs(item, chunk)
                 if item.samples:
                     sampling.append(item)
-                    rows.append(chunk[-1])
+                    rows.append(offset - 1)
             elif item.samples:
                 sampling.append(item)
-                rows.append(logits[offset])
+                rows.append(offset)
                 offset += 1
         if sampling:
-            result = sample(torch.stack(rows), [it.req for it in sampling])
+            result = sample(logits[rows], [it.req for it in sampling])
             for item, tok, lp in zip(sampling, result.token_ids, result.logprobs):
                 req = item.req
                 req.output_ids.append(tok)

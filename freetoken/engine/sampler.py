@@ -41,8 +41,9 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p masks, batched. Greedy rows are left alone."""
     # logits: [N, V] float32
     n, vocab = logits.shape
-    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], dtype=logits.dtype)
-    logits = logits / temps[:, None]
+    if any(p.temperature not in (0.0, 1.0) for p in params):
+        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], dtype=logits.dtype)
+        logits = logits / temps[:, None]
     top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
     top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)
     min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype)
@@ -69,21 +70,28 @@ def _logprob_of(logprobs_row: torch.Tensor, token_id: int, k: int) -> TokenLogpr
 
 
 def sample(logits: torch.Tensor, requests: list[Request]) -> SampleResult:
-    """One token per request; `logits[i]` belongs to `requests[i]`."""
+    """One token per request; `logits[i]` belongs to `requests[i]` (penalties edit it in place)."""
     # logits: [N, V]
     logits = logits.float()
     params = [r.params for r in requests]
     raw_logprobs = logits.log_softmax(dim=-1) if any(p.logprobs is not None for p in params) else None
-    logits = _filter(_penalize(logits.clone(), requests), params)
-    probs = logits.softmax(dim=-1)
-    chosen: list[int] = []
-    for i, (req, p) in enumerate(zip(requests, params)):
-        if p.greedy:
-            chosen.append(int(logits[i].argmax()))
-            continue
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, with the request's own generator.
-        noise = torch.empty_like(probs[i]).exponential_(generator=req.generator)
-        chosen.append(int((probs[i] / noise).argmax()))
+    if any(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty for p in params):
+        _penalize(logits, requests)
+    chosen = [0] * len(requests)
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if greedy:
+        for i, tok in zip(greedy, logits[greedy].argmax(dim=-1).tolist()):
+            chosen[i] = tok
+    if sampled:
+        probs = _filter(logits[sampled], [params[i] for i in sampled]).softmax(dim=-1)  # [S, V]
+        cdf = probs.cumsum(dim=-1)  # [S, V]
+        # Inverse-CDF draw, one uniform number per request from its own generator (seeded
+        # requests are reproducible whatever else is in the batch).
+        u = torch.stack([torch.rand((), generator=requests[i].generator, dtype=cdf.dtype) for i in sampled])
+        picks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp_(max=logits.shape[1] - 1)
+        for row, i in enumerate(sampled):
+            chosen[i] = int(picks[row, 0])
     logprobs: list[TokenLogprob | None] = []
     for i, p in enumerate(params):
         if p.logprobs is None or raw_logprobs is None:
