@@ -4,12 +4,21 @@ Owns the block layouts of the GGML types FreeToken reads (F32, F16, BF16, Q8_0, 
 Q4_1, Q4_K, Q5_K, Q6_K, MXFP4) and their decoding, written as vectorised torch code so it runs on
 any device. It knows nothing of tensor names, architectures or files: it is given raw bytes, a
 type and a shape. Results are bit-identical to `gguf.quants.dequantize` (same float operations in
-the same order).
+the same order), then rounded once to the requested dtype.
+
+Speed on CPU: a tensor is decoded in chunks small enough that no torch op inside a chunk is split
+across torch's intra-op threads (on a busy machine each split op can stall for milliseconds), and
+the chunks are spread over a few Python threads instead (torch releases the GIL inside its ops).
+Each decoder writes its float32 values into a buffer it is given (the output itself when that is
+float32); nibbles and high bits are unpacked eight bytes at a time with int64 word ops, and the
+integers are converted to float once, inside the multiply by the block scale.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import gguf
 import numpy as np
@@ -19,157 +28,183 @@ from freetoken.errors import ModelLoadError
 
 QType = gguf.GGMLQuantizationType
 
-# Elements decoded per chunk: bounds the temporaries of one step (a few times this many floats).
-CHUNK_ELEMENTS = 1 << 22
+# Elements decoded per chunk on CPU: below torch's intra-op grain size (32768), so every op in a
+# chunk runs on the calling thread, and small enough for the temporaries to stay in cache.
+CHUNK_ELEMENTS = 32768 - 256
+# Elements per chunk on other devices (one stream, so larger steps mean fewer kernel launches).
+DEVICE_CHUNK_ELEMENTS = 1 << 22
 
 # MXFP4 (e2m1) code points, doubled so they are integers; the block scale is halved to match.
 _MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+# The low nibble of each byte of an int64 word; the low two bits of each byte.
+_LOW4 = 0x0F0F0F0F0F0F0F0F
+_LOW2 = 0x0303030303030303
+
+
+@dataclass(frozen=True)
+class _Constants:
+    """Small tensors the decoders index or broadcast against, made once per `dequantize` call."""
+
+    spread: torch.Tensor  # [256] int64: byte k of entry x is 16 if bit k of x is set, else 0
+    pair_shifts: torch.Tensor  # [1, 1, 4, 1] int64: 0, 2, 4, 6
+    nibble_shifts: torch.Tensor  # [1, 2, 1] uint8: 0, 4
+    mxfp4: torch.Tensor  # [16] float32: _MXFP4_VALUES
+
+    @staticmethod
+    def on(device: torch.device) -> _Constants:
+        bits = (torch.arange(256, device=device).unsqueeze(1) >> torch.arange(8, device=device)) & 1
+        return _Constants(
+            spread=(bits * 16).to(torch.uint8).view(torch.int64).reshape(256),  # [256, 8] bytes -> words
+            pair_shifts=torch.tensor([0, 2, 4, 6], device=device).reshape(1, 1, 4, 1),
+            nibble_shifts=torch.tensor([0, 4], dtype=torch.uint8, device=device).reshape(1, 2, 1),
+            mxfp4=torch.tensor(_MXFP4_VALUES, dtype=torch.float32, device=device),
+        )
+
+
+# A decoder reads [n, type_size] block bytes and writes the [n, block_size] float32 values.
+Decoder = Callable[[torch.Tensor, torch.Tensor, _Constants], None]
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
-    """[n, 2] little-endian bytes -> [n, 1] float32."""
-    return b.contiguous().view(torch.float16).to(torch.float32)
+    """[n, 2k] little-endian bytes (at an even offset, in rows of even stride) -> [n, k] float32."""
+    return b.view(torch.float16).to(torch.float32)
 
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """[n, k] bytes -> [n, 2k] uint8: the k low nibbles, then the k high nibbles."""
-    return torch.cat((qs & 0x0F, qs >> 4), dim=-1)
+    """[..., k] bytes, k a multiple of 8 -> [..., 2k] uint8: the k low nibbles, then the k high
+    nibbles. Unpacked eight bytes at a time in int64 words (byte-wide shifts are slow on CPU)."""
+    w = qs.contiguous().view(torch.int64)  # [..., k / 8]
+    q = torch.stack((w, w >> 4), dim=-2)  # [..., 2, k / 8]
+    q &= _LOW4
+    return q.view(torch.uint8).flatten(-2)
 
 
-def _bits(b: torch.Tensor, nbits: int = 8) -> torch.Tensor:
-    """[n, k] bytes -> [n, k, nbits] uint8: bit i of each byte (LSB first) along the last axis."""
-    shifts = torch.arange(nbits, dtype=torch.uint8, device=b.device)
-    return (b.unsqueeze(-1) >> shifts) & 1
+def _fifth_bits(qh: torch.Tensor, c: _Constants) -> torch.Tensor:
+    """[n, k] bytes -> [n, k] int64 words: byte j of word i is 16 when bit j of qh[i] is set."""
+    return c.spread[qh.to(torch.int64)]
 
 
-def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
+def _q8_0(blocks: torch.Tensor, out: torch.Tensor, c: _Constants) -> None:
     # block (34 B): d f16 | qs int8[32]
-    d = _f16(blocks[:, :2])
-    x = blocks[:, 2:].contiguous().view(torch.int8).to(torch.float32)
-    return x * d
+    torch.mul(blocks[:, 2:].view(torch.int8), _f16(blocks[:, :2]), out=out)
 
 
-def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
+def _q4_0(blocks: torch.Tensor, out: torch.Tensor, c: _Constants) -> None:
     # block (18 B): d f16 | qs[16]; element j < 16 is the low nibble of qs[j], j >= 16 the high one
-    d = _f16(blocks[:, :2])
-    q = _nibbles(blocks[:, 2:]).to(torch.int8) - 8
-    return d * q.to(torch.float32)
+    q = _nibbles(blocks[:, 2:]).view(torch.int8)
+    q -= 8
+    torch.mul(q, _f16(blocks[:, :2]), out=out)
 
 
-def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
+def _q4_1(blocks: torch.Tensor, out: torch.Tensor, c: _Constants) -> None:
     # block (20 B): d f16 | m f16 | qs[16]
-    d = _f16(blocks[:, :2])
-    m = _f16(blocks[:, 2:4])
-    q = _nibbles(blocks[:, 4:]).to(torch.float32)
-    return d * q + m
+    dm = _f16(blocks[:, :4])
+    torch.mul(_nibbles(blocks[:, 4:]), dm[:, :1], out=out)
+    out += dm[:, 1:]
 
 
-def _q5_high(qh: torch.Tensor) -> torch.Tensor:
-    """[n, 4] bytes of a little-endian uint32 -> [n, 32] uint8: bit j of it, shifted to bit 4."""
-    return _bits(qh).reshape(qh.shape[0], 32) << 4
+def _q5(qh: torch.Tensor, qs: torch.Tensor, c: _Constants) -> torch.Tensor:
+    """qh [n, 4] (bit j = 5th bit of element j) and qs [n, 16] as in Q4_0 -> [n, 32] uint8."""
+    q = _nibbles(qs)
+    q.view(torch.int64).bitwise_or_(_fifth_bits(qh, c))
+    return q
 
 
-def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
-    # block (22 B): d f16 | qh u32 (bit j = 5th bit of element j) | qs[16] as in Q4_0
-    d = _f16(blocks[:, :2])
-    q = (_nibbles(blocks[:, 6:]) | _q5_high(blocks[:, 2:6])).to(torch.int8) - 16
-    return d * q.to(torch.float32)
+def _q5_0(blocks: torch.Tensor, out: torch.Tensor, c: _Constants) -> None:
+    # block (22 B): d f16 | qh u32 | qs[16]
+    q = _q5(blocks[:, 2:6], blocks[:, 6:], c).view(torch.int8)
+    q -= 16
+    torch.mul(q, _f16(blocks[:, :2]), out=out)
 
 
-def _q5_1(blocks: torch.Tensor) -> torch.Tensor:
+def _q5_1(blocks: torch.Tensor, out: torch.Tensor, c: _Constants) -> None:
     # block (24 B): d f16 | m f16 | qh u32 | qs[16]
-    d = _f16(blocks[:, :2])
-    m = _f16(blocks[:, 2:4])
-    q = (_nibbles(blocks[:, 8:]) | _q5_high(blocks[:, 4:8])).to(torch.float32)
-    return d * q + m
+    dm = _f16(blocks[:, :4])
+    torch.mul(_q5(blocks[:, 4:8], blocks[:, 8:], c), dm[:, :1], out=out)
+    out += dm[:, 1:]
 
 
-def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The 12 packed bytes of a Q4_K/Q5_K block -> 8 six-bit scales and 8 six-bit mins, [n, 8] each.
+def _k_scales(blocks: torch.Tensor, c: _Constants) -> torch.Tensor:
+    """Bytes 0-15 of Q4_K/Q5_K blocks -> [n, 2, 8, 1] float32: d * scale_s and dmin * min_s.
 
-    Bytes 0-3 hold scales 0-3 (low 6 bits) and the top 2 bits of scales 4-7; bytes 4-7 hold mins
-    0-3 and the top 2 bits of mins 4-7; bytes 8-11 hold the low 4 bits of scales 4-7 (low nibble)
-    and of mins 4-7 (high nibble).
+    Bytes 0-3 hold d and dmin (f16). Of the 12 packed bytes that follow, bytes 4-7 hold scales 0-3
+    (low 6 bits) and the top 2 bits of scales 4-7; bytes 8-11 mins 0-3 and the top 2 bits of mins
+    4-7; bytes 12-15 the low 4 bits of scales 4-7 (low nibble) and of mins 4-7 (high nibble).
     """
-    a, b, c = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
-    sc = torch.cat((a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30)), dim=-1)
-    mn = torch.cat((b & 0x3F, (c >> 4) | ((b >> 2) & 0x30)), dim=-1)
-    return sc, mn
-
-
-def _k_4bit(qs: torch.Tensor) -> torch.Tensor:
-    """[n, 128] bytes -> [n, 8, 32] uint8: chunk c of 32 bytes gives sub-block 2c (low nibbles)
-    and sub-block 2c + 1 (high nibbles)."""
-    q = qs.reshape(-1, 4, 1, 32)
-    q = torch.cat((q & 0x0F, q >> 4), dim=2)  # [n, 4, 2, 32]
-    return q.reshape(-1, 8, 32)
-
-
-def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
-    # super-block (144 B) of 256 = 8 x 32: d f16 | dmin f16 | scales[12] | qs[128]
     n = blocks.shape[0]
-    d = _f16(blocks[:, 0:2])
-    dmin = _f16(blocks[:, 2:4])
-    sc, mn = _k_scales(blocks[:, 4:16])
-    ds = (d * sc.to(torch.float32)).reshape(n, 8, 1)
-    dm = (dmin * mn.to(torch.float32)).reshape(n, 8, 1)
-    q = _k_4bit(blocks[:, 16:]).to(torch.float32)
-    return (ds * q - dm).reshape(n, 256)
+    ab = blocks[:, 4:12].view(n, 2, 4)  # scale bytes, min bytes
+    packed = torch.empty(n, 2, 8, dtype=torch.uint8, device=blocks.device)
+    torch.bitwise_and(ab, 0x3F, out=packed[:, :, :4])
+    high = packed[:, :, 4:]
+    torch.bitwise_right_shift(blocks[:, 12:16].view(n, 1, 4), c.nibble_shifts, out=high)
+    high &= 0x0F
+    high |= (ab >> 2) & 0x30
+    return torch.mul(packed, _f16(blocks[:, 0:4]).view(n, 2, 1)).unsqueeze(-1)
 
 
-def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
+def _k_apply(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+    """out = (d * scale) * q - dmin * min, per sub-block of 32; q is [n, 8, 32] uint8."""
+    values = out.view(q.shape)
+    torch.mul(q, scales[:, 0], out=values)
+    values -= scales[:, 1]
+
+
+def _q4_k(blocks: torch.Tensor, out: torch.Tensor, c: _Constants) -> None:
+    # super-block (144 B) of 256 = 8 x 32: d f16 | dmin f16 | scales[12] | qs[128]; chunk j of 32
+    # bytes of qs gives sub-block 2j (low nibbles) and 2j + 1 (high nibbles)
+    n = blocks.shape[0]
+    q = _nibbles(blocks[:, 16:].view(n, 4, 32)).view(n, 8, 32)
+    _k_apply(q, _k_scales(blocks, c), out)
+
+
+def _q5_k(blocks: torch.Tensor, out: torch.Tensor, c: _Constants) -> None:
     # super-block (176 B): d f16 | dmin f16 | scales[12] | qh[32] | qs[128]; bit s of qh[l] is the
     # 5th bit of element l of sub-block s
     n = blocks.shape[0]
-    d = _f16(blocks[:, 0:2])
-    dmin = _f16(blocks[:, 2:4])
-    sc, mn = _k_scales(blocks[:, 4:16])
-    ds = (d * sc.to(torch.float32)).reshape(n, 8, 1)
-    dm = (dmin * mn.to(torch.float32)).reshape(n, 8, 1)
-    high = _bits(blocks[:, 16:48]).transpose(1, 2)  # [n, 32, 8] -> [n, 8 sub-blocks, 32]
-    q = (_k_4bit(blocks[:, 48:]) | (high << 4)).to(torch.float32)
-    return (ds * q - dm).reshape(n, 256)
+    q = _nibbles(blocks[:, 48:].view(n, 4, 32)).view(n, 8, 32)
+    high = _fifth_bits(blocks[:, 16:48], c).view(torch.uint8).view(n, 32, 8)  # [n, l, s]
+    q |= high.transpose(1, 2)
+    _k_apply(q, _k_scales(blocks, c), out)
 
 
-def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
+def _q6_k(blocks: torch.Tensor, out: torch.Tensor, c: _Constants) -> None:
     # super-block (210 B) of 256 = 16 x 16: ql[128] | qh[64] | scales int8[16] | d f16.
     # Each half h (128 values) uses ql[64h:64h+64] and qh[32h:32h+32]; within it, quarter k (32
     # values) takes nibble k // 2 of ql[l + 32 (k % 2)] and bits 2k..2k+1 of qh[l].
     n = blocks.shape[0]
-    ql = blocks[:, 0:128].reshape(n, 2, 1, 2, 32)
-    low = torch.cat((ql & 0x0F, ql >> 4), dim=2).reshape(n, 2, 4, 32)  # [n, half, quarter, l]
-    qh = blocks[:, 128:192].reshape(n, 2, 1, 32)
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=blocks.device).reshape(1, 1, 4, 1)
-    high = (qh >> shifts) & 0x03  # [n, half, quarter, l]
-    q = ((low | (high << 4)).to(torch.int8) - 32).reshape(n, 16, 16).to(torch.float32)
-    scales = blocks[:, 192:208].contiguous().view(torch.int8).to(torch.float32)
-    d = _f16(blocks[:, 208:210])
-    return ((d * scales).reshape(n, 16, 1) * q).reshape(n, 256)
+    q = _nibbles(blocks[:, 0:128].view(n, 2, 64)).view(n, 2, 4, 32)  # [n, half, quarter k, l]
+    qh = blocks[:, 128:192].contiguous().view(torch.int64).view(n, 2, 1, 4)  # [n, half, 1, words]
+    high = (qh >> c.pair_shifts) & _LOW2  # [n, half, quarter k, words]: bits 2k..2k+1 of each byte
+    high <<= 4
+    q.view(torch.int64).view(n, 2, 4, 4).bitwise_or_(high)
+    q = q.view(torch.int8)
+    q -= 32
+    ds = torch.mul(_f16(blocks[:, 208:210]), blocks[:, 192:208].view(torch.int8))  # [n, 16] float32
+    torch.mul(ds.unsqueeze(-1), q.view(n, 16, 16), out=out.view(n, 16, 16))
 
 
-def _mxfp4(blocks: torch.Tensor) -> torch.Tensor:
+def _mxfp4(blocks: torch.Tensor, out: torch.Tensor, c: _Constants) -> None:
     # block (17 B): e (E8M0 exponent) | qs[16] as in Q4_0, each nibble an index into _MXFP4_VALUES
     e = blocks[:, :1].to(torch.int32)
     # 2^(e - 128) as float32 bits; e < 2 gives a subnormal (0x00200000 << e)
     bits = torch.where(e < 2, torch.bitwise_left_shift(torch.full_like(e, 0x00200000), e), (e - 1) << 23)
-    d = bits.view(torch.float32)
-    table = torch.tensor(_MXFP4_VALUES, dtype=torch.float32, device=blocks.device)
-    return d * table[_nibbles(blocks[:, 1:]).to(torch.int64)]
+    values = c.mxfp4[_nibbles(blocks[:, 1:]).to(torch.int64)]
+    torch.mul(bits.view(torch.float32), values, out=out)
 
 
-def _f32(blocks: torch.Tensor) -> torch.Tensor:
-    return blocks.contiguous().view(torch.float32)
+def _f32(blocks: torch.Tensor, out: torch.Tensor, c: _Constants) -> None:
+    out.copy_(blocks.view(torch.float32))
 
 
-def _f16_elems(blocks: torch.Tensor) -> torch.Tensor:
-    return blocks.contiguous().view(torch.float16).to(torch.float32)
+def _f16_elems(blocks: torch.Tensor, out: torch.Tensor, c: _Constants) -> None:
+    out.copy_(blocks.view(torch.float16))
 
 
-def _bf16(blocks: torch.Tensor) -> torch.Tensor:
-    return (blocks.contiguous().view(torch.int16).to(torch.int32) << 16).view(torch.float32)
+def _bf16(blocks: torch.Tensor, out: torch.Tensor, c: _Constants) -> None:
+    out.copy_(blocks.view(torch.bfloat16))  # exact: a bfloat16 is the top half of a float32
 
 
-_DECODERS: dict[QType, Callable[[torch.Tensor], torch.Tensor]] = {
+_DECODERS: dict[QType, Decoder] = {
     QType.F32: _f32,
     QType.F16: _f16_elems,
     QType.BF16: _bf16,
@@ -195,11 +230,19 @@ def type_name(qtype: int) -> str:
         return f"type {int(qtype)}"
 
 
-def _byte_view(raw: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
-    """The tensor's bytes as a flat uint8 array (no copy when already contiguous)."""
+def _byte_view(raw: np.ndarray | torch.Tensor) -> torch.Tensor | np.ndarray:
+    """The tensor's bytes as a flat uint8 torch tensor (no copy when already contiguous and
+    writable), or a flat uint8 numpy array for read-only input (copied chunk by chunk later)."""
     if isinstance(raw, torch.Tensor):
-        return raw.contiguous().reshape(-1).view(torch.uint8)
-    return np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+        data = raw.contiguous().reshape(-1).view(torch.uint8)
+        # the decoders view block fields as float16 / float32: keep the base 4-byte aligned
+        return data if data.storage_offset() % 4 == 0 else data.clone()
+    flat = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+    return torch.from_numpy(flat) if flat.flags.writeable and flat.ctypes.data % 4 == 0 else flat
+
+
+def _chunk_elements(device: torch.device) -> int:
+    return CHUNK_ELEMENTS if device.type == "cpu" else DEVICE_CHUNK_ELEMENTS
 
 
 def dequantize(
@@ -209,14 +252,16 @@ def dequantize(
     name: str = "<unnamed>",
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
+    threads: int | None = None,
 ) -> torch.Tensor:
     """Decode the GGML data of one tensor into a new tensor of `shape` (torch order, outermost
     first, i.e. the reverse of GGUF's ne) and `dtype`, computed in float32 on `device`.
 
-    `raw` is the tensor's data as stored (uint8 blocks, or the typed view `gguf.GGUFReader`
-    gives for float types); it is never written to and may be a read-only memory map. Decoding
-    goes chunk by chunk, so peak memory is the output plus a few chunks. Raises ModelLoadError
-    for a type without a decoder or bytes that do not match the shape.
+    `raw` is the tensor's data as stored (uint8 blocks, or a typed view for float types); it is
+    never written to and may be a read-only memory map. Decoding goes chunk by chunk, so peak
+    memory is the output plus a few chunks; on CPU the chunks are shared among `threads` Python
+    threads (default: torch's intra-op thread count). Raises ModelLoadError for a type without a
+    decoder or bytes that do not match the shape.
     """
     if qtype not in _DECODERS:
         raise ModelLoadError(f"unsupported quant type {type_name(qtype)} for tensor {name}")
@@ -236,12 +281,29 @@ def dequantize(
             f"tensor {name}: {data.shape[0]} bytes of {qtype.name} data, expected {n_blocks * type_size} for shape {list(shape)}"
         )
     out = torch.empty(n_elements, dtype=dtype, device=device)
-    step = max(1, CHUNK_ELEMENTS // block_size)
-    for first in range(0, n_blocks, step):
+    constants = _Constants.on(out.device)
+    step = max(1, _chunk_elements(out.device) // block_size)
+
+    def run(first: int) -> None:
         last = min(n_blocks, first + step)
         chunk = data[first * type_size : last * type_size]
         if isinstance(chunk, np.ndarray):
-            chunk = torch.from_numpy(chunk.copy())  # copy: the source may be a read-only memmap
-        blocks = chunk.to(device).reshape(last - first, type_size)  # [blocks, bytes per block]
-        out[first * block_size : last * block_size] = decode(blocks).reshape(-1)
+            chunk = torch.from_numpy(chunk.copy())  # copy: the source is read-only
+        blocks = chunk.to(out.device).view(last - first, type_size)  # [blocks, bytes per block]
+        target = out[first * block_size : last * block_size].view(last - first, block_size)
+        if dtype == torch.float32:
+            decode(blocks, target, constants)
+        else:  # decode in float32, then round once
+            values = torch.empty(target.shape, dtype=torch.float32, device=out.device)
+            decode(blocks, values, constants)
+            target.copy_(values)
+
+    starts = range(0, n_blocks, step)
+    workers = 1 if out.device.type != "cpu" else min(len(starts), threads or torch.get_num_threads())
+    if workers <= 1:
+        for first in starts:
+            run(first)
+    else:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dequantize") as pool:
+            list(pool.map(run, starts))  # list(): re-raises the first error
     return out.reshape(shape)

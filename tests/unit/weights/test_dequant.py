@@ -159,3 +159,43 @@ def test_cuda_matches_cpu(qtype: Q) -> None:
     got = dequantize(raw, qtype, shape, "cuda", device="cuda")
     assert got.device.type == "cuda"
     assert torch.equal(got.cpu(), dequantize(raw, qtype, shape, "cpu"))
+
+
+def random_blocks(qtype: Q, n_blocks: int, seed: int) -> np.ndarray:
+    """[n_blocks, type_size] random block bytes with finite f16 scale fields."""
+    _, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (n_blocks, type_size), dtype=np.uint8)
+    for offset in F16_FIELDS.get(qtype, []):
+        raw[:, offset : offset + 2] = rng.uniform(-2.0, 2.0, n_blocks).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return raw
+
+
+@pytest.mark.parametrize("qtype", sorted(F16_FIELDS, key=int) + [Q.MXFP4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_narrow_output_is_the_reference_rounded_once(qtype: Q, dtype: torch.dtype) -> None:
+    block_size, _ = gguf.GGML_QUANT_SIZES[qtype]
+    raw = random_blocks(qtype, 40, 300 + int(qtype))
+    shape = (8, 5 * block_size)
+    got = dequantize(raw, qtype, shape, "narrow", dtype=dtype)
+    assert got.dtype == dtype
+    assert torch.equal(got, reference(raw, qtype, shape).to(dtype))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q5_0, Q.Q4_K, Q.Q6_K])
+def test_chunks_threads_and_read_only_input_do_not_change_the_result(qtype: Q, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many chunks shared by several threads, from a read-only array (copied chunk by chunk) and
+    from a writable one (viewed in place), give the single-chunk result."""
+    import freetoken.weights.dequant as dq
+
+    block_size, _ = gguf.GGML_QUANT_SIZES[qtype]
+    raw = random_blocks(qtype, 96, 400 + int(qtype))
+    shape = (12, 8 * block_size)
+    want = reference(raw, qtype, shape)
+    monkeypatch.setattr(dq, "CHUNK_ELEMENTS", 3 * block_size)  # 32 chunks
+    read_only = raw.copy()
+    read_only.flags.writeable = False
+    for data in (raw, read_only):
+        for threads in (1, 3):
+            assert torch.equal(dq.dequantize(data, qtype, shape, "chunked", threads=threads), want)
+    assert np.array_equal(read_only, raw)  # never written
