@@ -20,6 +20,8 @@ from freetoken.server.context import ServingContext
 from freetoken.server.metrics import Metrics
 from freetoken.server.settings import ServerConfig
 from freetoken.tokenizer import Tokenizer
+from freetoken.weights.gguf_metadata import read_metadata
+from freetoken.weights.source import resolve_model
 
 log = logging.getLogger("freetoken.server")
 
@@ -28,10 +30,6 @@ GRACEFUL_SHUTDOWN_S = 5
 
 def load_tokenizer(engine_config: EngineConfig, server_config: ServerConfig) -> tuple[Tokenizer, str]:
     """The model's tokenizer (with `--chat-template` applied) and the name it is served under."""
-    # loader imports torch at module level; see the report: resolve_model belongs in a torch-free module.
-    from freetoken.weights.gguf_metadata import read_metadata
-    from freetoken.weights.loader import resolve_model
-
     source = resolve_model(engine_config.model)
     if source.kind == "gguf":
         tokenizer = Tokenizer.from_gguf_metadata(read_metadata(source.path))

@@ -227,7 +227,10 @@ def run_worker(config: EngineConfig, *, engine_endpoint: str, api_endpoint: str,
     """The engine process: bind `engine_endpoint` (PULL), connect `api_endpoint` (PUSH), build
     the engine, send Ready, serve. Returns the process's exit code."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine[%(process)d] %(levelname)s %(message)s")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the API process, which sends Shutdown
+    # Ctrl-C and a SIGTERM to the process group reach the API process, which sends Shutdown
+    # (and escalates to SIGKILL if that is not obeyed).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     parent_pid = os.getppid()
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
