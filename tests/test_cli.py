@@ -1,0 +1,84 @@
+"""`ft` as a user runs it: subprocesses, stdout/stderr and exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from tiny_models import write_tiny_model  # noqa: E402
+
+
+def ft(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "freetoken.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model("gemma3", tmp_path_factory.mktemp("cli_tiny"))
+
+
+def test_version_and_help_list_every_subcommand() -> None:
+    out = ft("--version")
+    assert out.returncode == 0 and out.stdout.startswith("freetoken ")
+    helptext = ft("--help").stdout
+    for sub in ("generate", "inspect", "serve"):
+        assert sub in helptext
+
+
+def test_generate_prints_only_the_completion(tiny_dir: Path) -> None:
+    out = ft("generate", "--model", str(tiny_dir), "--max-tokens", "5", "--dtype", "float32", "hello")
+    assert out.returncode == 0, out.stderr
+    from freetoken.llm import LLM
+    from freetoken.request import SamplingParams
+
+    llm = LLM(str(tiny_dir), dtype="float32", max_running_requests=1)
+    expected = llm.generate(["hello"], SamplingParams(max_tokens=5, temperature=0))[0].text
+    assert out.stdout == expected + "\n"
+    assert "loaded" in out.stderr  # logs go to stderr
+
+
+def test_inspect_describes_layers_and_vocab(tiny_dir: Path) -> None:
+    out = ft("inspect", "--model", str(tiny_dir))
+    assert out.returncode == 0, out.stderr
+    config = json.loads((tiny_dir / "config.json").read_text())
+    assert "architecture:  gemma3" in out.stdout
+    assert f"window:        {config['sliding_window']}" in out.stdout
+    assert "SFSF" in out.stdout  # sliding pattern 2 over 4 layers
+    assert "vocabulary:    320" in out.stdout
+    assert "none (safetensors)" in out.stdout
+
+
+def one_line_error(out: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert out.returncode != 0
+    assert "Traceback" not in out.stderr
+    errors = [line for line in out.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1, out.stderr
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+
+
+def test_bad_models_give_one_line_errors(tmp_path: Path, tiny_dir: Path) -> None:
+    one_line_error(ft("generate", "--model", str(tmp_path / "nope.gguf"), "x"), "not found")
+    corrupt = tmp_path / "corrupt.gguf"
+    corrupt.write_bytes(b"GGUF" + b"\x00" * 20)
+    one_line_error(ft("generate", "--model", str(corrupt), "x"), "corrupt.gguf")
+    no_config = tmp_path / "noconfig"
+    no_config.mkdir()
+    (no_config / "tokenizer.json").write_text((tiny_dir / "tokenizer.json").read_text())
+    one_line_error(ft("generate", "--model", str(no_config), "x"), "config.json")
+    no_tok = tmp_path / "notok"
+    no_tok.mkdir()
+    (no_tok / "config.json").write_text((tiny_dir / "config.json").read_text())
+    one_line_error(ft("generate", "--model", str(no_tok), "x"), "tokenizer.json")
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    for name in ("tokenizer.json", "model.safetensors"):
+        (foreign / name).write_bytes((tiny_dir / name).read_bytes())
+    (foreign / "config.json").write_text(json.dumps({"model_type": "mamba"}))
+    one_line_error(ft("inspect", "--model", str(foreign)), "mamba")
