@@ -15,13 +15,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import gguf
 import torch
 from tqdm import tqdm
 
 from freetoken.errors import ModelLoadError
 from freetoken.weights.dequant import SUPPORTED_TYPES, dequantize, type_name
 from freetoken.weights.gguf_config import architecture_of, hf_config_from_metadata
+from freetoken.weights.gguf_file import GGUFFile, GGUFTensorInfo
 from freetoken.weights.gguf_metadata import metadata_of, open_gguf
 from freetoken.weights.names import HFTensorAssembler, hf_target
 
@@ -53,20 +53,22 @@ def tqdm_progress(description: str = "loading weights") -> ProgressCallback:
     return update
 
 
-def torch_shape(t: gguf.ReaderTensor) -> tuple[int, ...]:
-    """A tensor's shape outermost first (GGUF stores ne, innermost first)."""
-    return tuple(int(x) for x in reversed(t.shape.tolist()))
+def quant_type_counts(reader: GGUFFile) -> dict[str, int]:
+    return dict(Counter(type_name(t.ggml_type) for t in reader.tensors))
 
 
-def quant_type_counts(reader: gguf.GGUFReader) -> dict[str, int]:
-    return dict(Counter(type_name(t.tensor_type) for t in reader.tensors))
+def decode_dtype(t: GGUFTensorInfo, dtype: torch.dtype) -> torch.dtype:
+    """The dtype to dequantize a tensor into. Matrices go straight to `dtype` (renaming and
+    rearranging only move their values); vectors (norms, biases) stay float32 until the assembler
+    has rearranged them, since the Gemma norm shift does arithmetic on them."""
+    return torch.float32 if len(t.shape) <= 1 else dtype
 
 
-def _check_tensors(path: Path, arch: str, reader: gguf.GGUFReader) -> None:
+def _check_tensors(path: Path, arch: str, reader: GGUFFile) -> None:
     """Fail before decoding anything: every tensor must have a known name and a supported type."""
     for t in reader.tensors:
-        if t.tensor_type not in SUPPORTED_TYPES:
-            raise ModelLoadError(f"{path}: unsupported quant type {type_name(t.tensor_type)} for tensor {t.name}")
+        if t.ggml_type not in SUPPORTED_TYPES:
+            raise ModelLoadError(f"{path}: unsupported quant type {type_name(t.ggml_type)} for tensor {t.name}")
         try:
             hf_target(arch, t.name)
         except ModelLoadError as err:
@@ -99,7 +101,8 @@ def load_gguf(
     total = len(reader.tensors)
     for i, t in enumerate(reader.tensors):
         try:
-            values = dequantize(t.data, t.tensor_type, torch_shape(t), t.name, device=device)
+            data = reader.tensor_data(t)
+            values = dequantize(data, t.ggml_type, t.shape, t.name, decode_dtype(t, dtype), device)
             assembler.add(t.name, values)
         except ModelLoadError as err:
             raise ModelLoadError(f"{p}: {err}") from None

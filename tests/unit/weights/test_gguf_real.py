@@ -22,9 +22,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
-from freetoken.weights.gguf import GGUFCheckpoint, load_gguf, torch_shape
+from freetoken.weights.gguf import GGUFCheckpoint, load_gguf
 from freetoken.weights.gguf_config import hf_config_from_metadata
-from freetoken.weights.gguf_metadata import metadata_of
+from freetoken.weights.gguf_metadata import metadata_of, open_gguf
 from freetoken.weights.names import HFTensorAssembler, hf_target
 from freetoken.weights.dequant import dequantize
 
@@ -35,6 +35,10 @@ CONFIG_KEYS = [
     "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
     "rope_parameters", "bos_token_id", "eos_token_id", "pad_token_id", "attention_bias",
 ]  # fmt: skip
+
+
+def torch_shape(t: gguf.ReaderTensor) -> tuple[int, ...]:
+    return tuple(int(x) for x in reversed(t.shape.tolist()))
 
 
 def assert_config_agrees(got: dict[str, object], ref: PreTrainedConfig, extra: list[str]) -> None:
@@ -90,8 +94,9 @@ def gemma_transformers_config(gemma_gguf: Path, gemma_reader: gguf.GGUFReader) -
 
 
 @pytest.fixture(scope="session")
-def gemma_config(gemma_reader: gguf.GGUFReader) -> dict[str, object]:
-    return hf_config_from_metadata(metadata_of(gemma_reader), [t.name for t in gemma_reader.tensors])
+def gemma_config(gemma_gguf: Path) -> dict[str, object]:
+    reader = open_gguf(gemma_gguf)
+    return hf_config_from_metadata(metadata_of(reader), [t.name for t in reader.tensors])
 
 
 def test_gemma_config_matches_transformers(gemma_config: dict[str, object], gemma_transformers_config: PreTrainedConfig) -> None:
