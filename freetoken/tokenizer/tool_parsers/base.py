@@ -1,0 +1,161 @@
+"""The shapes every tool-call parser shares: parsed calls, stream deltas and the parser ABC.
+
+Owns `ToolCall`, `ParsedOutput`, `ToolCallDelta`, `StreamDelta`, the `ToolParser` and
+`ToolCallStream` ABCs (four real formats implement them) and `merge_deltas`, which makes a full
+parse the sum of a stream's deltas, so the two never disagree. It knows no format and no HTTP:
+the server turns these into OpenAI or Anthropic bodies.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+def new_call_id() -> str:
+    """A fresh OpenAI-style tool-call id."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One parsed call. `arguments` is JSON text of an object."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class ParsedOutput:
+    """A whole generation split into plain text, reasoning and tool calls."""
+
+    content: str
+    reasoning: str
+    tool_calls: tuple[ToolCall, ...]
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """One call, complete: a stream emits a call once its block is closed and valid (a block that
+    turns out malformed can then still become text)."""
+
+    index: int
+    call: ToolCall
+
+
+@dataclass
+class StreamDelta:
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.reasoning or self.tool_calls)
+
+    def extend(self, other: StreamDelta) -> None:
+        self.content += other.content
+        self.reasoning += other.reasoning
+        self.tool_calls += other.tool_calls
+
+
+def merge_deltas(deltas: Iterable[StreamDelta]) -> ParsedOutput:
+    total = StreamDelta()
+    for delta in deltas:
+        total.extend(delta)
+    return ParsedOutput(total.content, total.reasoning, tuple(d.call for d in total.tool_calls))
+
+
+def arguments_json(value: object) -> str | None:
+    """Call arguments as compact JSON text of an object; None when they are not an object (a JSON
+    string holding an object is accepted, as some models double-encode)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+    if not isinstance(value, dict):
+        return None
+    return json.dumps(value, ensure_ascii=False)
+
+
+def call_from_object(obj: object, tool_names: frozenset[str] | None) -> ToolCall | None:
+    """`{"name": N, "arguments"|"parameters": {...}}` -> ToolCall, or None when the object is not a
+    call of a known tool."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    name = obj["name"]
+    if tool_names is not None and name not in tool_names:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    text = arguments_json(args)
+    return None if text is None else ToolCall(new_call_id(), name, text)
+
+
+def held_back(text: str, markers: Sequence[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of one of `markers` (text that
+    may still become a marker and must not be released yet)."""
+    best = 0
+    for marker in markers:
+        for n in range(min(len(marker) - 1, len(text)), best, -1):
+            if text.endswith(marker[:n]):
+                best = n
+                break
+    return best
+
+
+class ToolCallStream(ABC):
+    """The incremental parser of one generation: feed text deltas, get what is now certain."""
+
+    @abstractmethod
+    def feed(self, text: str) -> StreamDelta:
+        """The content, reasoning and complete calls that `text` (appended to what came before)
+        makes certain; text that may still be the start of a marker is held back."""
+
+    @abstractmethod
+    def finish(self) -> StreamDelta:
+        """Everything still held back (an unclosed block becomes text)."""
+
+
+class ToolParser(ABC):
+    """One model family's tool-call format: the prompt that asks for it, the rendering of earlier
+    calls and results, and the parsing of output. `tool_names` limits accepted calls (None: any)."""
+
+    name: ClassVar[str]
+    # True when the format's markers are special tokens that skip_special_tokens would remove.
+    needs_special_tokens: ClassVar[bool] = False
+
+    def __init__(self, tool_names: Iterable[str] | None = None) -> None:
+        self.tool_names: frozenset[str] | None = None if tool_names is None else frozenset(tool_names)
+
+    @abstractmethod
+    def stream(self) -> ToolCallStream:
+        """A fresh incremental parser for one generation."""
+
+    def parse(self, text: str) -> ParsedOutput:
+        """The whole generation parsed (the same result as streaming it in any chunks)."""
+        s = self.stream()
+        return merge_deltas([s.feed(text), s.finish()])
+
+    @abstractmethod
+    def tool_prompt(self, tools: Sequence[Mapping[str, Any]], *, parallel: bool) -> str:
+        """A system-prompt block listing `tools` (OpenAI `{"type": "function", "function": ...}`)
+        and the exact call format this parser reads, for templates that do not render tools."""
+
+    @abstractmethod
+    def format_calls(self, calls: Sequence[ToolCall]) -> str:
+        """Earlier calls of an assistant turn as the model would have written them."""
+
+    def format_result(self, content: str, name: str | None) -> str:
+        """A tool result as text of a user turn (templates without a `tool` role)."""
+        label = f" name={json.dumps(name)}" if name else ""
+        return f"<tool_response{label}>\n{content}\n</tool_response>"
+
+
+def tools_json(tools: Sequence[Mapping[str, Any]]) -> str:
+    """The function schemas, one JSON object a line."""
+    return "\n".join(json.dumps(t.get("function", t), ensure_ascii=False) for t in tools)

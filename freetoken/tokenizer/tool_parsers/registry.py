@@ -1,0 +1,58 @@
+"""Which tool-call format a model uses: the parsers by name and the choice from the model.
+
+Owns `TOOL_PARSERS` (the names `--tool-call-parser` accepts), `make_tool_parser` and
+`detect_tool_parser`, which reads the chat template and vocabulary first (a ChatML template is
+Hermes even on a Llama architecture, as SmolLM2 is) and the architecture second. No parsing here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from freetoken.errors import ConfigError
+from freetoken.tokenizer.tool_parsers.base import ToolParser
+from freetoken.tokenizer.tool_parsers.gemma import GemmaParser
+from freetoken.tokenizer.tool_parsers.harmony import HarmonyParser
+from freetoken.tokenizer.tool_parsers.hermes import HermesParser
+from freetoken.tokenizer.tool_parsers.llama3_json import Llama3JsonParser
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    cls.name: cls for cls in (HermesParser, GemmaParser, Llama3JsonParser, HarmonyParser)
+}
+
+# (marker in the template or vocabulary, parser), first match wins.
+_MARKERS = (
+    ("<|channel|>", "harmony"),
+    ("<tool_call>", "hermes"),
+    ("<|im_start|>", "hermes"),
+    ("<start_of_turn>", "gemma"),
+    ("<|python_tag|>", "llama3_json"),
+    ("<|eot_id|>", "llama3_json"),
+)
+_ARCHITECTURES = {
+    "gpt_oss": "harmony", "gpt-oss": "harmony",
+    "gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma", "gemma3_text": "gemma",
+    "llama": "llama3_json", "qwen2": "hermes", "qwen3": "hermes",
+}
+DEFAULT_PARSER = "hermes"
+
+
+def make_tool_parser(name: str, tool_names: Iterable[str] | None = None) -> ToolParser:
+    """The parser called `name`; ConfigError for an unknown one."""
+    cls = TOOL_PARSERS.get(name)
+    if cls is None:
+        raise ConfigError(f"unknown tool-call parser {name!r}; choose one of {', '.join(TOOL_PARSERS)}")
+    return cls(tool_names)
+
+
+def detect_tool_parser(*, chat_template: str | None, special_tokens: Iterable[str], architecture: str | None) -> str:
+    """The parser name for a model: template markers, then special tokens, then architecture."""
+    template = chat_template or ""
+    for marker, name in _MARKERS:
+        if marker in template:
+            return name
+    vocab = set(special_tokens)
+    for marker, name in _MARKERS:
+        if marker in vocab:
+            return name
+    return _ARCHITECTURES.get(architecture or "", DEFAULT_PARSER)

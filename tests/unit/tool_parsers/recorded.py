@@ -1,0 +1,87 @@
+"""Recorded model outputs for the tool-parser tests, per format: (text, expected content,
+expected reasoning, expected calls as (name, arguments dict)). Malformed ones expect the text back."""
+
+from __future__ import annotations
+
+from typing import Any
+
+Case = tuple[str, str, str, list[tuple[str, dict[str, Any]]]]
+TOOLS = ["get_weather", "search"]
+
+HERMES: list[Case] = [
+    # Qwen 2.5 style: a call and nothing else
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>', "", "",
+     [("get_weather", {"city": "Paris", "unit": "celsius"})]),
+    # text before, two parallel calls
+    ('Let me check both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+     '<tool_call>\n{"name": "search", "arguments": {"q": "Paris events"}}\n</tool_call>', "Let me check both.", "",
+     [("get_weather", {"city": "Paris"}), ("search", {"q": "Paris events"})]),
+    # arguments double-encoded as a JSON string (seen from small models)
+    ('<tool_call>{"name": "search", "arguments": "{\\"q\\": \\"tea\\"}"}</tool_call>', "", "", [("search", {"q": "tea"})]),
+    # no call
+    ("The weather in Paris is mild today.", "The weather in Paris is mild today.", "", []),
+    # text that only looks like the start of a marker
+    ("Use <tool> tags or a < b.", "Use <tool> tags or a < b.", "", []),
+]
+HERMES_MALFORMED: list[str] = [
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"\n</tool_call>',  # broken JSON
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}',  # never closed
+    '<tool_call>\n{"name": "launch_rockets", "arguments": {}}\n</tool_call>',  # unknown tool
+    '<tool_call>\n{"arguments": {"city": "Paris"}}\n</tool_call>',  # no name
+    '<tool_call>\n{"name": "search", "arguments": [1, 2]}\n</tool_call>',  # arguments not an object
+    "<tool_call></tool_call>",
+]
+
+GEMMA: list[Case] = [
+    ('```tool_call\n{"name": "get_weather", "parameters": {"city": "Oslo"}}\n```', "", "",
+     [("get_weather", {"city": "Oslo"})]),
+    ('I will look that up.\n\n```json\n{"name": "search", "parameters": {"q": "fjords"}}\n```\n', "I will look that up.", "",
+     [("search", {"q": "fjords"})]),
+    ('{"name": "get_weather", "parameters": {"city": "Rome"}}', "", "", [("get_weather", {"city": "Rome"})]),
+    ('```tool_call\n[{"name": "get_weather", "parameters": {"city": "A"}}, {"name": "search", "arguments": {"q": "B"}}]\n```',
+     "", "", [("get_weather", {"city": "A"}), ("search", {"q": "B"})]),
+    ("Rome is sunny.", "Rome is sunny.", "", []),
+    ('Here is JSON:\n```json\n{"a": 1}\n```', 'Here is JSON:\n```json\n{"a": 1}\n```', "", []),  # JSON, not a call
+]
+GEMMA_MALFORMED: list[str] = [
+    '```tool_call\n{"name": "get_weather", "parameters": {"city": }\n```',
+    '```tool_call\n{"name": "get_weather", "parameters": {"city": "Oslo"}}',
+    '{"name": "unknown_tool", "parameters": {}}',
+    '{"name": "get_weather", "parameters": {"city": "Rome"}} and then some text',
+]
+
+LLAMA3: list[Case] = [
+    ('{"name": "get_weather", "parameters": {"city": "Lima"}}', "", "", [("get_weather", {"city": "Lima"})]),
+    ('<|python_tag|>{"name": "search", "parameters": {"q": "llamas"}}', "", "", [("search", {"q": "llamas"})]),
+    ('{"name": "get_weather", "parameters": {"city": "A"}}; {"name": "search", "parameters": {"q": "B"}}', "", "",
+     [("get_weather", {"city": "A"}), ("search", {"q": "B"})]),
+    ('  \n{"name": "search", "arguments": {"q": "x"}}', "", "", [("search", {"q": "x"})]),
+    ("Lima is in Peru.", "Lima is in Peru.", "", []),
+    ('Checking.<|python_tag|>{"name": "search", "parameters": {"q": "z"}}', "Checking.", "", [("search", {"q": "z"})]),
+]
+LLAMA3_MALFORMED: list[str] = [
+    '{"name": "get_weather", "parameters": {"city": "Lima"}',
+    '{"name": "nuke", "parameters": {}}',
+    '<|python_tag|>{"name": "search"; "parameters": 1}',
+    "[1, 2, 3]",
+]
+
+HARMONY: list[Case] = [
+    ("<|channel|>analysis<|message|>User wants weather. Call the tool.<|end|><|start|>assistant<|channel|>commentary "
+     'to=functions.get_weather <|constrain|>json<|message|>{"city":"San Francisco"}<|call|>',
+     "", "User wants weather. Call the tool.", [("get_weather", {"city": "San Francisco"})]),
+    ("<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>It is 20 C.<|return|>",
+     "It is 20 C.", "Easy.", []),
+    # recipient in the header before the channel, call token cut by the server (stop token)
+    ('<|start|>assistant to=functions.search<|channel|>commentary json<|message|>{"q": "oss"}', "", "", [("search", {"q": "oss"})]),
+    ("<|channel|>final<|message|>Hi there", "Hi there", "", []),
+    ("no harmony at all", "no harmony at all", "", []),
+    # commentary preamble then a call
+    ("<|channel|>commentary<|message|>Checking now.<|end|><|start|>assistant<|channel|>commentary to=functions.search"
+     ' <|constrain|>json<|message|>{}<|call|>', "Checking now.", "", [("search", {})]),
+]
+HARMONY_MALFORMED: list[str] = [
+    '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "SF"<|call|>',
+    '<|channel|>commentary to=functions.rm_rf <|constrain|>json<|message|>{}<|call|>',
+    '<|channel|>commentary to=browser.search <|constrain|>json<|message|>{"q": 1}<|call|>',
+]

@@ -1,0 +1,130 @@
+"""Each tool-call parser on recorded model outputs (well-formed and malformed), the stream/full
+parse agreement under any chunking, marker hold-back, and the prompt/format round trip."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from recorded import (  # noqa: E402
+    GEMMA, GEMMA_MALFORMED, HARMONY, HARMONY_MALFORMED, HERMES, HERMES_MALFORMED, LLAMA3, LLAMA3_MALFORMED, TOOLS, Case,
+)
+
+from freetoken.tokenizer.tool_parsers import ParsedOutput, ToolCall, make_tool_parser  # noqa: E402
+
+CASES: dict[str, tuple[list[Case], list[str]]] = {
+    "hermes": (HERMES, HERMES_MALFORMED),
+    "gemma": (GEMMA, GEMMA_MALFORMED),
+    "llama3_json": (LLAMA3, LLAMA3_MALFORMED),
+    "harmony": (HARMONY, HARMONY_MALFORMED),
+}
+ALL = [(name, case) for name, (good, _) in CASES.items() for case in good]
+ALL_BAD = [(name, text) for name, (_, bad) in CASES.items() for text in bad]
+
+
+def summary(out: ParsedOutput) -> tuple[str, str, list[tuple[str, dict]]]:
+    return out.content, out.reasoning, [(c.name, json.loads(c.arguments)) for c in out.tool_calls]
+
+
+@pytest.mark.parametrize(("parser", "case"), ALL)
+def test_recorded_output(parser: str, case: Case) -> None:
+    text, content, reasoning, calls = case
+    out = make_tool_parser(parser, TOOLS).parse(text)
+    assert summary(out) == (content, reasoning, calls)
+    for call in out.tool_calls:
+        assert call.id.startswith("call_") and len(call.id) > 10
+        assert isinstance(json.loads(call.arguments), dict)
+    assert len({c.id for c in out.tool_calls}) == len(out.tool_calls)
+
+
+@pytest.mark.parametrize(("parser", "text"), ALL_BAD)
+def test_malformed_output_is_text(parser: str, text: str) -> None:
+    out = make_tool_parser(parser, TOOLS).parse(text)
+    assert out.tool_calls == ()
+    assert out.content.strip(), out
+    # nothing of the model's text is lost: its non-marker characters all come back
+    assert "".join(ch for ch in text if ch.isalnum()) in "".join(ch for ch in out.content if ch.isalnum()) or parser == "harmony"
+
+
+@pytest.mark.parametrize("parser", list(CASES))
+def test_unknown_tools_accepted_without_a_tool_list(parser: str) -> None:
+    good, _ = CASES[parser]
+    text, _, _, calls = next(c for c in good if c[3])
+    assert [c.name for c in make_tool_parser(parser, None).parse(text).tool_calls] == [n for n, _ in calls]
+    assert make_tool_parser(parser, []).parse(text).tool_calls == ()
+
+
+def chunked(text: str, cuts: list[int]) -> list[str]:
+    points = sorted({c % (len(text) + 1) for c in cuts})
+    return [text[a:b] for a, b in zip([0, *points], [*points, len(text)])]
+
+
+@settings(max_examples=60, deadline=None)
+@given(index=st.integers(0, len(ALL) + len(ALL_BAD) - 1), cuts=st.lists(st.integers(0, 10_000), max_size=12))
+def test_streaming_equals_full_parse_for_any_chunking(index: int, cuts: list[int]) -> None:
+    parser, text = (ALL[index][0], ALL[index][1][0]) if index < len(ALL) else ALL_BAD[index - len(ALL)]
+    p = make_tool_parser(parser, TOOLS)
+    stream = p.stream()
+    deltas = [stream.feed(piece) for piece in chunked(text, cuts)] + [stream.finish()]
+    content = "".join(d.content for d in deltas)
+    reasoning = "".join(d.reasoning for d in deltas)
+    calls = [tc for d in deltas for tc in d.tool_calls]
+    assert [tc.index for tc in calls] == list(range(len(calls)))
+    whole = p.parse(text)
+    assert (content, reasoning, [(c.call.name, c.call.arguments) for c in calls]) == (
+        whole.content, whole.reasoning, [(c.name, c.arguments) for c in whole.tool_calls],
+    )
+
+
+def test_hermes_holds_back_a_possible_marker_and_streams_text() -> None:
+    stream = make_tool_parser("hermes", TOOLS).stream()
+    assert stream.feed("Hello <tool").content == "Hello"
+    assert stream.feed("_c").content == ""
+    delta = stream.feed('all>{"name": "search", "arguments": {"q": 1}}</tool_call>')
+    assert delta.content == "" and [d.call.name for d in delta.tool_calls] == ["search"]
+    assert stream.feed(" bye").content == "bye"
+    assert not stream.finish()
+
+
+def test_hermes_releases_a_false_start() -> None:
+    stream = make_tool_parser("hermes", TOOLS).stream()
+    assert stream.feed("a <tool").content == "a"
+    assert stream.feed("box> b").content == " <toolbox> b"
+
+
+def test_harmony_streams_reasoning_before_the_call_closes() -> None:
+    stream = make_tool_parser("harmony", TOOLS).stream()
+    assert stream.feed("<|channel|>analysis<|message|>Think").reasoning == "Think"
+    assert stream.feed("ing<|e").reasoning == "ing"
+    d = stream.feed("nd|><|start|>assistant<|channel|>commentary to=functions.search <|constrain|>json<|message|>{\"q\"")
+    assert not d
+    d = stream.feed(': "a"}<|call|>')
+    assert [(c.call.name, c.call.arguments) for c in d.tool_calls] == [("search", '{"q": "a"}')]
+
+
+def test_llama3_text_streams_at_once() -> None:
+    stream = make_tool_parser("llama3_json", TOOLS).stream()
+    assert stream.feed("  ").content == ""
+    assert stream.feed("Hi").content == "  Hi"
+
+
+@pytest.mark.parametrize("parser", list(CASES))
+def test_format_calls_parses_back(parser: str) -> None:
+    p = make_tool_parser(parser, TOOLS)
+    calls = [ToolCall("call_1", "get_weather", '{"city": "Paris"}'), ToolCall("call_2", "search", '{"q": "x y"}')]
+    out = p.parse(p.format_calls(calls))
+    assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == [("get_weather", {"city": "Paris"}), ("search", {"q": "x y"})]
+
+
+@pytest.mark.parametrize("parser", list(CASES))
+def test_tool_prompt_lists_schemas(parser: str) -> None:
+    tool = {"type": "function", "function": {"name": "get_weather", "description": "Weather now", "parameters": {"type": "object"}}}
+    prompt = make_tool_parser(parser, TOOLS).tool_prompt([tool], parallel=True)
+    assert json.dumps(tool["function"]) in prompt
