@@ -149,6 +149,12 @@ def test_gemma3_roundtrip_subtracts_norm_shift(tmp_path: Path) -> None:
     ck = load_gguf(path)
     assert_same_state(ck.tensors, sd, tied=True)
     assert ck.hf_config["model_type"] == "gemma3_text"
+    # in bfloat16: matrices are decoded straight into it, norms shifted in float32 first and then
+    # rounded once, so every tensor is the float32 result rounded
+    bf16 = load_gguf(path, dtype=torch.bfloat16).tensors
+    assert bf16.keys() == ck.tensors.keys()
+    for name, t in ck.tensors.items():
+        assert bf16[name].dtype == torch.bfloat16 and torch.equal(bf16[name], t.to(torch.bfloat16)), name
     keys = SHARED_KEYS + ["layer_types", "sliding_window", "query_pre_attn_scalar", "hidden_activation",
                           "final_logit_softcapping", "attn_logit_softcapping", "pad_token_id"]  # fmt: skip
     assert_config_matches(ck.hf_config, cfg, keys)
