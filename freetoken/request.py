@@ -22,6 +22,13 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # the engine could not serve it (quarantined pages, a refused request)
 
 
+# What a `SamplingParams.grammar` may be: (kind, text). `json_schema`: the schema as JSON text;
+# `json_object`: any JSON object (text ignored, send ""); `lark`: a Lark grammar (llguidance's
+# dialect); `regex`: a regular expression the whole output must match. A tuple of two strings,
+# so it travels through msgpack as a list and comes back unchanged.
+GRAMMAR_KINDS = ("json_schema", "json_object", "lark", "regex")
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -47,6 +54,9 @@ class SamplingParams:
     logprobs: int | None = None  # None = off; k >= 0: the chosen token's logprob and the top k
     prompt_logprobs: int | None = None  # such requests skip the prefix cache
     skip_special_tokens: bool = True
+    # Constrained decoding: (kind, text) with kind in GRAMMAR_KINDS, enforced by the engine (its
+    # `grammar` module); the request finishes ("stop") once the grammar is complete.
+    grammar: tuple[str, str] | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the first parameter that is out of range."""
@@ -61,6 +71,7 @@ class SamplingParams:
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
             ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "must be in [0, 20]"),
+            ("grammar", _valid_grammar(self.grammar), f"must be None or (kind, text) with kind in {GRAMMAR_KINDS}"),
         ]
         for name, ok, why in checks:
             if not ok:
@@ -69,6 +80,17 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _valid_grammar(grammar: object) -> bool:
+    if grammar is None:
+        return True
+    return (
+        isinstance(grammar, tuple)
+        and len(grammar) == 2
+        and grammar[0] in GRAMMAR_KINDS
+        and isinstance(grammar[1], str)
+    )
 
 
 @dataclass

@@ -14,6 +14,7 @@ import torch
 
 from freetoken.config import EngineConfig, ResolvedConfig
 from freetoken.engine.engine import Engine
+from freetoken.engine.grammar import GrammarCompiler
 from freetoken.engine.runner import Runner
 from freetoken.kv.manager import KVManager
 from freetoken.kv.tensors import KVTensors
@@ -57,7 +58,7 @@ def build_engine_for(config: EngineConfig, loaded: LoadedModel) -> Engine:
         "KV pools: full %d pages, swa %s pages of %d tokens; cache %s; context %d",
         resolved.full_pages, resolved.swa_pages, config.page_size, resolved.cache_type, resolved.context_length,
     )
-    return Engine(resolved, Runner(loaded.model, loaded.config, tensors, kv), kv)
+    return Engine(resolved, Runner(loaded.model, loaded.config, tensors, kv), kv, GrammarCompiler(loaded.tokenizer))
 
 
 def load_for(config: EngineConfig) -> LoadedModel:

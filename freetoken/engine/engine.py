@@ -1,6 +1,7 @@
 """The engine loop: `step()` = schedule -> forward -> sample -> commit -> release.
 
-Owns the requests in flight, finishing them (EOS, stop ids, max_tokens, context), aborts, and
+Owns the requests in flight, finishing them (EOS, stop ids, max_tokens, context, a completed
+grammar — constrained rows are masked before sampling, see `grammar.py`), aborts, and
 integrity handling: a `KVIntegrityError` or a failed audit is logged with its full report, its
 pages quarantined and the requests holding them ended with an error, and serving goes on —
 unless `debug_kv` is set, where it is fatal so that tests surface bugs. It sees token ids only.
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from freetoken.config import ResolvedConfig
+from freetoken.engine.grammar import GrammarCompiler, GrammarError, GrammarSet
 from freetoken.engine.runner import Runner
 from freetoken.engine.sampler import prompt_logprobs, sample
 from freetoken.engine.scheduler import ScheduledItem, Scheduler
@@ -50,10 +52,11 @@ class RequestUpdate:
 
 
 class Engine:
-    def __init__(self, config: ResolvedConfig, runner: Runner, kv: KVManager) -> None:
+    def __init__(self, config: ResolvedConfig, runner: Runner, kv: KVManager, grammars: GrammarCompiler | None = None) -> None:
         self.config = config
         self.runner = runner
         self.kv = kv
+        self.grammars = GrammarSet(grammars)  # matchers of requests with `params.grammar`
         self.scheduler = Scheduler(kv, config)
         self.requests: dict[str, Request] = {}
         self.steps = 0
@@ -86,6 +89,11 @@ class Engine:
                 code="context_length_exceeded",
                 param="max_tokens",
             )
+        if req.params.grammar is not None:
+            try:
+                self.grammars.start(req.rid, req.params.grammar)
+            except GrammarError as err:
+                raise RequestRefused(str(err), code="invalid_grammar", param="response_format") from None
         if req.params.seed is not None:
             req.generator = torch.Generator().manual_seed(req.params.seed)
         self.requests[req.rid] = req
@@ -157,7 +165,15 @@ class Engine:
                 rows.append(offset)
                 offset += 1
         if sampling:
-            result = sample(logits[rows], [it.req for it in sampling])
+            chosen = logits[rows]  # [S, V], a copy
+            dead = set(self.grammars.mask(chosen, [it.req.rid for it in sampling]))
+            for i in sorted(dead):
+                self._end_with_error(sampling[i].req, "the grammar allows no next token", updates)
+            keep = [i for i in range(len(sampling)) if i not in dead]
+            sampling = [sampling[i] for i in keep]
+            chosen = chosen[keep] if dead else chosen
+        if sampling:
+            result = sample(chosen, [it.req for it in sampling])
             for item, tok, lp in zip(sampling, result.token_ids, result.logprobs):
                 req = item.req
                 req.output_ids.append(tok)
@@ -168,7 +184,12 @@ class Engine:
                     upd.prompt_logprobs = req.prompt_logprobs
                 upd.new_token_ids.append(tok)
                 upd.new_logprobs.append(lp)
-                reason = self._stop_reason(req, tok)
+                try:
+                    complete = self.grammars.advance(req.rid, tok)
+                except GrammarError as err:
+                    self._end_with_error(req, str(err), updates)
+                    continue
+                reason = FinishReason.STOP if complete else self._stop_reason(req, tok)
                 if reason is not None:
                     self._finish(req, reason)
                     upd.finished, upd.finish_reason = True, reason
@@ -198,12 +219,18 @@ class Engine:
             return FinishReason.LENGTH
         return None
 
+    def _end_with_error(self, req: Request, error: str, updates: dict[str, RequestUpdate]) -> None:
+        self._finish(req, FinishReason.ERROR, error)
+        upd = updates.setdefault(req.rid, RequestUpdate(req.rid, cached_tokens=req.cached_tokens))
+        upd.finished, upd.finish_reason, upd.error = True, FinishReason.ERROR, error
+
     def _finish(self, req: Request, reason: FinishReason, error: str | None = None) -> None:
         """Commit the tokens whose K/V is written (prompt + output - 1 at most), then release."""
         if req.status is RequestStatus.RUNNING and reason is not FinishReason.ERROR:
             self.kv.commit(req.rid, req.all_ids[: req.num_computed], boundaries=req.boundaries)
         self.kv.release(req.rid)
         self.scheduler.remove(req)
+        self.grammars.drop(req.rid)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.error = error
