@@ -4,7 +4,8 @@ Owns rendering the conversation (the model's template, the built-in Gemma 3 one,
 `--chat-template`; a model with none is a 400 that says so), the message boundaries handed to
 the engine (token offsets where each message ends, so the prefix cache keeps their windows),
 the default `max_tokens` (the rest of the context) and the `chat.completion` bodies and stream
-chunks, logprobs included. Tool calling is not here (issue 6): `tools` is refused by protocol.py.
+chunks, logprobs included. Tool calling (prompt, grammar, parsing) is `tool_calling.py`'s; here
+its results are placed in the bodies and chunks.
 """
 
 from __future__ import annotations
@@ -21,17 +22,20 @@ from freetoken.server.errors import bad_request
 from freetoken.server.generation import ChoiceSpec, Clock, Piece, collect, first_piece, merge, run_choice
 from freetoken.server.protocol import ChatCompletionRequest, check_context, check_max_tokens
 from freetoken.server.streaming import Tally, record, sse_response, sse_stream
+from freetoken.server.tool_calling import ToolCalling, finish_reason, openai_delta, openai_message, openai_tool_options
 from freetoken.tokenizer import ChatTemplateError, NoChatTemplate, Tokenizer
 
 ENDPOINT = "chat"
 MAX_BOUNDARY_MESSAGES = 256  # past this many messages, boundaries are not computed (quadratic renders)
 
 
-def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]]) -> tuple[list[int], tuple[int, ...]]:
+def render_chat(
+    tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+) -> tuple[list[int], tuple[int, ...]]:
     """Prompt ids of the conversation and the token offset where each message ends (where that is
     a token edge of the full prompt; a template that renders a prefix differently gives none)."""
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
     except NoChatTemplate:
         raise bad_request(
             "this model has no chat template and none is built in for its architecture; start the server with "
@@ -49,7 +53,7 @@ def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]]) -> tuple[l
     boundaries: list[int] = []
     for k in range(1, len(messages) + 1):
         try:
-            prefix = tokenizer.apply_chat_template(messages[:k], add_generation_prompt=False)
+            prefix = tokenizer.apply_chat_template(messages[:k], add_generation_prompt=False, tools=tools)
         except (ChatTemplateError, NoChatTemplate):
             continue
         if text.startswith(prefix) and len(prefix) in token_end:
@@ -87,10 +91,11 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     logprobs_k = req.logprobs_k()
     req.sampling_params(1 if requested is None else requested, logprobs=logprobs_k)  # range checks first
     info = ctx.ready_info()
-    ids, boundaries = render_chat(ctx.tokenizer, [m.for_template() for m in req.messages])
+    tooling = ToolCalling(ctx, openai_tool_options(req.tools, req.tool_choice, req.parallel_tool_calls))
+    ids, boundaries = render_chat(ctx.tokenizer, *tooling.template_inputs([m.for_template() for m in req.messages]))
     max_tokens = requested if requested is not None else info.context_length - len(ids)
     check_context(len(ids), max(max_tokens, 1), info.context_length, prompt_param="messages", max_param=max_param)
-    base = req.sampling_params(max_tokens, logprobs=logprobs_k)
+    base = tooling.sampling(req.sampling_params(max_tokens, logprobs=logprobs_k))
     n = req.num_choices
     ctx.check_capacity(n)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -108,14 +113,15 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     if not req.stream:
         results = await collect(ctx.client, pieces, n, clock)
         tally.add_results(results)
+        parsed = [tooling.parse(res.text) for res in results]
         choices = [
             {
                 "index": j,
-                "message": {"role": "assistant", "content": res.text},
+                "message": openai_message(out),
                 "logprobs": None if logprobs_k is None else {"content": chat_logprobs(ctx.tokenizer, res.logprobs)},
-                "finish_reason": res.finish_reason,
+                "finish_reason": finish_reason(res.finish_reason, len(out.tool_calls)),
             }
-            for j, res in enumerate(results)
+            for j, (res, out) in enumerate(zip(results, parsed))
         ]
         record(ctx, ENDPOINT, 200, tally, clock)
         return JSONResponse({**head, "choices": choices, "usage": tally.usage(ctx.config.enable_cache_report)})
@@ -131,15 +137,21 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         return out
 
     preamble = [chunk(j, {"role": "assistant", "content": ""}, None, None) for j in range(n)]
+    parsers = [tooling.stream() for _ in range(n)]
 
     def chunks(piece: Piece) -> list[dict[str, Any]]:
         logprobs = None
         if logprobs_k is not None:
             logprobs = {"content": chat_logprobs(ctx.tokenizer, piece.logprobs)}
-        if not piece.text and piece.finish_reason is None and not (logprobs and logprobs["content"]):
+        parser = parsers[piece.index]
+        parsed = parser.feed(piece.text)
+        if piece.finish_reason is not None:
+            parsed.extend(parser.finish())
+        delta = openai_delta(parsed)
+        finish = finish_reason(piece.finish_reason, parser.num_calls)
+        if not delta and finish is None and not (logprobs and logprobs["content"]):
             return []
-        delta = {"content": piece.text} if piece.text else {}
-        return [chunk(piece.index, delta, logprobs, piece.finish_reason)]
+        return [chunk(piece.index, delta, logprobs, finish)]
 
     def usage_chunk(t: Tally) -> dict[str, Any]:
         return {**chunk_head, "choices": [], "usage": t.usage(ctx.config.enable_cache_report)}

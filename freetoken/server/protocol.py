@@ -154,7 +154,7 @@ class ChatMessage(_Strict):
 
 
 _CHAT_UNIMPLEMENTED = (
-    "logit_bias", "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "response_format",
+    "logit_bias", "functions", "function_call", "response_format",
     "audio", "modalities", "prediction", "web_search_options", "reasoning_effort", "metadata", "store",
     "service_tier",
 )
@@ -166,10 +166,10 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    # known, not implemented (tools: issue 6); each is a 400 naming it when set
-    tools: list[Any] | None = None
+    tools: list[Any] | None = None  # checked by tool_calling.openai_tool_options
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    # known, not implemented; each is a 400 naming it when set
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None

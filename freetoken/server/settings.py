@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from freetoken.errors import ConfigError
+from freetoken.tokenizer.tool_parsers import TOOL_PARSERS
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class ServerConfig:
     max_running_requests: int = 16
     max_waiting_requests: int = 256
     startup_timeout_s: float = 900.0  # how long `run_server` waits for the first engine start
+    tool_call_parser: str | None = None  # --tool-call-parser: hermes|gemma|llama3_json|harmony (None: from the model)
 
     def validate(self) -> None:
         """Raise ConfigError naming the flag that cannot work."""
@@ -37,6 +39,8 @@ class ServerConfig:
             raise ConfigError("--served-model-name must not be empty")
         if self.max_running_requests < 1:
             raise ConfigError(f"--max-running-requests must be at least 1, got {self.max_running_requests}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ConfigError(f"--tool-call-parser must be one of {', '.join(TOOL_PARSERS)}, got {self.tool_call_parser!r}")
         if self.max_waiting_requests < 0:
             raise ConfigError(f"--max-waiting-requests must be >= 0, got {self.max_waiting_requests}")
 

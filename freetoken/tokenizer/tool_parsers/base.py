@@ -150,6 +150,11 @@ class ToolParser(ABC):
     def format_calls(self, calls: Sequence[ToolCall]) -> str:
         """Earlier calls of an assistant turn as the model would have written them."""
 
+    @abstractmethod
+    def forced_grammar(self, tools: Sequence[Mapping[str, Any]]) -> str:
+        """A Lark grammar (llguidance) whose every sentence is one call of one of `tools` in this
+        format (for `tool_choice: "required"` or a named function)."""
+
     def format_result(self, content: str, name: str | None) -> str:
         """A tool result as text of a user turn (templates without a `tool` role)."""
         label = f" name={json.dumps(name)}" if name else ""

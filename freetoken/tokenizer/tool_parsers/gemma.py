@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from freetoken.tokenizer.tool_parsers.base import ToolCall, ToolCallStream, ToolParser, tools_json
+from freetoken.tokenizer.tool_parsers.grammar import call_schema, forced_call_grammar
 from freetoken.tokenizer.tool_parsers.blocks import BlockMarker, BlockStream
 from freetoken.tokenizer.tool_parsers.json_values import calls_from_values, json_values
 
@@ -45,6 +46,9 @@ class GemmaParser(ToolParser):
             '```tool_call\n{"name": "<function name>", "parameters": {<arguments as a JSON object>}}\n```\n'
             f"{how_many} The results come back in a tool_output code block."
         )
+
+    def forced_grammar(self, tools: Sequence[Mapping[str, Any]]) -> str:
+        return forced_call_grammar("```tool_call\n", call_schema(tools, "parameters"), "\n```")
 
     def format_calls(self, calls: Sequence[ToolCall]) -> str:
         return "\n".join(

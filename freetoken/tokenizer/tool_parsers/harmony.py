@@ -28,6 +28,7 @@ from freetoken.tokenizer.tool_parsers.base import (
     new_call_id,
     tools_json,
 )
+from freetoken.tokenizer.tool_parsers.grammar import lark_text
 
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>")
@@ -146,6 +147,16 @@ class HarmonyParser(ToolParser):
             "Call a function in the commentary channel addressed to=functions.NAME, with its arguments as a JSON "
             "object in the message body."
         )
+
+    def forced_grammar(self, tools: Sequence[Mapping[str, Any]]) -> str:
+        # The recipient names the function, so each tool is its own alternative.
+        heads, rules = [], []
+        for k, tool in enumerate(tools):
+            fn = tool.get("function", tool)
+            heads.append(lark_text(f"{CHANNEL}commentary to=functions.{fn.get('name')} <|constrain|>json{MESSAGE}") + f" args{k}")
+            rules.append(f"args{k}: %json {json.dumps(fn.get('parameters') or {'type': 'object'})}\n")
+        start, rules = " | ".join(heads), "".join(rules)
+        return f"start: {start}\n{rules}"
 
     def format_calls(self, calls: Sequence[ToolCall]) -> str:
         return "".join(

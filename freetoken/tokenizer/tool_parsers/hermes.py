@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from freetoken.tokenizer.tool_parsers.base import ToolCall, ToolCallStream, ToolParser, tools_json
+from freetoken.tokenizer.tool_parsers.grammar import call_schema, forced_call_grammar
 from freetoken.tokenizer.tool_parsers.blocks import BlockMarker, BlockStream
 from freetoken.tokenizer.tool_parsers.json_values import calls_from_values, json_values
 
@@ -37,6 +38,9 @@ class HermesParser(ToolParser):
             "</tool_call> tags, one block per call:\n"
             '<tool_call>\n{"name": "<function name>", "arguments": {<arguments as a JSON object>}}\n</tool_call>'
         )
+
+    def forced_grammar(self, tools: Sequence[Mapping[str, Any]]) -> str:
+        return forced_call_grammar(START + "\n", call_schema(tools, "arguments"), "\n" + END)
 
     def format_calls(self, calls: Sequence[ToolCall]) -> str:
         return "\n".join(

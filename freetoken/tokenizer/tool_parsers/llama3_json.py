@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from freetoken.tokenizer.tool_parsers.base import ToolCall, ToolCallStream, ToolParser, tools_json
+from freetoken.tokenizer.tool_parsers.grammar import call_schema, forced_call_grammar
 from freetoken.tokenizer.tool_parsers.blocks import BlockMarker, BlockStream
 from freetoken.tokenizer.tool_parsers.json_values import calls_from_values, json_values
 
@@ -36,6 +37,9 @@ class Llama3JsonParser(ToolParser):
             "To call a function, reply with only a JSON object of the form "
             '{"name": "<function name>", "parameters": {<arguments as a JSON object>}}.' + several
         )
+
+    def forced_grammar(self, tools: Sequence[Mapping[str, Any]]) -> str:
+        return forced_call_grammar("", call_schema(tools, "parameters"), "")
 
     def format_calls(self, calls: Sequence[ToolCall]) -> str:
         return "; ".join(f'{{"name": {json.dumps(c.name)}, "parameters": {c.arguments}}}' for c in calls)

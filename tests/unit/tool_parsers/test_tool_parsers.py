@@ -128,3 +128,15 @@ def test_tool_prompt_lists_schemas(parser: str) -> None:
     tool = {"type": "function", "function": {"name": "get_weather", "description": "Weather now", "parameters": {"type": "object"}}}
     prompt = make_tool_parser(parser, TOOLS).tool_prompt([tool], parallel=True)
     assert json.dumps(tool["function"]) in prompt
+
+
+@pytest.mark.parametrize("parser", list(CASES))
+def test_forced_grammar_compiles_and_names_each_tool(parser: str) -> None:
+    llguidance = pytest.importorskip("llguidance")
+    tools = [
+        {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris"]}}}}},
+        {"type": "function", "function": {"name": "search"}},
+    ]
+    grammar = make_tool_parser(parser, TOOLS).forced_grammar(tools)
+    assert "get_weather" in grammar and "search" in grammar and '"Paris"' in grammar
+    llguidance.LLMatcher.grammar_from_lark(grammar)  # raises on a grammar llguidance cannot read
