@@ -298,12 +298,15 @@ def dequantize(
             decode(blocks, values, constants)
             target.copy_(values)
 
+    def run_all(starts: range) -> None:
+        for first in starts:
+            run(first)
+
     starts = range(0, n_blocks, step)
     workers = 1 if out.device.type != "cpu" else min(len(starts), threads or torch.get_num_threads())
     if workers <= 1:
-        for first in starts:
-            run(first)
-    else:
+        run_all(starts)
+    else:  # one task per thread, each taking every workers-th chunk
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dequantize") as pool:
-            list(pool.map(run, starts))  # list(): re-raises the first error
+            list(pool.map(run_all, [starts[k::workers] for k in range(workers)]))  # list(): re-raises
     return out.reshape(shape)
