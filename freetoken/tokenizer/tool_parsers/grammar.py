@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
+COMPACT_JSON: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def _function(tool: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -32,7 +33,9 @@ def call_schema(tools: Sequence[Mapping[str, Any]], key: str) -> dict[str, Any]:
             "required": ["name", key],
             "additionalProperties": False,
         })
-    return options[0] if len(options) == 1 else {"anyOf": options}
+    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    # Compact JSON with no free whitespace: a weak model cannot spend its tokens on blank space.
+    return {**schema, "x-guidance": COMPACT_JSON}
 
 
 def forced_call_grammar(before: str, schema: Mapping[str, Any], after: str) -> str:

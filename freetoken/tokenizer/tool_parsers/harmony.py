@@ -28,7 +28,7 @@ from freetoken.tokenizer.tool_parsers.base import (
     new_call_id,
     tools_json,
 )
-from freetoken.tokenizer.tool_parsers.grammar import lark_text
+from freetoken.tokenizer.tool_parsers.grammar import COMPACT_JSON, lark_text
 
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>")
@@ -154,7 +154,8 @@ class HarmonyParser(ToolParser):
         for k, tool in enumerate(tools):
             fn = tool.get("function", tool)
             heads.append(lark_text(f"{CHANNEL}commentary to=functions.{fn.get('name')} <|constrain|>json{MESSAGE}") + f" args{k}")
-            rules.append(f"args{k}: %json {json.dumps(fn.get('parameters') or {'type': 'object'})}\n")
+            schema = {**(fn.get("parameters") or {"type": "object"}), "x-guidance": COMPACT_JSON}
+            rules.append(f"args{k}: %json {json.dumps(schema)}\n")
         start, rules = " | ".join(heads), "".join(rules)
         return f"start: {start}\n{rules}"
 
