@@ -1,0 +1,114 @@
+"""Tool calling in Anthropic's shapes, for `/v1/messages`: the same machinery as the OpenAI route.
+
+Owns `anthropic_tool_options` (Anthropic `tools` = `{name, description, input_schema}` and
+`tool_choice` = `auto | any | tool | none`, with `disable_parallel_tool_use`, validated into
+`ToolOptions`), `anthropic_content` (a parsed output as `text` + `tool_use` blocks and its
+`stop_reason`) and `AnthropicBlockStream` (stream deltas as `content_block_start` /
+`content_block_delta` (`text_delta`, `input_json_delta`) / `content_block_stop` events, block
+indices in order). The route module frames the events; nothing here touches the engine.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from freetoken.server.errors import APIError, bad_request
+from freetoken.server.tool_calling import ToolOptions, openai_tool_options
+from freetoken.tokenizer.tool_parsers import ParsedOutput, StreamDelta, ToolCall
+
+Event = tuple[str, dict[str, Any]]  # (event name, data)
+
+
+def anthropic_tool_options(tools: list[dict[str, Any]] | None, tool_choice: dict[str, Any] | None) -> ToolOptions:
+    """Validate Anthropic `tools` / `tool_choice` (a 400 naming the field) into ToolOptions."""
+    converted = []
+    for k, tool in enumerate(tools or ()):
+        if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
+            raise bad_request(f"tools[{k}] must be an object with a name and an input_schema", param=f"tools[{k}]")
+        if tool.get("type") not in (None, "custom"):
+            raise bad_request(f"tools[{k}]: server tools of type {tool.get('type')!r} are not supported", param=f"tools[{k}].type")
+        fn = {"name": tool["name"], "parameters": tool.get("input_schema")}
+        if tool.get("description") is not None:
+            fn["description"] = tool["description"]
+        converted.append({"type": "function", "function": fn})
+    choice: Any = None
+    parallel = True
+    if tool_choice is not None:
+        kind = tool_choice.get("type")
+        parallel = not tool_choice.get("disable_parallel_tool_use", False)
+        if kind == "tool":
+            choice = {"type": "function", "function": {"name": tool_choice.get("name")}}
+        elif kind in ("auto", "none", "any"):
+            choice = "required" if kind == "any" else kind
+        else:
+            raise bad_request('tool_choice.type must be "auto", "any", "tool" or "none"', param="tool_choice.type")
+    try:
+        return openai_tool_options(converted or None, choice, parallel)
+    except APIError as err:  # the OpenAI field names, put in Anthropic's terms
+        message = err.message.replace("function.parameters", "input_schema").replace(".function", "")
+        param = None if err.param is None else err.param.replace(".function.parameters", ".input_schema").replace(".function", "")
+        raise bad_request(message, param=param) from None
+
+
+def tool_use_id(call: ToolCall) -> str:
+    return "toolu_" + call.id.removeprefix("call_")
+
+
+def tool_use_block(call: ToolCall) -> dict[str, Any]:
+    return {"type": "tool_use", "id": tool_use_id(call), "name": call.name, "input": json.loads(call.arguments)}
+
+
+def anthropic_content(out: ParsedOutput) -> list[dict[str, Any]]:
+    """A message's `content` blocks: the text (if any, or when there is nothing else), then one
+    `tool_use` block per call."""
+    blocks: list[dict[str, Any]] = []
+    if out.content or not out.tool_calls:
+        blocks.append({"type": "text", "text": out.content})
+    blocks += [tool_use_block(c) for c in out.tool_calls]
+    return blocks
+
+
+def tool_stop_reason(reason: str, num_calls: int) -> str:
+    """`tool_use` replaces `end_turn` / `max_tokens` when the output held calls."""
+    return "tool_use" if num_calls and reason in ("end_turn", "max_tokens") else reason
+
+
+class AnthropicBlockStream:
+    """Content-block events of one streamed message. A text block opens at index 0 right away
+    (as the route announces it); each tool call closes the open block and is one tool_use block."""
+
+    def __init__(self) -> None:
+        self._index = 0
+        self._open = True  # the text block at index 0 is opened by the route
+        self.num_calls = 0
+
+    def events(self, delta: StreamDelta) -> list[Event]:
+        out: list[Event] = []
+        if delta.content:
+            if not self._open:
+                self._index += 1
+                out.append(("content_block_start", {"type": "content_block_start", "index": self._index,
+                                                    "content_block": {"type": "text", "text": ""}}))
+                self._open = True
+            out.append(("content_block_delta", {"type": "content_block_delta", "index": self._index,
+                                                "delta": {"type": "text_delta", "text": delta.content}}))
+        for d in delta.tool_calls:
+            if self._open:
+                out.append(("content_block_stop", {"type": "content_block_stop", "index": self._index}))
+            self._index += 1
+            block = {"type": "tool_use", "id": tool_use_id(d.call), "name": d.call.name, "input": {}}
+            out.append(("content_block_start", {"type": "content_block_start", "index": self._index, "content_block": block}))
+            out.append(("content_block_delta", {"type": "content_block_delta", "index": self._index,
+                                                "delta": {"type": "input_json_delta", "partial_json": d.call.arguments}}))
+            out.append(("content_block_stop", {"type": "content_block_stop", "index": self._index}))
+            self._open = False
+            self.num_calls += 1
+        return out
+
+    def close(self) -> list[Event]:
+        """The stop event of the block still open (none after a tool call)."""
+        if not self._open:
+            return []
+        self._open = False
+        return [("content_block_stop", {"type": "content_block_stop", "index": self._index})]
