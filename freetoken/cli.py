@@ -52,6 +52,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on /v1 routes")
     p.add_argument("--chat-template", default=None, metavar="FILE", help="a jinja2 chat template overriding the model's")
     p.add_argument("--enable-cache-report", action="store_true", help="report prefix-cache hits in usage.prompt_tokens_details.cached_tokens")
+    p.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                   help="end a generation request running longer than this with an error and free its pages (default: no limit)")
     p.add_argument("--tool-call-parser", default=None, choices=["hermes", "gemma", "llama3_json", "harmony"],
                    help="the tool-call format to parse (default: from the model's chat template and architecture)")
     p.add_argument("--max-running-requests", type=int, default=16, help="requests decoded together (default 16)")
@@ -132,6 +134,7 @@ def _serve(args: argparse.Namespace) -> None:
         chat_template=args.chat_template,
         enable_cache_report=args.enable_cache_report,
         tool_call_parser=args.tool_call_parser,
+        request_timeout_s=args.request_timeout,
         max_running_requests=args.max_running_requests,
         max_waiting_requests=args.max_waiting_requests,
     )

@@ -1,8 +1,10 @@
 """The FastAPI app of `ft serve`: routes, API-key check, request parsing.
 
-Owns the HTTP surface of DESIGN.md §4: `/v1/completions`, `/v1/chat/completions`, `/v1/models`,
+Owns the HTTP surface of DESIGN.md §4: `/v1/completions`, `/v1/chat/completions`, `/v1/messages`
+(+ `/count_tokens`, Anthropic error bodies), `/v1/tokenize`, `/v1/detokenize`, `/v1/models`,
 `/health`, `/v1/cache/status`, `/metrics`. Bodies are parsed here (malformed JSON, a body that is
-not an object and schema errors are 400s naming the field), then handed to the route modules.
+not an object and schema errors are 400s naming the field), then handed to the route modules;
+generation runs under `--request-timeout` and every response carries `x-request-id`.
 The app reaches the engine only through its `EngineClient`; it never imports torch.
 """
 
@@ -23,11 +25,17 @@ from pydantic import BaseModel, ValidationError
 
 from freetoken import __version__
 from freetoken.errors import FreeTokenError
+from freetoken.server.anthropic_errors import anthropic_error_response, error_event
+from freetoken.server.anthropic_messages import count_message_tokens, create_message
+from freetoken.server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from freetoken.server.context import DEFAULT_MODEL_ALIAS, ServingContext
 from freetoken.server.errors import APIError, bad_request, from_pydantic, install_error_handlers
 from freetoken.server.openai_chat import create_chat_completion
 from freetoken.server.openai_completions import create_completion
+from freetoken.server.generation import sse
 from freetoken.server.protocol import ChatCompletionRequest, CompletionRequest
+from freetoken.server.request_hygiene import Deadline, RequestIdMiddleware, request_id_of
+from freetoken.server.tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 
 log = logging.getLogger(__name__)
 
@@ -93,22 +101,43 @@ def build_app(ctx: ServingContext, *, manage_client: bool = True) -> FastAPI:
     async def check_api_key(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
         key = ctx.config.api_key
         if key is not None and request.url.path.startswith("/v1") and not _authorized(request, key):
-            return APIError(
+            err = APIError(
                 401, "a valid API key is required: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'", code="invalid_api_key"
-            ).response()
+            )
+            if request.url.path.startswith("/v1/messages"):
+                return anthropic_error_response(err, request_id_of(request))
+            return err.response()
         return await call_next(request)
 
+    app.add_middleware(RequestIdMiddleware)  # outermost: every response carries x-request-id
+
     async def generation_route(
-        endpoint: str, request: Request, model: type[M], handler: Callable[[ServingContext, M], Awaitable[Response]]
+        endpoint: str,
+        request: Request,
+        model: type[M],
+        handler: Callable[[ServingContext, M, str], Awaitable[Response]],
+        *,
+        anthropic: bool = False,
     ) -> Response:
+        """Parse, run under --request-timeout, and render errors in the route's dialect."""
+        request_id = request_id_of(request)
+        deadline = Deadline.after(ctx.config.request_timeout_s)
         try:
-            return await handler(ctx, await parse_body(request, model))
+            response = await deadline.run(handler(ctx, await parse_body(request, model), request_id))
         except APIError as err:
             ctx.metrics.record_request(endpoint, err.status)
+            if anthropic:
+                return anthropic_error_response(err, request_id)
             raise
-        except FreeTokenError as err:  # e.g. the engine went away between the checks and the call
+        except FreeTokenError as exc:  # e.g. the engine went away between the checks and the call
             ctx.metrics.record_request(endpoint, 503)
-            raise APIError(503, f"engine unavailable: {err}", code="engine_unavailable") from None
+            err = APIError(503, f"engine unavailable: {exc}", code="engine_unavailable")
+            if anthropic:
+                return anthropic_error_response(err, request_id)
+            raise err from None
+        if anthropic:
+            return deadline.bound_stream(response, lambda e: error_event(e, request_id))
+        return deadline.bound_stream(response, lambda e: sse(e.body()))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -117,6 +146,22 @@ def build_app(ctx: ServingContext, *, manage_client: bool = True) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await generation_route("chat", request, ChatCompletionRequest, create_chat_completion)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await generation_route("messages", request, MessagesRequest, create_message, anthropic=True)
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(request: Request) -> Response:
+        return await generation_route("count_tokens", request, CountTokensRequest, count_message_tokens, anthropic=True)
+
+    @app.post("/v1/tokenize")
+    async def tokenize_route(request: Request) -> Response:
+        return await tokenize(ctx, await parse_body(request, TokenizeRequest))
+
+    @app.post("/v1/detokenize")
+    async def detokenize_route(request: Request) -> Response:
+        return await detokenize(ctx, await parse_body(request, DetokenizeRequest))
 
     def model_card() -> dict[str, Any]:
         info = ctx.client.info

@@ -53,6 +53,7 @@ class Piece:
     error: str | None = None
     cached_tokens: int = 0
     prompt_logprobs: list[Any] | None = None
+    stop_string: str | None = None  # the stop string that ended the choice (finish_reason "stop")
 
 
 @dataclass
@@ -65,6 +66,7 @@ class ChoiceResult:
     finish_reason: str | None = None
     cached_tokens: int = 0
     prompt_logprobs: list[Any] | None = None
+    stop_string: str | None = None
 
     def add(self, piece: Piece) -> None:
         self.text += piece.text
@@ -75,6 +77,7 @@ class ChoiceResult:
             self.prompt_logprobs = piece.prompt_logprobs
         if piece.finish_reason is not None:
             self.finish_reason = piece.finish_reason
+            self.stop_string = piece.stop_string
 
 
 async def _close(stream: AsyncIterator[Any]) -> None:
@@ -111,6 +114,7 @@ async def run_choice(client: EngineClient, spec: ChoiceSpec, tokenizer: Tokenize
                     piece.finish_reason = "error"
                 elif detok.stopped:
                     piece.finish_reason = "stop"
+                    piece.stop_string = detok.stop_string
                 else:
                     piece.text += detok.finish().text
                     piece.finish_reason = upd.finish_reason or "stop"

@@ -21,6 +21,7 @@ from freetoken.server.context import ServingContext
 from freetoken.server.errors import bad_request
 from freetoken.server.generation import ChoiceSpec, Clock, Piece, collect, first_piece, merge, run_choice
 from freetoken.server.protocol import ChatCompletionRequest, check_context, check_max_tokens
+from freetoken.server.request_hygiene import engine_rid
 from freetoken.server.streaming import Tally, record, sse_response, sse_stream
 from freetoken.server.tool_calling import ToolCalling, finish_reason, openai_delta, openai_message, openai_tool_options
 from freetoken.tokenizer import ChatTemplateError, NoChatTemplate, Tokenizer
@@ -79,7 +80,7 @@ def chat_logprobs(tokenizer: Tokenizer, entries: list[Any]) -> list[dict[str, An
     return out
 
 
-async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest) -> Response:
+async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, request_id: str) -> Response:
     clock = Clock()
     req.check_common()
     ctx.check_model(req.model)
@@ -98,17 +99,17 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     base = tooling.sampling(req.sampling_params(max_tokens, logprobs=logprobs_k))
     n = req.num_choices
     ctx.check_capacity(n)
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    response_id = f"chatcmpl-{uuid.uuid4().hex}"
     eos = frozenset(ctx.tokenizer.stop_ids)
     specs = [
         ChoiceSpec(
-            j, f"{request_id}-{j}", ids, base if base.seed is None or j == 0 else replace(base, seed=base.seed + j), eos, boundaries
+            j, engine_rid(request_id, response_id, j), ids, base if base.seed is None or j == 0 else replace(base, seed=base.seed + j), eos, boundaries
         )
         for j in range(n)
     ]
     tally = Tally([len(ids)], [0] * n)
     pieces = merge([run_choice(ctx.client, spec, ctx.tokenizer) for spec in specs])
-    head = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": ctx.served_name}
+    head = {"id": response_id, "object": "chat.completion", "created": int(time.time()), "model": ctx.served_name}
 
     if not req.stream:
         results = await collect(ctx.client, pieces, n, clock)

@@ -18,6 +18,7 @@ from freetoken.server.context import ServingContext
 from freetoken.server.errors import bad_request
 from freetoken.server.generation import ChoiceSpec, Clock, Piece, collect, first_piece, merge, run_choice
 from freetoken.server.protocol import CompletionRequest, check_context, check_max_tokens
+from freetoken.server.request_hygiene import engine_rid
 from freetoken.server.streaming import Tally, record, sse_response, sse_stream
 from freetoken.tokenizer import Tokenizer
 
@@ -86,7 +87,7 @@ def _merge_logprobs(head: dict[str, Any], tail: dict[str, Any]) -> dict[str, Any
     return {key: head[key] + tail[key] for key in head}
 
 
-async def create_completion(ctx: ServingContext, req: CompletionRequest) -> Response:
+async def create_completion(ctx: ServingContext, req: CompletionRequest, request_id: str) -> Response:
     clock = Clock()
     req.check_common()
     ctx.check_model(req.model)
@@ -104,17 +105,17 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest) -> Resp
         check_context(len(ids), max_tokens, info.context_length, prompt_param="prompt", max_param="max_tokens")
     n = req.num_choices
     ctx.check_capacity(len(prompts) * n)
-    request_id = f"cmpl-{uuid.uuid4().hex}"
+    response_id = f"cmpl-{uuid.uuid4().hex}"
     eos = frozenset(ctx.tokenizer.stop_ids)
     specs: list[ChoiceSpec] = []
     for p, ids in enumerate(prompts):
         for j in range(n):
             params = base if base.seed is None or j == 0 else replace(base, seed=base.seed + j)
-            specs.append(ChoiceSpec(p * n + j, f"{request_id}-{p * n + j}", ids, params, eos))
+            specs.append(ChoiceSpec(p * n + j, engine_rid(request_id, response_id, p * n + j), ids, params, eos))
     tally = Tally([len(ids) for ids in prompts], [s.index // n for s in specs])
     pieces = merge([run_choice(ctx.client, spec, ctx.tokenizer) for spec in specs])
     created = int(time.time())
-    head = {"id": request_id, "object": "text_completion", "created": created, "model": ctx.served_name}
+    head = {"id": response_id, "object": "text_completion", "created": created, "model": ctx.served_name}
     echo_texts = [ctx.tokenizer.decode(ids) if echo else "" for ids in prompts]
     if isinstance(req.prompt, str) and echo:
         echo_texts = [req.prompt]

@@ -28,6 +28,7 @@ class ServerConfig:
     max_waiting_requests: int = 256
     startup_timeout_s: float = 900.0  # how long `run_server` waits for the first engine start
     tool_call_parser: str | None = None  # --tool-call-parser: hermes|gemma|llama3_json|harmony (None: from the model)
+    request_timeout_s: float | None = None  # --request-timeout: a generation request running longer ends with a 504
 
     def validate(self) -> None:
         """Raise ConfigError naming the flag that cannot work."""
@@ -43,6 +44,8 @@ class ServerConfig:
             raise ConfigError(f"--tool-call-parser must be one of {', '.join(TOOL_PARSERS)}, got {self.tool_call_parser!r}")
         if self.max_waiting_requests < 0:
             raise ConfigError(f"--max-waiting-requests must be >= 0, got {self.max_waiting_requests}")
+        if self.request_timeout_s is not None and not 0 < self.request_timeout_s < float("inf"):
+            raise ConfigError(f"--request-timeout must be a positive number of seconds, got {self.request_timeout_s}")
 
     @property
     def max_in_flight(self) -> int:

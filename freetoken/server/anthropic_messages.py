@@ -1,0 +1,163 @@
+"""`POST /v1/messages` and `/v1/messages/count_tokens`: Anthropic Messages over the chat path.
+
+Owns the Anthropic response bodies (`message` objects, `usage` with `cache_read_input_tokens` =
+the prefix-cache hit, `stop_reason` from the engine's finish and the matched stop string) and the
+event stream in Anthropic's order: `message_start`, `content_block_start`, `ping`,
+`content_block_delta`..., `content_block_stop`, `message_delta`, `message_stop`; a failure after
+the stream started is one `event: error` and the stream ends. Conversations are rendered through
+the same chat-template path as `/v1/chat/completions`, so `count_tokens` counts exactly the prompt
+`/v1/messages` would run. Request-level errors are raised as `APIError`; the app renders them in
+Anthropic's shape. It never imports torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import JSONResponse, Response
+
+from freetoken.errors import FreeTokenError
+from freetoken.server.anthropic_errors import error_event, event
+from freetoken.server.anthropic_protocol import CountTokensRequest, MessagesRequest, Conversation
+from freetoken.server.context import ServingContext
+from freetoken.server.errors import bad_request
+from freetoken.server.generation import ChoiceSpec, Clock, Piece, _close, collect, engine_error, failed_choice, first_piece, merge, run_choice
+from freetoken.server.openai_chat import render_chat
+from freetoken.server.protocol import check_context
+from freetoken.server.request_hygiene import engine_rid
+from freetoken.server.streaming import CLIENT_CLOSED, Tally, record, sse_response
+
+ENDPOINT = "messages"
+MAX_TEMPERATURE = 1.0  # Anthropic's range is [0, 1]
+
+
+def render_conversation(ctx: ServingContext, req: Conversation) -> tuple[list[int], tuple[int, ...]]:
+    """Prompt ids and message boundaries of an Anthropic conversation (tools: see the hook
+    `anthropic_tools_to_openai`, which refuses them until tool calling is wired in)."""
+    messages = req.chat_messages()
+    req.openai_tools()
+    return render_chat(ctx.tokenizer, messages)
+
+
+def stop_reason(finish_reason: str | None, stop_string: str | None) -> tuple[str, str | None]:
+    """Anthropic's `stop_reason` and `stop_sequence` for an engine finish."""
+    if finish_reason == "length":
+        return "max_tokens", None
+    if finish_reason == "stop" and stop_string is not None:
+        return "stop_sequence", stop_string
+    return "end_turn", None
+
+
+def usage(prompt_tokens: int, cached_tokens: int, output_tokens: int) -> dict[str, int]:
+    """Anthropic's usage: `input_tokens` are the prompt tokens not read from the cache, so
+    input + cache_read (+ cache_creation, always 0 here) is the whole prompt."""
+    return {
+        "input_tokens": prompt_tokens - cached_tokens,
+        "output_tokens": output_tokens,
+        "cache_read_input_tokens": cached_tokens,
+        "cache_creation_input_tokens": 0,
+    }
+
+
+async def count_message_tokens(ctx: ServingContext, req: CountTokensRequest, request_id: str) -> Response:
+    ctx.check_model(req.model)
+    ids, _ = render_conversation(ctx, req)
+    return JSONResponse({"input_tokens": len(ids)})
+
+
+async def create_message(ctx: ServingContext, req: MessagesRequest, request_id: str) -> Response:
+    clock = Clock()
+    ctx.check_model(req.model)
+    if req.temperature is not None and not 0.0 <= req.temperature <= MAX_TEMPERATURE:
+        raise bad_request(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {req.temperature}", param="temperature")
+    params = req.sampling_params(req.max_tokens)  # range checks before anything else
+    info = ctx.ready_info()
+    ids, boundaries = render_conversation(ctx, req)
+    check_context(len(ids), req.max_tokens, info.context_length, prompt_param="messages", max_param="max_tokens")
+    ctx.check_capacity(1)
+    message_id = f"msg_{uuid.uuid4().hex}"
+    spec = ChoiceSpec(0, engine_rid(request_id, message_id, 0), ids, params, frozenset(ctx.tokenizer.stop_ids), boundaries)
+    tally = Tally([len(ids)], [0])
+    pieces = merge([run_choice(ctx.client, spec, ctx.tokenizer)])
+    head = {"id": message_id, "type": "message", "role": "assistant", "model": ctx.served_name}
+
+    if not req.stream:
+        result = (await collect(ctx.client, pieces, 1, clock))[0]
+        tally.add_results([result])
+        reason, sequence = stop_reason(result.finish_reason, result.stop_string)
+        record(ctx, ENDPOINT, 200, tally, clock)
+        return JSONResponse(
+            {
+                **head,
+                "content": [{"type": "text", "text": result.text}],
+                "stop_reason": reason,
+                "stop_sequence": sequence,
+                "usage": usage(len(ids), result.cached_tokens, len(result.token_ids)),
+            }
+        )
+
+    first = await first_piece(ctx.client, pieces)
+    return sse_response(message_events(ctx, pieces, first, head=head, tally=tally, clock=clock, request_id=request_id))
+
+
+async def message_events(
+    ctx: ServingContext,
+    pieces: AsyncIterator[Piece],
+    first: Piece | None,
+    *,
+    head: dict[str, Any],
+    tally: Tally,
+    clock: Clock,
+    request_id: str,
+) -> AsyncIterator[str]:
+    """Anthropic's event stream for one message (its first piece already taken)."""
+    status = CLIENT_CLOSED
+    prompt_tokens = tally.prompt_tokens
+    cached = 0 if first is None else first.cached_tokens
+    try:
+        start = {**head, "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage(prompt_tokens, cached, 0)}
+        yield event("message_start", {"type": "message_start", "message": start})
+        yield event("content_block_start", {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})
+        yield event("ping", {"type": "ping"})
+        finish: str | None = None
+        stop_string: str | None = None
+        piece = first
+        while piece is not None:
+            clock.saw(piece)
+            tally.add(piece)
+            if piece.error is not None:
+                err = failed_choice(ctx.client, piece.error)
+                status = err.status
+                yield error_event(err, request_id)
+                return
+            if piece.text:
+                delta = {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": piece.text}}
+                yield event("content_block_delta", delta)
+            if piece.finish_reason is not None:
+                finish, stop_string = piece.finish_reason, piece.stop_string
+            try:
+                piece = await anext(pieces)
+            except StopAsyncIteration:
+                piece = None
+        yield event("content_block_stop", {"type": "content_block_stop", "index": 0})
+        reason, sequence = stop_reason(finish, stop_string)
+        final_usage = usage(prompt_tokens, tally.cached_tokens, tally.completion_tokens)
+        yield event(
+            "message_delta",
+            {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": final_usage},
+        )
+        status = 200
+        yield event("message_stop", {"type": "message_stop"})
+    except FreeTokenError as exc:
+        err = engine_error(ctx.client, exc)
+        status = err.status
+        yield error_event(err, request_id)
+    except asyncio.CancelledError:
+        status = CLIENT_CLOSED
+        raise
+    finally:
+        await _close(pieces)
+        record(ctx, ENDPOINT, status, tally, clock)

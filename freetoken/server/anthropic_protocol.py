@@ -1,0 +1,208 @@
+"""Anthropic Messages request schemas (pydantic) and their conversion to the chat-template messages.
+
+Owns what `POST /v1/messages` and `/v1/messages/count_tokens` may contain (strict types, unknown
+fields refused with a 400 naming them), the conversion of Anthropic content blocks into the
+OpenAI-style message list the chat templates render (`tool_use` -> an assistant message's
+`tool_calls`, `tool_result` -> a `tool` role message), and the Anthropic -> SamplingParams
+checks. Tools are converted by `anthropic_tools_to_openai`, the hook tool calling plugs into. It
+does no tokenization and knows nothing of the engine.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from freetoken.request import SamplingParams
+from freetoken.server.errors import bad_request
+
+MAX_STOP_SEQUENCES = 16
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class CacheControl(_Strict):
+    """Accepted and unused: the prefix cache is automatic."""
+
+    type: Literal["ephemeral"]
+    ttl: str | None = None
+
+
+class TextBlock(_Strict):
+    type: Literal["text"]
+    text: str
+    cache_control: CacheControl | None = None
+
+
+class ToolUseBlock(_Strict):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: CacheControl | None = None
+
+
+class ToolResultBlock(_Strict):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] | None = None
+    is_error: bool | None = None
+    cache_control: CacheControl | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            body = ""
+        elif isinstance(self.content, str):
+            body = self.content
+        else:
+            body = "\n".join(block.text for block in self.content)
+        return f"Error: {body}" if self.is_error else body
+
+
+class UnsupportedBlock(BaseModel):
+    """A block type Anthropic defines that this server does not take; refused by name."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["image", "document", "thinking", "redacted_thinking", "search_result", "server_tool_use", "web_search_tool_result"]
+
+
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | UnsupportedBlock, Field(discriminator="type")]
+
+
+class AnthropicMessage(_Strict):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class Metadata(_Strict):
+    user_id: str | None = None  # an opaque end-user id, as Anthropic documents it; unused
+
+
+class ThinkingDisabled(_Strict):
+    type: Literal["disabled"]
+
+
+class Conversation(_Strict):
+    """Fields shared by /v1/messages and /v1/messages/count_tokens."""
+
+    model: str
+    messages: list[AnthropicMessage]
+    system: str | list[TextBlock] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: ThinkingDisabled | None = None  # extended thinking is not implemented: only "disabled"
+    cache_control: CacheControl | None = None  # automatic caching: accepted, the prefix cache always is
+
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """The conversation as chat-template messages (system first)."""
+        if not self.messages:
+            raise bad_request("messages must not be empty", param="messages")
+        out: list[dict[str, Any]] = []
+        system = self.system if isinstance(self.system, str) or self.system is None else "\n".join(b.text for b in self.system)
+        if system:
+            out.append({"role": "system", "content": system})
+        for i, message in enumerate(self.messages):
+            out += convert_message(message, f"messages[{i}]")
+        return out
+
+    def openai_tools(self) -> tuple[list[dict[str, Any]] | None, Any]:
+        """`tools` and `tool_choice` in the OpenAI shape (see `anthropic_tools_to_openai`)."""
+        return anthropic_tools_to_openai(self.tools, self.tool_choice)
+
+
+class CountTokensRequest(Conversation):
+    pass
+
+
+class MessagesRequest(Conversation):
+    max_tokens: int
+    stop_sequences: list[str] | None = None
+    stream: bool | None = False
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    metadata: Metadata | None = None
+
+    def stop_strings(self) -> tuple[str, ...]:
+        stops = list(self.stop_sequences or ())
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise bad_request(f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(stops)}", param="stop_sequences")
+        return tuple(s for s in stops if s)
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """Range-checked SamplingParams (a 400 naming the field when one is out of range)."""
+        if self.max_tokens < 1:
+            raise bad_request(f"max_tokens must be at least 1, got {self.max_tokens}", param="max_tokens")
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            stop=self.stop_strings(),
+            skip_special_tokens=True,
+        )
+        try:
+            params.validate()
+        except ValueError as err:
+            raise bad_request(str(err), param=str(err).split(" ", 1)[0]) from None
+        return params
+
+
+def convert_message(message: AnthropicMessage, where: str) -> list[dict[str, Any]]:
+    """One Anthropic message as chat-template messages, in block order: runs of text blocks become
+    one message of the role; a user's `tool_result` becomes a `tool` message; an assistant's
+    `tool_use` blocks become its `tool_calls` (OpenAI style, arguments as a JSON string)."""
+    if isinstance(message.content, str):
+        return [{"role": message.role, "content": message.content}]
+    out: list[dict[str, Any]] = []
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+
+    def flush_text() -> None:
+        if texts:
+            out.append({"role": message.role, "content": "\n".join(texts)})
+            texts.clear()
+
+    for j, block in enumerate(message.content):
+        param = f"{where}.content[{j}]"
+        if isinstance(block, UnsupportedBlock):
+            raise bad_request(f"content blocks of type '{block.type}' are not supported by this server", param=param)
+        if isinstance(block, TextBlock):
+            texts.append(block.text)
+        elif isinstance(block, ToolUseBlock):
+            if message.role != "assistant":
+                raise bad_request("tool_use blocks belong in assistant messages", param=param)
+            calls.append(
+                {"id": block.id, "type": "function", "function": {"name": block.name, "arguments": json.dumps(block.input, ensure_ascii=False)}}
+            )
+        else:
+            if message.role != "user":
+                raise bad_request("tool_result blocks belong in user messages", param=param)
+            flush_text()
+            out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text()})
+    if message.role == "assistant":
+        if texts or calls or not out:
+            entry: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
+            if calls:
+                entry["tool_calls"] = calls
+            out.append(entry)
+    else:
+        flush_text()
+    return out
+
+
+def anthropic_tools_to_openai(
+    tools: list[dict[str, Any]] | None, tool_choice: dict[str, Any] | None
+) -> tuple[list[dict[str, Any]] | None, Any]:
+    """HOOK for tool calling: Anthropic `tools` / `tool_choice` -> the OpenAI shapes the tool
+    rendering and parsers take. Until tool calling is wired in, a request that sets either is a
+    400 naming the field."""
+    if tools is not None:
+        raise bad_request("'tools' is not supported by this server yet", param="tools", code="unsupported_parameter")
+    if tool_choice is not None:
+        raise bad_request("'tool_choice' is not supported by this server yet", param="tool_choice", code="unsupported_parameter")
+    return None, None
