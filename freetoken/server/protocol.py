@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict
 
 from freetoken.request import SamplingParams
 from freetoken.server.errors import APIError, bad_request
+from freetoken.server.response_format import grammar_of
 
 MAX_N = 16
 MAX_STOP_STRINGS = 16
@@ -49,6 +50,7 @@ class _Sampling(_Strict):
     skip_special_tokens: bool | None = None  # extension
     user: str | None = None  # accepted and unused, as OpenAI documents it (an end-user id)
     logit_bias: dict[str, float] | None = None  # known, not implemented
+    response_format: dict[str, Any] | None = None  # -> SamplingParams.grammar (response_format.py)
 
     def unimplemented_fields(self) -> tuple[str, ...]:
         return ("logit_bias",)
@@ -100,6 +102,7 @@ class _Sampling(_Strict):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=True if self.skip_special_tokens is None else self.skip_special_tokens,
+            grammar=grammar_of(self.response_format),
         )
         try:
             params.validate()
@@ -154,7 +157,7 @@ class ChatMessage(_Strict):
 
 
 _CHAT_UNIMPLEMENTED = (
-    "logit_bias", "functions", "function_call", "response_format",
+    "logit_bias", "functions", "function_call",
     "audio", "modalities", "prediction", "web_search_options", "reasoning_effort", "metadata", "store",
     "service_tier",
 )
@@ -172,7 +175,6 @@ class ChatCompletionRequest(_Sampling):
     # known, not implemented; each is a 400 naming it when set
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
     audio: Any = None
     modalities: list[str] | None = None
     prediction: Any = None
