@@ -135,6 +135,12 @@ def build_app(ctx: ServingContext, *, manage_client: bool = True) -> FastAPI:
             if anthropic:
                 return anthropic_error_response(err, request_id)
             raise err from None
+        except Exception as exc:  # the OpenAI routes leave this to the app's handler; Anthropic's need their own body
+            if not anthropic:
+                raise
+            log.exception("unhandled error in %s request %s", endpoint, request_id)
+            ctx.metrics.record_request(endpoint, 500)
+            return anthropic_error_response(APIError(500, f"internal server error: {type(exc).__name__}: {exc}"), request_id)
         if anthropic:
             return deadline.bound_stream(response, lambda e: error_event(e, request_id))
         return deadline.bound_stream(response, lambda e: sse(e.body()))
