@@ -19,23 +19,20 @@ Semantics the engine relies on:
   model cannot spend its tokens on blank space; a schema's own `x-guidance` options override that.
 
 For tool calling (`tool_choice: "required"` or a named function), force the model's tool-call
-format with a Lark grammar whose body is a JSON schema. For Hermes-style `<tool_call>` markers,
-with `NAME` the function and `PARAMS` its parameters schema (JSON text):
+format with a Lark grammar whose body is a JSON schema, sent as `grammar=("lark", text)`. For
+Hermes-style markers, with `NAME` the function and `PARAMS` its parameters schema:
 
-    start: "<tool_call>\\n" call "\\n</tool_call>"
-    call: %json {"type": "object", "properties": {"name": {"const": NAME},
-                 "arguments": PARAMS}, "required": ["name", "arguments"],
-                 "additionalProperties": false}
+    start: "<tool_call>\n" call "\n</tool_call>"
+    call: %json {"type": "object", "properties": {"name": {"const": NAME}, "arguments": PARAMS},
+                 "required": ["name", "arguments"], "additionalProperties": false}
 
-sent as `grammar=("lark", text)` (for "required" over several tools, use `"anyOf"` of one such
-object per tool). If `<tool_call>` is a single special token in the vocabulary, write it as
-`<[ID]>` (llguidance's token-id syntax) or with its own rule, since a literal string is matched
-as text. See `lark_tool_call` below, which builds that grammar.
+(several tools: `"anyOf"` of one such object per tool). A marker that is one special token of the
+vocabulary is written bare, `<|im_start|>`, or by id, `<[1]>`; a quoted string matches text only.
+`freetoken.tokenizer.tool_parsers.grammar.forced_call_grammar` builds exactly this.
 """
 
 from __future__ import annotations
 
-import json
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -55,17 +52,6 @@ _BITS = 32  # tokens per bitmask word
 
 class GrammarError(FreeTokenError):
     """A grammar that does not compile, or a matcher that rejected a token."""
-
-
-def lark_tool_call(name: str, parameters: dict[str, object], start: str = "<tool_call>\n", end: str = "\n</tool_call>") -> str:
-    """A Lark grammar: `start`, then `{"name": name, "arguments": <parameters schema>}`, then `end`."""
-    schema = {
-        "type": "object",
-        "properties": {"name": {"const": name}, "arguments": parameters},
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-    }
-    return f"start: {json.dumps(start)} call {json.dumps(end)}\ncall: %json {json.dumps(schema)}\n"
 
 
 def llg_tokenizer(tokenizer: Tokenizer) -> llguidance.LLTokenizer:

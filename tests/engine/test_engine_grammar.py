@@ -5,6 +5,7 @@ a bad grammar is refused at add time, and preemption keeps matchers in step with
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import pytest
@@ -99,8 +100,6 @@ def test_regex_and_lark_kinds(tiny_gemma) -> None:  # noqa: ANN001
     ]
     _run(engine, reqs)
     tok = tiny_gemma.tokenizer
-    import re
-
     assert re.fullmatch(r"(yes|no)-[0-9]{2}", tok.decode(reqs[0].output_ids))
     assert reqs[0].finish_reason is FinishReason.STOP
     text = tok.decode(reqs[1].output_ids, skip_special_tokens=True)

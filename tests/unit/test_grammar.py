@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from freetoken.engine.grammar import GrammarCompiler, GrammarError, GrammarSet, lark_tool_call, unpack_bitmask
+from freetoken.engine.grammar import GrammarCompiler, GrammarError, GrammarSet, unpack_bitmask
 from freetoken.errors import ModelLoadError
 from freetoken.request import SamplingParams
 from freetoken.server.messages import AddRequest, decode, encode
@@ -19,6 +19,7 @@ from freetoken.server.worker import sampling_params
 from freetoken.tokenizer import Tokenizer
 from freetoken.tokenizer.gguf_vocab import byte_to_unicode
 from freetoken.tokenizer.testing import write_tiny_tokenizer
+from freetoken.tokenizer.tool_parsers.grammar import call_schema, forced_call_grammar
 
 COLOR_SCHEMA = {
     "type": "object",
@@ -167,11 +168,14 @@ def test_rejected_token_is_an_error_and_the_row_dead(tokenizer: Tokenizer, compi
     assert gset.mask(torch.zeros(2, tokenizer.vocab_size), ["free", "r"]) == [1]
 
 
-def test_tool_call_lark_grammar(tokenizer: Tokenizer, compiler: GrammarCompiler) -> None:
+@pytest.mark.parametrize("before, after", [("<tool_call>\n", "\n</tool_call>"), ("<|im_start|>", "<|im_end|>")])
+def test_tool_call_lark_grammar(tokenizer: Tokenizer, compiler: GrammarCompiler, before: str, after: str) -> None:
+    """The forced tool-call grammar (text markers, or special tokens written bare) with a JSON body."""
     params = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
-    grammar = ("lark", lark_tool_call("get_weather", params))
-    good = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-    bad = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": params}}
+    grammar = ("lark", forced_call_grammar(before, call_schema([tool], "arguments"), after))
+    good = before + '{"name": "get_weather", "arguments": {"city": "Paris"}}' + after
+    bad = before + '{"name": "get_time", "arguments": {}}' + after
     for text, ok in ((good, True), (bad, False)):
         gset = GrammarSet(compiler)
         gset.start("r", grammar)
