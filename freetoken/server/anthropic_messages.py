@@ -1,12 +1,15 @@
 """`POST /v1/messages` and `/v1/messages/count_tokens`: Anthropic Messages over the chat path.
 
 Owns the Anthropic response bodies (`message` objects, `usage` with `cache_read_input_tokens` =
-the prefix-cache hit, `stop_reason` from the engine's finish and the matched stop string) and the
-event stream in Anthropic's order: `message_start`, `content_block_start`, `ping`,
-`content_block_delta`..., `content_block_stop`, `message_delta`, `message_stop`; a failure after
-the stream started is one `event: error` and the stream ends. Conversations are rendered through
-the same chat-template path as `/v1/chat/completions`, so `count_tokens` counts exactly the prompt
-`/v1/messages` would run. Request-level errors are raised as `APIError`; the app renders them in
+the prefix-cache hit, `stop_reason` from the engine's finish and the matched stop string, or
+`tool_use`) and the event stream in Anthropic's order: `message_start`, then per content block
+`content_block_start`, `content_block_delta`..., `content_block_stop` (one `ping` right after the
+first start), `message_delta`, `message_stop`; a failure after the stream started is one
+`event: error` and the stream ends. Conversations, tools included, are rendered through the same
+chat-template path as `/v1/chat/completions`, so `count_tokens` counts exactly the prompt
+`/v1/messages` would run. Tool calling (prompt, forced-call grammar, parsing) is
+`tool_calling.py`'s and its Anthropic shapes `tool_blocks.py`'s; here they are placed in the body
+and the stream. Request-level errors are raised as `APIError`; the app renders them in
 Anthropic's shape. It never imports torch.
 """
 
@@ -29,17 +32,20 @@ from freetoken.server.openai_chat import render_chat
 from freetoken.server.protocol import check_context
 from freetoken.server.request_hygiene import engine_rid
 from freetoken.server.streaming import CLIENT_CLOSED, Tally, record, sse_response
+from freetoken.server.tool_blocks import AnthropicBlockStream, anthropic_content, tool_stop_reason
+from freetoken.server.tool_calling import ToolCalling
 
 ENDPOINT = "messages"
 MAX_TEMPERATURE = 1.0  # Anthropic's range is [0, 1]
 
 
-def render_conversation(ctx: ServingContext, req: Conversation) -> tuple[list[int], tuple[int, ...]]:
-    """Prompt ids and message boundaries of an Anthropic conversation (tools: see the hook
-    `anthropic_tools_to_openai`, which refuses them until tool calling is wired in)."""
+def render_conversation(ctx: ServingContext, req: Conversation) -> tuple[list[int], tuple[int, ...], ToolCalling]:
+    """Prompt ids and message boundaries of an Anthropic conversation with its tools, and the
+    request's tool handling (sampling changes, parsing)."""
     messages = req.chat_messages()
-    req.openai_tools()
-    return render_chat(ctx.tokenizer, messages)
+    tooling = ToolCalling(ctx, req.tool_options())
+    ids, boundaries = render_chat(ctx.tokenizer, *tooling.template_inputs(messages))
+    return ids, boundaries, tooling
 
 
 def stop_reason(finish_reason: str | None, stop_string: str | None) -> tuple[str, str | None]:
@@ -64,7 +70,7 @@ def usage(prompt_tokens: int, cached_tokens: int, output_tokens: int) -> dict[st
 
 async def count_message_tokens(ctx: ServingContext, req: CountTokensRequest, request_id: str) -> Response:
     ctx.check_model(req.model)
-    ids, _ = render_conversation(ctx, req)
+    ids, _, _ = render_conversation(ctx, req)
     return JSONResponse({"input_tokens": len(ids)})
 
 
@@ -75,7 +81,8 @@ async def create_message(ctx: ServingContext, req: MessagesRequest, request_id: 
         raise bad_request(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {req.temperature}", param="temperature")
     params = req.sampling_params(req.max_tokens)  # range checks before anything else
     info = ctx.ready_info()
-    ids, boundaries = render_conversation(ctx, req)
+    ids, boundaries, tooling = render_conversation(ctx, req)
+    params = tooling.sampling(params)
     check_context(len(ids), req.max_tokens, info.context_length, prompt_param="messages", max_param="max_tokens")
     ctx.check_capacity(1)
     message_id = f"msg_{uuid.uuid4().hex}"
@@ -87,20 +94,39 @@ async def create_message(ctx: ServingContext, req: MessagesRequest, request_id: 
     if not req.stream:
         result = (await collect(ctx.client, pieces, 1, clock))[0]
         tally.add_results([result])
+        parsed = tooling.parse(result.text)
         reason, sequence = stop_reason(result.finish_reason, result.stop_string)
         record(ctx, ENDPOINT, 200, tally, clock)
         return JSONResponse(
             {
                 **head,
-                "content": [{"type": "text", "text": result.text}],
-                "stop_reason": reason,
+                "content": anthropic_content(parsed),
+                "stop_reason": tool_stop_reason(reason, len(parsed.tool_calls)),
                 "stop_sequence": sequence,
                 "usage": usage(len(ids), result.cached_tokens, len(result.token_ids)),
             }
         )
 
     first = await first_piece(ctx.client, pieces)
-    return sse_response(message_events(ctx, pieces, first, head=head, tally=tally, clock=clock, request_id=request_id))
+    events = message_events(ctx, pieces, first, tooling=tooling, head=head, tally=tally, clock=clock, request_id=request_id)
+    return sse_response(events)
+
+
+class _Framer:
+    """Content-block events as SSE text, with the one `ping` right after the first block's start
+    (where Anthropic sends it)."""
+
+    def __init__(self) -> None:
+        self._pinged = False
+
+    def __call__(self, events: list[tuple[str, dict[str, Any]]]) -> list[str]:
+        out = []
+        for name, data in events:
+            out.append(event(name, data))
+            if not self._pinged:
+                self._pinged = True
+                out.append(event("ping", {"type": "ping"}))
+        return out
 
 
 async def message_events(
@@ -108,6 +134,7 @@ async def message_events(
     pieces: AsyncIterator[Piece],
     first: Piece | None,
     *,
+    tooling: ToolCalling,
     head: dict[str, Any],
     tally: Tally,
     clock: Clock,
@@ -120,8 +147,7 @@ async def message_events(
     try:
         start = {**head, "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage(prompt_tokens, cached, 0)}
         yield event("message_start", {"type": "message_start", "message": start})
-        yield event("content_block_start", {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})
-        yield event("ping", {"type": "ping"})
+        parser, blocks, frame = tooling.stream(), AnthropicBlockStream(), _Framer()
         finish: str | None = None
         stop_string: str | None = None
         piece = first
@@ -133,22 +159,20 @@ async def message_events(
                 status = err.status
                 yield error_event(err, request_id)
                 return
-            if piece.text:
-                delta = {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": piece.text}}
-                yield event("content_block_delta", delta)
+            for text in frame(blocks.events(parser.feed(piece.text))):
+                yield text
             if piece.finish_reason is not None:
                 finish, stop_string = piece.finish_reason, piece.stop_string
             try:
                 piece = await anext(pieces)
             except StopAsyncIteration:
                 piece = None
-        yield event("content_block_stop", {"type": "content_block_stop", "index": 0})
+        for text in frame(blocks.events(parser.finish()) + blocks.close()):
+            yield text
         reason, sequence = stop_reason(finish, stop_string)
         final_usage = usage(prompt_tokens, tally.cached_tokens, tally.completion_tokens)
-        yield event(
-            "message_delta",
-            {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": final_usage},
-        )
+        delta = {"stop_reason": tool_stop_reason(reason, blocks.num_calls), "stop_sequence": sequence}
+        yield event("message_delta", {"type": "message_delta", "delta": delta, "usage": final_usage})
         status = 200
         yield event("message_stop", {"type": "message_stop"})
     except FreeTokenError as exc:

@@ -4,8 +4,9 @@ Owns what `POST /v1/messages` and `/v1/messages/count_tokens` may contain (stric
 fields refused with a 400 naming them), the conversion of Anthropic content blocks into the
 OpenAI-style message list the chat templates render (`tool_use` -> an assistant message's
 `tool_calls`, `tool_result` -> a `tool` role message), and the Anthropic -> SamplingParams
-checks. Tools are converted by `anthropic_tools_to_openai`, the hook tool calling plugs into. It
-does no tokenization and knows nothing of the engine.
+checks. `tools` / `tool_choice` are validated into `ToolOptions` by `tool_blocks.py`; what they do
+to the prompt, the sampling and the reply is tool calling's. It does no tokenization and knows
+nothing of the engine.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from freetoken.request import SamplingParams
 from freetoken.server.errors import bad_request
+from freetoken.server.tool_blocks import anthropic_tool_options
+from freetoken.server.tool_calling import ToolOptions
 
 MAX_STOP_SEQUENCES = 16
 
@@ -109,9 +112,10 @@ class Conversation(_Strict):
             out += convert_message(message, f"messages[{i}]")
         return out
 
-    def openai_tools(self) -> tuple[list[dict[str, Any]] | None, Any]:
-        """`tools` and `tool_choice` in the OpenAI shape (see `anthropic_tools_to_openai`)."""
-        return anthropic_tools_to_openai(self.tools, self.tool_choice)
+    def tool_options(self) -> ToolOptions:
+        """`tools` and `tool_choice` (with `disable_parallel_tool_use`), validated: a 400 naming the
+        field when one is wrong."""
+        return anthropic_tool_options(self.tools, self.tool_choice)
 
 
 class CountTokensRequest(Conversation):
@@ -194,15 +198,3 @@ def convert_message(message: AnthropicMessage, where: str) -> list[dict[str, Any
         flush_text()
     return out
 
-
-def anthropic_tools_to_openai(
-    tools: list[dict[str, Any]] | None, tool_choice: dict[str, Any] | None
-) -> tuple[list[dict[str, Any]] | None, Any]:
-    """HOOK for tool calling: Anthropic `tools` / `tool_choice` -> the OpenAI shapes the tool
-    rendering and parsers take. Until tool calling is wired in, a request that sets either is a
-    400 naming the field."""
-    if tools is not None:
-        raise bad_request("'tools' is not supported by this server yet", param="tools", code="unsupported_parameter")
-    if tool_choice is not None:
-        raise bad_request("'tool_choice' is not supported by this server yet", param="tool_choice", code="unsupported_parameter")
-    return None, None

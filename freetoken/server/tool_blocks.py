@@ -36,7 +36,10 @@ def anthropic_tool_options(tools: list[dict[str, Any]] | None, tool_choice: dict
     parallel = True
     if tool_choice is not None:
         kind = tool_choice.get("type")
-        parallel = not tool_choice.get("disable_parallel_tool_use", False)
+        disable = tool_choice.get("disable_parallel_tool_use", False)
+        if not isinstance(disable, bool):
+            raise bad_request("tool_choice.disable_parallel_tool_use must be a boolean", param="tool_choice.disable_parallel_tool_use")
+        parallel = not disable
         if kind == "tool":
             choice = {"type": "function", "function": {"name": tool_choice.get("name")}}
         elif kind in ("auto", "none", "any"):
@@ -75,40 +78,52 @@ def tool_stop_reason(reason: str, num_calls: int) -> str:
 
 
 class AnthropicBlockStream:
-    """Content-block events of one streamed message. A text block opens at index 0 right away
-    (as the route announces it); each tool call closes the open block and is one tool_use block."""
+    """Content-block events of one streamed message, indices from 0 in order. A text block opens
+    when text arrives; each tool call closes the open block and is one whole `tool_use` block
+    (start, one `input_json_delta` with all its arguments, stop). Like the non-streamed body, an
+    output with neither text nor calls is one empty text block."""
 
     def __init__(self) -> None:
-        self._index = 0
-        self._open = True  # the text block at index 0 is opened by the route
+        self._next = 0  # index of the next block to open
+        self._open = False  # a text block at index `_next - 1` is open
         self.num_calls = 0
 
     def events(self, delta: StreamDelta) -> list[Event]:
         out: list[Event] = []
         if delta.content:
             if not self._open:
-                self._index += 1
-                out.append(("content_block_start", {"type": "content_block_start", "index": self._index,
-                                                    "content_block": {"type": "text", "text": ""}}))
+                out.append(self._start({"type": "text", "text": ""}))
                 self._open = True
-            out.append(("content_block_delta", {"type": "content_block_delta", "index": self._index,
-                                                "delta": {"type": "text_delta", "text": delta.content}}))
+            out.append(_delta(self._next - 1, {"type": "text_delta", "text": delta.content}))
         for d in delta.tool_calls:
-            if self._open:
-                out.append(("content_block_stop", {"type": "content_block_stop", "index": self._index}))
-            self._index += 1
-            block = {"type": "tool_use", "id": tool_use_id(d.call), "name": d.call.name, "input": {}}
-            out.append(("content_block_start", {"type": "content_block_start", "index": self._index, "content_block": block}))
-            out.append(("content_block_delta", {"type": "content_block_delta", "index": self._index,
-                                                "delta": {"type": "input_json_delta", "partial_json": d.call.arguments}}))
-            out.append(("content_block_stop", {"type": "content_block_stop", "index": self._index}))
-            self._open = False
+            out += self._stop_text()
+            index = self._next
+            out.append(self._start({"type": "tool_use", "id": tool_use_id(d.call), "name": d.call.name, "input": {}}))
+            out.append(_delta(index, {"type": "input_json_delta", "partial_json": d.call.arguments}))
+            out.append(_stop(index))
             self.num_calls += 1
         return out
 
     def close(self) -> list[Event]:
-        """The stop event of the block still open (none after a tool call)."""
+        """The stop of the text block still open, or an empty text block when there was no block."""
+        if self._next == 0:
+            return [self._start({"type": "text", "text": ""}), _stop(0)]
+        return self._stop_text()
+
+    def _start(self, block: dict[str, Any]) -> Event:
+        self._next += 1
+        return ("content_block_start", {"type": "content_block_start", "index": self._next - 1, "content_block": block})
+
+    def _stop_text(self) -> list[Event]:
         if not self._open:
             return []
         self._open = False
-        return [("content_block_stop", {"type": "content_block_stop", "index": self._index})]
+        return [_stop(self._next - 1)]
+
+
+def _delta(index: int, delta: dict[str, Any]) -> Event:
+    return ("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
+
+
+def _stop(index: int) -> Event:
+    return ("content_block_stop", {"type": "content_block_stop", "index": index})
