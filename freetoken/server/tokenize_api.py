@@ -18,6 +18,7 @@ from freetoken.server.context import ServingContext
 from freetoken.server.errors import bad_request
 from freetoken.server.openai_chat import render_chat
 from freetoken.server.protocol import ChatMessage
+from freetoken.server.tool_calling import ToolCalling, openai_tool_options
 from freetoken.tokenizer import ChatTemplateError, NoChatTemplate
 
 MAX_DETOKENIZE_IDS = 1_000_000
@@ -31,6 +32,7 @@ class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Any] | None = None  # messages only: counted as the chat route renders them
     add_generation_prompt: bool | None = None  # messages only; default true
     add_special_tokens: bool | None = None  # prompt only; default true
 
@@ -40,11 +42,15 @@ class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
-def _chat_ids(ctx: ServingContext, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+def _chat_ids(
+    ctx: ServingContext, messages: list[dict[str, Any]], tools: list[Any] | None, add_generation_prompt: bool
+) -> list[int]:
+    # Earlier tool calls, tool results and tool prompts are rendered as the chat route does.
+    messages, template_tools = ToolCalling(ctx, openai_tool_options(tools, None, None)).template_inputs(messages)
     if add_generation_prompt:
-        return render_chat(ctx.tokenizer, messages)[0]  # exactly the chat route's prompt
+        return render_chat(ctx.tokenizer, messages, template_tools)[0]  # exactly the chat route's prompt
     try:
-        text = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+        text = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=False, tools=template_tools)
     except NoChatTemplate:
         raise bad_request("this model has no chat template; tokenize a prompt instead", param="messages", code="no_chat_template") from None
     except ChatTemplateError as err:
@@ -58,6 +64,8 @@ async def tokenize(ctx: ServingContext, req: TokenizeRequest) -> Response:
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("send exactly one of 'prompt' and 'messages'", param="prompt" if req.prompt is None else "messages")
     if req.prompt is not None:
+        if req.tools is not None:
+            raise bad_request("tools applies to 'messages' only", param="tools")
         if req.add_generation_prompt is not None:
             raise bad_request("add_generation_prompt applies to 'messages' only", param="add_generation_prompt")
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
@@ -68,7 +76,7 @@ async def tokenize(ctx: ServingContext, req: TokenizeRequest) -> Response:
         if not req.messages:
             raise bad_request("messages must not be empty", param="messages")
         add_generation = True if req.add_generation_prompt is None else req.add_generation_prompt
-        ids = _chat_ids(ctx, [m.for_template() for m in req.messages], add_generation)
+        ids = _chat_ids(ctx, [m.for_template() for m in req.messages], req.tools, add_generation)
     info = ctx.client.info
     return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": None if info is None else info.context_length})
 

@@ -57,6 +57,27 @@ def test_messages_are_the_chat_prompt(http: httpx.Client) -> None:
     assert bare["count"] < out["count"] and out["tokens"][: bare["count"]] == bare["tokens"]
 
 
+TOOLS = [{"type": "function", "function": {"name": "get_time", "description": "The time in a city.",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOL_HISTORY = [
+    {"role": "user", "content": "What time is it in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
+]
+
+
+def test_tool_conversations_count_what_the_chat_route_runs(http: httpx.Client) -> None:
+    out = tokenize(http, {"messages": TOOL_HISTORY, "tools": TOOLS})
+    done = http.post("/v1/chat/completions", json={"model": MODEL, "messages": TOOL_HISTORY, "tools": TOOLS, "max_tokens": 1})
+    assert done.status_code == 200, done.text
+    assert done.json()["usage"]["prompt_tokens"] == out["count"]
+    without_tools = tokenize(http, {"messages": TOOL_HISTORY})
+    assert without_tools["count"] < out["count"]  # the tool prompt is counted
+    text = http.post("/v1/detokenize", json={"tokens": without_tools["tokens"]}).json()["prompt"]
+    assert "get_time" in text and "12:00" in text  # the earlier call and its result are rendered
+
+
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
