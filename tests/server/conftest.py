@@ -3,7 +3,6 @@ sliding-window model (small pools, chunked prefill, --debug-kv, an API key, cach
 
 from __future__ import annotations
 
-import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from serving import ServeProcess, pid_alive  # noqa: E402
+from serving import ServeProcess, serving  # noqa: E402
 
 API_KEY = "test-key-123"
 SHARED_FLAGS = [
@@ -32,19 +31,6 @@ def tiny_gemma_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def server(tiny_gemma_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     """One `ft serve` for the OpenAI-surface, seed, soak, disconnect and queue tests."""
-    proc = ServeProcess(str(tiny_gemma_dir), SHARED_FLAGS, tmp_path_factory.mktemp("serve_logs") / "shared.log", api_key=API_KEY)
-    try:
-        proc.wait_healthy()
+    log = tmp_path_factory.mktemp("serve_logs") / "shared.log"
+    with serving(str(tiny_gemma_dir), SHARED_FLAGS, log, api_key=API_KEY) as proc:
         yield proc
-    finally:
-        code = proc.stop()
-    assert_clean_shutdown(proc, code)
-
-
-def assert_clean_shutdown(proc: ServeProcess, code: int) -> None:
-    """SIGTERM: uvicorn finishes its shutdown (the app stops the engine), then re-raises the signal."""
-    assert code in (0, -signal.SIGTERM), f"ft serve exited with {code} on SIGTERM:\n{proc.log()}"
-    log = proc.log()
-    assert "Application shutdown complete" in log, log
-    for pid in proc.engine_pids:
-        assert not pid_alive(pid), f"engine process {pid} outlived the server"

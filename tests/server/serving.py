@@ -6,6 +6,8 @@ idle-balance check of `/v1/cache/status`. Deadlines are generous and nothing is 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 import os
 import signal
 import socket
@@ -109,3 +111,26 @@ def assert_balanced_idle(status: dict[str, Any]) -> None:
     for name, pool in status["pools"].items():
         assert pool["in_use"] == 0, (name, pool)
         assert pool["capacity"] == pool["free"] + pool["cached"] + pool["in_use"] + pool["quarantined"], (name, pool)
+
+
+def assert_clean_shutdown(proc: ServeProcess, code: int) -> None:
+    """SIGTERM: uvicorn finishes its shutdown (the app stops the engine), then re-raises the signal."""
+    assert code in (0, -signal.SIGTERM), f"ft serve exited with {code} on SIGTERM:\n{proc.log()}"
+    log = proc.log()
+    assert "Application shutdown complete" in log, log
+    for pid in proc.engine_pids:
+        assert not pid_alive(pid), f"engine process {pid} outlived the server"
+
+
+@contextmanager
+def serving(
+    model: str, args: list[str], log_path: Path, api_key: str | None = None, deadline_s: float = READY_DEADLINE_S
+) -> Iterator[ServeProcess]:
+    """A healthy `ft serve` for the block; then SIGTERM, and a check that it shut down cleanly."""
+    proc = ServeProcess(model, args, log_path, api_key=api_key)
+    try:
+        proc.wait_healthy(deadline_s)
+        yield proc
+    finally:
+        code = proc.stop()
+    assert_clean_shutdown(proc, code)

@@ -14,8 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import assert_clean_shutdown
-from serving import ServeProcess, assert_balanced_idle
+from serving import ServeProcess, assert_balanced_idle, serving
 
 MODEL = "tiny-gemma-long"
 CONVERSATIONS = 4
@@ -45,13 +44,8 @@ def soak_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProce
     from tiny_models import write_tiny_model
 
     model = write_tiny_model("gemma3", tmp_path_factory.mktemp("soak_model") / "tiny-gemma", max_position_embeddings=2048)
-    proc = ServeProcess(str(model), FLAGS, Path(tmp_path_factory.mktemp("soak_logs")) / "soak.log")
-    try:
-        proc.wait_healthy()
+    with serving(str(model), FLAGS, Path(tmp_path_factory.mktemp("soak_logs")) / "soak.log") as proc:
         yield proc
-    finally:
-        code = proc.stop()
-    assert_clean_shutdown(proc, code)
 
 
 def conversation(server: ServeProcess, k: int, cached: list[int], errors: list[str]) -> None:

@@ -14,8 +14,8 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import API_KEY, SHARED_FLAGS, assert_clean_shutdown
-from serving import ServeProcess, assert_balanced_idle
+from conftest import API_KEY, SHARED_FLAGS
+from serving import ServeProcess, assert_balanced_idle, serving
 
 from freetoken.server.request_hygiene import engine_rid, sane_request_id
 
@@ -78,13 +78,8 @@ def test_a_reused_request_id_does_not_collide(server: ServeProcess) -> None:
 @pytest.fixture(scope="module")
 def timed(tiny_gemma_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     log = tmp_path_factory.mktemp("serve_logs") / "timeout.log"
-    proc = ServeProcess(str(tiny_gemma_dir), [*SHARED_FLAGS, "--request-timeout", "2"], log, api_key=API_KEY)
-    try:
-        proc.wait_healthy()
+    with serving(str(tiny_gemma_dir), [*SHARED_FLAGS, "--request-timeout", "2"], log, api_key=API_KEY) as proc:
         yield proc
-    finally:
-        code = proc.stop()
-    assert_clean_shutdown(proc, code)
 
 
 def sse_lines(r: httpx.Response) -> list[str]:

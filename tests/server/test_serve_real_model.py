@@ -7,20 +7,14 @@ from collections.abc import Iterator
 
 import openai
 import pytest
-from conftest import assert_clean_shutdown
-from serving import ServeProcess, assert_balanced_idle
+from serving import ServeProcess, assert_balanced_idle, serving
 
 
 @pytest.fixture(scope="module")
 def default_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     flags = ["--num-tokens", "4096", "--max-running-requests", "2", "--enable-cache-report"]
-    proc = ServeProcess("gemma3-270m", flags, tmp_path_factory.mktemp("real_logs") / "real.log")
-    try:
-        proc.wait_healthy(deadline_s=900)
+    with serving("gemma3-270m", flags, tmp_path_factory.mktemp("real_logs") / "real.log", deadline_s=900) as proc:
         yield proc
-    finally:
-        code = proc.stop()
-    assert_clean_shutdown(proc, code)
 
 
 @pytest.mark.real_model

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import assert_clean_shutdown
-from serving import ServeProcess
+from serving import ServeProcess, serving
 
 MODEL = "tiny-gemma"
 
@@ -24,13 +23,8 @@ MODEL = "tiny-gemma"
 @pytest.fixture(scope="module")
 def own_server(tiny_gemma_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     flags = ["--page-size", "4", "--num-tokens", "2048", "--max-running-requests", "2", "--dtype", "float32", "--threads", "1"]
-    proc = ServeProcess(str(tiny_gemma_dir), flags, tmp_path_factory.mktemp("restart_logs") / "restart.log")
-    try:
-        proc.wait_healthy()
+    with serving(str(tiny_gemma_dir), flags, tmp_path_factory.mktemp("restart_logs") / "restart.log") as proc:
         yield proc
-    finally:
-        code = proc.stop()
-    assert_clean_shutdown(proc, code)
 
 
 def test_engine_killed_mid_stream_then_back(own_server: ServeProcess) -> None:
