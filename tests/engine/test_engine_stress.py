@@ -12,8 +12,9 @@ from freetoken.errors import ConfigError
 from freetoken.request import FinishReason, Request, SamplingParams
 
 
-def run_random_traffic(engine, seed: int, n_requests: int = 56) -> tuple[dict[str, Request], set[str]]:
-    """Admit requests in waves (shared heads, long prompts), abort some at random steps."""
+def run_random_traffic(engine, seed: int, n_requests: int = 56, burst: bool = False) -> tuple[dict[str, Request], set[str]]:
+    """Add requests in waves, or all at once (`burst`: every one in flight together), with shared
+    heads and long prompts; abort some at random steps."""
     rng = random.Random(seed)
     heads = [[rng.randrange(3, 320) for _ in range(rng.randrange(5, 40))] for _ in range(4)]
     reqs: dict[str, Request] = {}
@@ -21,7 +22,7 @@ def run_random_traffic(engine, seed: int, n_requests: int = 56) -> tuple[dict[st
     pending = list(range(n_requests))
     steps = 0
     while pending or engine.has_work():
-        for _ in range(rng.randrange(0, 6)):
+        for _ in range(n_requests if burst else rng.randrange(0, 6)):
             if not pending:
                 break
             i = pending.pop(0)
@@ -45,8 +46,8 @@ def run_random_traffic(engine, seed: int, n_requests: int = 56) -> tuple[dict[st
     return reqs, aborted
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_random_concurrent_traffic_with_preemption(tiny_gemma, seed):
+@pytest.mark.parametrize("seed,burst", [(0, False), (1, False), (2, True)])
+def test_random_concurrent_traffic_with_preemption(tiny_gemma, seed, burst):
     # A small FULL pool forces preemption; the SWA pool sits exactly at its floor.
     config = EngineConfig(
         model="tiny", dtype="float64", page_size=4, num_tokens=4 * 40, max_running_requests=6,
@@ -54,7 +55,7 @@ def test_random_concurrent_traffic_with_preemption(tiny_gemma, seed):
     )
     engine = build_engine_for(config, tiny_gemma)
     assert engine.kv.swa_pool.capacity == engine.config.swa_floor
-    reqs, aborted = run_random_traffic(engine, seed)
+    reqs, aborted = run_random_traffic(engine, seed, burst=burst)
     assert len(reqs) >= 50
     for rid, req in reqs.items():
         assert req.finished
