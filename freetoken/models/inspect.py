@@ -10,6 +10,7 @@ import torch
 
 from freetoken.models.config import SLIDING_ATTENTION, ModelConfig
 from freetoken.models.load import load_tokenizer
+from freetoken.tokenizer.chat_template import builtin_chat_template
 from freetoken.weights.loader import load_checkpoint, resolve_model
 
 
@@ -29,6 +30,12 @@ def describe_model(spec: str | None) -> str:
     quant = ", ".join(f"{k} x{v}" for k, v in sorted(ckpt.quant_types.items())) or "none (safetensors)"
     if config.tie_word_embeddings:
         params -= sum(t.numel() for n, t in ckpt.tensors.items() if n == "lm_head.weight")
+    if not tok.chat_template:
+        template = "none"
+    elif tok.chat_template == builtin_chat_template(config.architecture):
+        template = f"built-in ({config.architecture}; the checkpoint has none)"
+    else:
+        template = "from the checkpoint"
     lines = [
         f"model:         {source.name}",
         f"path:          {source.path}",
@@ -42,7 +49,7 @@ def describe_model(spec: str | None) -> str:
         f"experts:       {config.num_experts} (top {config.num_experts_per_tok})" if config.num_experts else "experts:       none",
         f"context:       {config.max_position_embeddings}",
         f"vocabulary:    {tok.vocab_size} (bos {tok.bos_id}, eos {tok.eos_id})",
-        f"chat template: {'yes' if tok.chat_template else 'none'}",
+        f"chat template: {template}",
         f"quant types:   {quant}",
         f"parameters:    {params:,}",
     ]
