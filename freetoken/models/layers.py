@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from freetoken.attention import attention_fn
 from freetoken.attention.metadata import ForwardBatch
-from freetoken.attention.torch_backend import paged_attention
 from freetoken.errors import ModelLoadError
 from freetoken.kv.tensors import KVTensors
 from freetoken.models.config import ModelConfig, RopeConfig
@@ -180,7 +180,7 @@ def paged_self_attention(
     if slots is None or table is None:
         raise ValueError(f"layer {layer} is a sliding-window layer but the batch has no SWA table")
     kv.write(layer, slots, k, v)
-    return paged_attention(
+    return attention_fn(q.device)(
         q, kv.k[layer], kv.v[layer], table, batch,
         scale=config.attention_scale,
         sliding_window=config.sliding_window if sliding else None,

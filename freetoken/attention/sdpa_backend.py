@@ -1,0 +1,102 @@
+"""Paged attention through torch's fused scaled_dot_product_attention (the default backend).
+
+Owns the same computation as `torch_backend.paged_attention` (causal, sliding window, GQA) with
+the same signature, but hands the softmax(q k^T) v to `F.scaled_dot_product_attention` with a
+boolean mask built from absolute positions, and gathers only what can be visible: per request the
+key slots of the table columns the batch needs (the window's columns on sliding layers). Keys at
+or past a request's length read slot 0 of the NULL page and NULL table entries point into it; the
+KV pool keeps that page all zeros, so stale or unwritten slots never reach the fused kernel.
+Grouped-query attention uses SDPA's `enable_gqa`, so K/V are never copied per query head. Cases
+SDPA cannot do exactly (attention sinks, logit soft-capping) go to the reference. It does not
+write K/V and holds no state.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from freetoken.attention import torch_backend
+from freetoken.attention.metadata import ForwardBatch
+
+
+def _key_slots(
+    page_table: torch.Tensor, batch: ForwardBatch, sliding_window: int | None, P: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pool slot [B, S] of each gathered key and the key positions ([B, S] or [1, S]).
+
+    Slots at or past a request's length become 0 (the NULL page): a page's unwritten tail never
+    reaches the kernel. NULL table entries already point into the NULL page.
+    """
+    B, width = page_table.shape
+    device = page_table.device
+    offsets = torch.arange(P, device=device)
+    if sliding_window is not None and batch.swa_first_page is not None and batch.sliding_window == sliding_window:
+        cols = batch.swa_first_page[:, None] + torch.arange(batch.swa_num_pages, device=device)  # [B, C]
+        # Columns past the table are past every request's length: any page works, the slot is zeroed.
+        pages = page_table.long().gather(1, cols.clamp(max=width - 1))  # [B, C]
+        k_pos = (cols[:, :, None] * P + offsets).flatten(1)  # [B, S]
+    else:
+        pages = page_table.long()  # [B, C = width]
+        k_pos = torch.arange(width * P, device=device)[None, :]  # [1, S]
+    slots = (pages[:, :, None] * P + offsets).flatten(1)  # [B, S]
+    return slots * (k_pos < batch.kv_lens[:, None]), k_pos
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    batch: ForwardBatch,
+    scale: float,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention of the batch's T query tokens over their requests' cached keys.
+
+    q [T, H, D]; k_pages, v_pages [pages + 1, P, n_kv_heads, D] (page 0 all zeros);
+    page_table [B, max_pages] int32; sinks [H] or None. Returns [T, H, D] in q's dtype.
+    """
+    if sinks is not None or softcap is not None:
+        return torch_backend.paged_attention(
+            q, k_pages, v_pages, page_table, batch, scale, sliding_window, sinks, softcap,
+        )
+    T, H, D = q.shape
+    P, n_kv = k_pages.shape[1], k_pages.shape[2]
+    G = H // n_kv
+    B = page_table.shape[0]
+    Lq = batch.max_query_len
+
+    slots, k_pos = _key_slots(page_table, batch, sliding_window, P)  # [B, S], [B or 1, S]
+    S = slots.shape[1]
+    flat = slots.reshape(-1)
+    k = k_pages.view(-1, n_kv, D).index_select(0, flat).view(B, S, n_kv, D).transpose(1, 2)  # [B, n_kv, S, D]
+    v = v_pages.view(-1, n_kv, D).index_select(0, flat).view(B, S, n_kv, D).transpose(1, 2)  # [B, n_kv, S, D]
+
+    unpadded = T == B * Lq  # every request has Lq new tokens (all decodes, or one prefill)
+    if unpadded:
+        q_pos = batch.positions.view(B, Lq)  # [B, Lq]
+        q_pad = q.view(B, Lq, H, D)
+    else:
+        q_pos = torch.full((B, Lq), -1, dtype=torch.long, device=q.device)  # [B, Lq], -1 = padding
+        q_pos[batch.token_request, batch.token_offset] = batch.positions
+        q_pad = q.new_zeros(B, Lq, H, D)
+        q_pad[batch.token_request, batch.token_offset] = q
+
+    # q - k >= 0 also keeps keys at or past the request's length out (queries lie below it).
+    diff = q_pos[:, :, None] - k_pos[:, None, :]  # [B, Lq, S]
+    visible = diff >= 0
+    if sliding_window is not None:
+        visible &= diff < sliding_window
+    if not unpadded:  # a padded row would see nothing (SDPA gives NaN): let it see all; it is dropped
+        visible |= (q_pos < 0)[:, :, None]
+
+    out = F.scaled_dot_product_attention(
+        q_pad.transpose(1, 2), k, v, attn_mask=visible[:, None], scale=scale, enable_gqa=G > 1,
+    )  # [B, H, Lq, D]
+    out = out.transpose(1, 2)  # [B, Lq, H, D]
+    if unpadded:
+        return out.reshape(T, H, D)
+    return out[batch.token_request, batch.token_offset]  # [T, H, D]
