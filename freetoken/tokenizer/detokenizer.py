@@ -129,7 +129,7 @@ class IncrementalDetokenizer:
             self.stop_string = stop
             out = pending[: start + len(stop)] if self._include_stop else pending[:start]
             return DetokenizerDelta(self._emit(out).text, stop)
-        keep = 0 if final else _partial_stop_suffix(pending, self._stops)
+        keep = 0 if final else held_back(pending, self._stops)
         self._pending = pending[len(pending) - keep :] if keep else ""
         return self._emit(pending[: len(pending) - keep])
 
@@ -153,12 +153,13 @@ def _first_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
     return None if best is None else (best[1], best[2])
 
 
-def _partial_stop_suffix(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+def held_back(text: str, markers: Sequence[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of one of `markers` (a stop
+    string, a tool-call marker): text that may still become one and must not be released yet."""
     longest = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:n]):
+    for marker in markers:
+        for n in range(min(len(marker) - 1, len(text)), longest, -1):
+            if text.endswith(marker[:n]):
                 longest = n
                 break
     return longest

@@ -96,29 +96,38 @@ def call_from_object(obj: object, tool_names: frozenset[str] | None) -> ToolCall
     return None if text is None else ToolCall(new_call_id(), name, text)
 
 
-def held_back(text: str, markers: Sequence[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of one of `markers` (text that
-    may still become a marker and must not be released yet)."""
-    best = 0
-    for marker in markers:
-        for n in range(min(len(marker) - 1, len(text)), best, -1):
-            if text.endswith(marker[:n]):
-                best = n
-                break
-    return best
-
-
 class ToolCallStream(ABC):
-    """The incremental parser of one generation: feed text deltas, get what is now certain."""
+    """The incremental parser of one generation: feed text deltas, get what is now certain.
 
-    @abstractmethod
+    A subclass keeps the unparsed text in `self._buffer` and says how far one parsing step goes
+    (`_step`) and what the rest becomes at the end (`_flush`)."""
+
+    _buffer: str
+
     def feed(self, text: str) -> StreamDelta:
         """The content, reasoning and complete calls that `text` (appended to what came before)
         makes certain; text that may still be the start of a marker is held back."""
+        self._buffer += text
+        out = StreamDelta()
+        while self._step(out, final=False):
+            pass
+        return out
 
-    @abstractmethod
     def finish(self) -> StreamDelta:
         """Everything still held back (an unclosed block becomes text)."""
+        out = StreamDelta()
+        while self._step(out, final=True):
+            pass
+        self._flush(out)
+        return out
+
+    @abstractmethod
+    def _step(self, out: StreamDelta, *, final: bool) -> bool:
+        """Parse what the buffer allows into `out`; True when another step may make progress."""
+
+    @abstractmethod
+    def _flush(self, out: StreamDelta) -> None:
+        """At the end of the output: turn what is left in the buffer into `out`."""
 
 
 class ToolParser(ABC):

@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from freetoken.tokenizer.tool_parsers.base import StreamDelta, ToolCall, ToolCallDelta, ToolCallStream, held_back
+from freetoken.tokenizer.detokenizer import held_back
+from freetoken.tokenizer.tool_parsers.base import StreamDelta, ToolCall, ToolCallDelta, ToolCallStream
 
 BlockParser = Callable[[str], list[ToolCall] | None]
 
@@ -37,17 +38,7 @@ class BlockStream(ToolCallStream):
         self._pending_ws = ""  # trailing whitespace of content, released with the next text
         self._num_calls = 0
 
-    def feed(self, text: str) -> StreamDelta:
-        self._buffer += text
-        out = StreamDelta()
-        while self._step(out, final=False):
-            pass
-        return out
-
-    def finish(self) -> StreamDelta:
-        out = StreamDelta()
-        while self._step(out, final=True):
-            pass
+    def _flush(self, out: StreamDelta) -> None:
         if self._block is not None and self._block.end is None:  # runs to the end: parse it now
             self._close_block(self._block, self._buffer, out, final_marker="")
             self._buffer = ""
@@ -60,7 +51,6 @@ class BlockStream(ToolCallStream):
         if not self._after_call:
             out.content += self._pending_ws
         self._pending_ws = ""
-        return out
 
     # ---- internals ---------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from freetoken.tokenizer.detokenizer import held_back
 from freetoken.tokenizer.tool_parsers.base import (
     StreamDelta,
     ToolCall,
@@ -24,7 +25,6 @@ from freetoken.tokenizer.tool_parsers.base import (
     ToolCallStream,
     ToolParser,
     arguments_json,
-    held_back,
     new_call_id,
     tools_json,
 )
@@ -48,23 +48,12 @@ class _HarmonyStream(ToolCallStream):
         self._recipient: str | None = None
         self._num_calls = 0
 
-    def feed(self, text: str) -> StreamDelta:
-        self._buffer += text
-        out = StreamDelta()
-        while self._step(out, final=False):
-            pass
-        return out
-
-    def finish(self) -> StreamDelta:
-        out = StreamDelta()
-        while self._step(out, final=True):
-            pass
+    def _flush(self, out: StreamDelta) -> None:
         if self._header is not None:
             self._end_body(self._buffer, "", out)
         elif self._buffer.strip():
             out.content += self._buffer
         self._buffer = ""
-        return out
 
     def _step(self, out: StreamDelta, *, final: bool) -> bool:
         if self._raw:
