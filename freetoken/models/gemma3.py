@@ -11,14 +11,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from freetoken.attention.metadata import ForwardBatch
 from freetoken.kv.tensors import KVTensors
 from freetoken.models.config import ModelConfig
 from freetoken.models.layers import (
-    GatedMLP, RMSNorm, Rotary, apply_rope, compute_dtype, embedding, linear, load_named,
+    GatedMLP, RMSNorm, Rotary, apply_rope, embedding, linear, load_named, output_logits,
     paged_self_attention, strip_prefix,
 )
 
@@ -108,10 +107,5 @@ class Gemma3ForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             cos, sin = rope_sliding if self.config.is_sliding(i) else rope_full
             x = layer(x, cos, sin, i, batch, kv)
-        x = self.norm(x[batch.logits_indices])  # [N, hidden]
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(x, head)  # [N, vocab]
-        cap = self.config.final_logit_softcapping
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits.to(compute_dtype(logits.dtype))
+        softcap = self.config.final_logit_softcapping
+        return output_logits(x, batch, self.norm, self.embed_tokens, self.lm_head, softcap)  # [N, vocab]

@@ -11,14 +11,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from freetoken.attention.metadata import ForwardBatch
 from freetoken.kv.tensors import KVTensors
 from freetoken.models.config import ModelConfig
 from freetoken.models.layers import (
-    RMSNorm, Rotary, apply_rope, compute_dtype, embedding, linear, load_named, paged_self_attention,
+    RMSNorm, Rotary, apply_rope, compute_dtype, embedding, linear, load_named, output_logits, paged_self_attention,
     strip_prefix,
 )
 
@@ -130,6 +129,4 @@ class GptOssForCausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)  # [T, D / 2] each
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, i, batch, kv)
-        x = self.norm(x[batch.logits_indices])  # [N, hidden]
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, head).to(compute_dtype(x.dtype))  # [N, vocab]
+        return output_logits(x, batch, self.norm, self.embed_tokens, self.lm_head)  # [N, vocab]

@@ -228,3 +228,24 @@ def strip_prefix(name: str, prefixes: tuple[str, ...]) -> str:
         if name.startswith(prefix):
             return name[len(prefix):]
     return name
+
+
+def output_logits(
+    x: torch.Tensor,
+    batch: ForwardBatch,
+    norm: nn.Module,
+    embed_tokens: nn.Embedding,
+    lm_head: nn.Linear | None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """The final norm and the output projection, for the rows that need logits only.
+
+    x [T, hidden] -> logits [N, vocab] for `batch.logits_indices`; a missing `lm_head` means tied
+    embeddings; `softcap` is Gemma's final soft-capping.
+    """
+    x = norm(x[batch.logits_indices])  # [N, hidden]
+    head = embed_tokens.weight if lm_head is None else lm_head.weight
+    logits = F.linear(x, head)  # [N, vocab]
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits.to(compute_dtype(logits.dtype))
