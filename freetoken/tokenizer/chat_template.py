@@ -154,24 +154,3 @@ class ChatTemplate:
             return self._template.render(context)
         except jinja2.exceptions.TemplateError as err:
             raise ChatTemplateError(f"the chat template refused the conversation: {err}") from None
-
-
-def render_chat_template(
-    source: str,
-    messages: Sequence[Mapping[str, object]],
-    *,
-    add_generation_prompt: bool,
-    tools: Sequence[Mapping[str, object]] | None = None,
-    bos_token: str = "",
-    eos_token: str = "",
-    extra_context: Mapping[str, object] | None = None,
-) -> str:
-    """Compile `source` and render it once (see `ChatTemplate.render`)."""
-    return ChatTemplate(source).render(
-        messages,
-        add_generation_prompt=add_generation_prompt,
-        tools=tools,
-        bos_token=bos_token,
-        eos_token=eos_token,
-        extra_context=extra_context,
-    )

@@ -13,7 +13,6 @@ from freetoken.tokenizer.chat_template import (
     GEMMA3_CHAT_TEMPLATE,
     ChatTemplate,
     builtin_chat_template,
-    render_chat_template,
 )
 
 CONVERSATION = [
@@ -25,7 +24,7 @@ CONVERSATION = [
 
 
 def test_gemma3_builtin_folds_system_into_first_user_turn() -> None:
-    text = render_chat_template(GEMMA3_CHAT_TEMPLATE, CONVERSATION, add_generation_prompt=True, bos_token="<bos>")
+    text = ChatTemplate(GEMMA3_CHAT_TEMPLATE).render(CONVERSATION, add_generation_prompt=True, bos_token="<bos>")
     assert text == (
         "<bos><start_of_turn>user\nYou are terse.\n\nWhat is 2+2?<end_of_turn>\n"
         "<start_of_turn>model\n4<end_of_turn>\n"
@@ -36,14 +35,14 @@ def test_gemma3_builtin_folds_system_into_first_user_turn() -> None:
 
 def test_gemma3_builtin_without_system_and_without_generation_prompt() -> None:
     messages = [{"role": "user", "content": [{"type": "text", "text": "hi "}]}, {"role": "assistant", "content": "yo"}]
-    text = render_chat_template(GEMMA3_CHAT_TEMPLATE, messages, add_generation_prompt=False, bos_token="<bos>")
+    text = ChatTemplate(GEMMA3_CHAT_TEMPLATE).render(messages, add_generation_prompt=False, bos_token="<bos>")
     assert text == "<bos><start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\nyo<end_of_turn>\n"
 
 
 def test_gemma3_builtin_refuses_non_alternating_roles() -> None:
     messages = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
     with pytest.raises(ChatTemplateError, match="alternate"):
-        render_chat_template(GEMMA3_CHAT_TEMPLATE, messages, add_generation_prompt=True)
+        ChatTemplate(GEMMA3_CHAT_TEMPLATE).render(messages, add_generation_prompt=True)
 
 
 def test_builtin_only_for_gemma3() -> None:
@@ -91,11 +90,11 @@ def test_environment_matches_hugging_face() -> None:
 
 def test_raise_exception_and_bad_syntax_are_typed() -> None:
     with pytest.raises(ChatTemplateError, match="nope"):
-        render_chat_template("{{ raise_exception('nope') }}", [], add_generation_prompt=True)
+        ChatTemplate("{{ raise_exception('nope') }}").render([], add_generation_prompt=True)
     with pytest.raises(ChatTemplateError, match="does not compile"):
         ChatTemplate("{% for %}")
 
 
 def test_sandbox_blocks_attribute_escapes() -> None:
     with pytest.raises(ChatTemplateError, match="unsafe"):
-        render_chat_template("{{ messages.__class__.__subclasses__() }}", [], add_generation_prompt=True)
+        ChatTemplate("{{ messages.__class__.__subclasses__() }}").render([], add_generation_prompt=True)
