@@ -39,7 +39,7 @@ class Runner:
         logit_rows: list[int] = []
         offset = 0
         for item in items:
-            ids.extend(item.req.all_ids[item.start : item.start + item.n])
+            ids.extend(item.req.token_slice(item.start, item.start + item.n))
             full, swa = self.kv.page_tables(item.req.rid)
             specs.append((item.start, item.n, full, swa))
             if item.all_logits:

@@ -80,3 +80,4 @@ def test_parameter_validation_names_the_parameter() -> None:
                       (dict(logprobs=50), "logprobs"), (dict(min_p=2.0), "min_p")]:
         with pytest.raises(ValueError, match=name):
             SamplingParams(**bad).validate()
+
