@@ -1,12 +1,17 @@
-"""A tiny engine stand-in for the KV tests: drives KVManager exactly as the engine's step does
-(schedule -> forward -> sample -> commit -> release out-of-window) with an audit after each
-step. Tokens are integers; no model."""
+"""A direct driver of KVManager for the unit tests of tree policy, pools and the audit.
+
+It is NOT the engine's schedule: each request gets its own chunk (no shared budget), every step
+commits, and it preempts nothing by itself. Tests that need the engine's own decisions use
+engine_sim.py (the real Engine over a null model). What this driver does share with it is the
+content oracle: `check` runs the audit and the shadow model (shadow.py), so a hit, heal or
+release pointing at the wrong page fails here too. Tokens are integers; no model."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from freetoken.kv.manager import KVManager
+from shadow import Shadow
 
 
 class AuditFailed(AssertionError):
@@ -39,11 +44,15 @@ class Sim:
         self.chunk = chunk
         self.running: dict[str, SimRequest] = {}
         self.audit_every_step = audit_every_step
+        self.shadow = Shadow(kv.page_size, kv.window)
 
     def check(self) -> None:
         report = self.kv.audit(idle=not self.running)
         if not report.ok:
             raise AuditFailed(str(report))
+        problems = self.shadow.problems(self.kv)
+        if problems:
+            raise AuditFailed("shadow: " + "; ".join(problems))
         st = self.kv.status()["pools"]
         for pool in st.values():
             total = pool["free"] + pool["cached"] + pool["in_use"] + pool["quarantined"]
@@ -53,6 +62,7 @@ class Sim:
     def admit(self, rid: str, prompt: list[int], max_tokens: int, boundaries=(), use_cache=True):
         req = SimRequest(rid, list(prompt), max_tokens, tuple(boundaries))
         req.cached = req.computed = self.kv.admit(rid, prompt, use_cache=use_cache)
+        self.shadow.admit(rid, prompt, req.cached)
         self.running[rid] = req
         return req
 
@@ -71,6 +81,8 @@ class Sim:
     def complete(self, rid: str) -> None:
         """After the forward: K/V of the scheduled tokens is written; sample, commit, release."""
         req = self.running[rid]
+        full, swa = self.kv.page_tables(rid)
+        self.shadow.write(rid, req.tokens, req.computed, req.scheduled, full, swa)
         req.computed += req.scheduled
         req.scheduled = 0
         if req.computed >= len(req.prompt) and req.computed == len(req.tokens):
@@ -94,6 +106,7 @@ class Sim:
         if commit:
             self.kv.commit(rid, req.tokens[: req.computed], req.boundaries)
         self.kv.release(rid, preempted=preempted)
+        self.shadow.release(rid)
         if self.audit_every_step:
             self.check()
         return req

@@ -1,5 +1,12 @@
 """Negative controls: inject the defects the KV core exists to rule out and show that the
-checked transfers or the audit catch each one (a check that cannot fail proves nothing)."""
+checks catch each one (a check that cannot fail proves nothing).
+
+The first is the reference engine's actual defect (reference report 000), injected into the
+real engine's KV manager (`seed_rows.ReferenceDefect`): it must fail exactly the seed rows and
+pass every ablation row the reference survives. A control of the control shows that the
+reference's commit points and its no-heal rule alone (`ReferenceCommits`) break nothing: what
+kills the seed rows is the finish-time free of the tree's own pages.
+"""
 
 from __future__ import annotations
 
@@ -7,59 +14,53 @@ import pytest
 
 from freetoken.kv.errors import KVIntegrityError
 from freetoken.kv.manager import KVManager
-from freetoken.kv.tree import RadixTree
-from kv_sim import AuditFailed, Sim
-from test_kv_seed import make, run_seed
+from kv_sim import Sim
+from seed_rows import ABLATION_ROWS, SEED_ROWS, ReferenceCommits, ReferenceDefect, Row, run_row
+from shadow import ShadowViolation
 
 
-def inject_commit_frees_duplicates(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The reference engine's defect: where the tree already has an entry, the commit 'drops the
-    request's duplicate' by freeing the request's page, even when it is the tree's own page."""
-    original = RadixTree.insert
-
-    def buggy_insert(self, tokens, full, swa, boundaries=()):
-        existing = self._walk(tuple(tokens), len(tokens) // self.page_size)
-        self.full_pool.decref([full[i] for i in range(len(existing))])
-        return original(self, tokens, full, swa, boundaries)
-
-    monkeypatch.setattr(RadixTree, "insert", buggy_insert)
+def make(page_size: int) -> Sim:
+    kv = KVManager(full_pages=96, swa_pages=96, page_size=page_size, window=8, cache_type="radix")
+    return Sim(kv, chunk=16)
 
 
-@pytest.mark.parametrize("page_size", [1, 4])
-@pytest.mark.parametrize("a_first", [True, False])
-def test_commit_freeing_request_duplicates_is_caught(
-    monkeypatch: pytest.MonkeyPatch, page_size: int, a_first: bool
-) -> None:
-    inject_commit_frees_duplicates(monkeypatch)
-    with pytest.raises((KVIntegrityError, AuditFailed)) as info:
-        run_seed(make(page_size), head="policy", a_first=a_first)
+@pytest.mark.parametrize("row", SEED_ROWS, ids=lambda r: r.name)
+def test_reference_defect_fails_every_seed_row(row: Row) -> None:
+    with pytest.raises(ShadowViolation) as info:
+        run_row(row, ReferenceDefect)
     text = str(info.value)
-    assert "full page" in text and "rc=" in text  # names the page and its count
+    # the first check to see it: A1 on a page the tree still names, freed under it
+    assert "[A1] full page" in text and "rc=0" in text and "holders=[tree node#" in text
 
 
-def test_commit_freeing_duplicates_caught_by_audit_with_holders(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Without the per-step audit, the idle audit still names the page and the tree holder."""
-    inject_commit_frees_duplicates(monkeypatch)
-    kv = KVManager(full_pages=32, swa_pages=32, page_size=1, window=4, cache_type="radix")
-    sim = Sim(kv, chunk=8, audit_every_step=False)
-    prompt = list(range(10, 20))
-    sim.admit("A", prompt, 1)
-    sim.step("A")  # commits A's prompt: the injected decref drops nothing yet (no existing path)
-    sim.admit("B", prompt[:6] + [1, 2], 1)
-    sim.step("B")  # B's commit walks A's path: frees B's leased/duplicate pages under B's feet
-    try:
-        sim.finish("B")
-        sim.finish("A")
-    except KVIntegrityError as err:  # a checked decref caught it first
-        assert err.report.holders or err.report.refcount == 0
-        return
-    report = kv.audit(idle=True)
-    assert not report.ok
-    assert "A1" in report.checks_failed()
-    v = next(v for v in report.violations if v.check == "A1")
-    assert any(h.startswith("tree node") for h in v.holders)
+def test_reference_defect_frees_pages_the_tree_still_holds() -> None:
+    """The reference's signature: right after B's release, pages are both free and named by
+    the tree (there: free + tree = capacity + 4), and they are B's own committed pages."""
+    kv_seen: list[ReferenceDefect] = []
+
+    class Watched(ReferenceDefect):
+        def __init__(self, **kwargs: object) -> None:
+            super().__init__(**kwargs)
+            kv_seen.append(self)
+
+    with pytest.raises(ShadowViolation):
+        run_row(SEED_ROWS[0], Watched)
+    kv = kv_seen[0]
+    assert kv.refused >= 1  # B's unfinished commit was refused by the window rule
+    assert kv.tree is not None
+    both = set(kv.full_pool.free_pages()) & set(kv.tree._full_at)
+    assert len(both) >= 3  # B's own prompt pages [5, 8) at least
+    assert {kv.tree._full_at[p].start for p in both} >= {5}
+
+
+@pytest.mark.parametrize("row", ABLATION_ROWS, ids=lambda r: r.name)
+def test_reference_defect_passes_every_ablation_row(row: Row) -> None:
+    run_row(row, ReferenceDefect)
+
+
+@pytest.mark.parametrize("row", SEED_ROWS + ABLATION_ROWS, ids=lambda r: r.name)
+def test_reference_commit_points_alone_are_harmless(row: Row) -> None:
+    run_row(row, ReferenceCommits)
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
