@@ -1,0 +1,115 @@
+"""Microbenchmark of weight-only quantized linear layers at decode row counts.
+
+For the real projection shapes of Gemma 3 270M and SmolLM2-135M, at M = 1, 4, 16 (and --rows),
+times FreeToken's qlinear (int8 and int4 weights) against torch's bf16 F.linear,
+`_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm`, all with bfloat16 activations, at the
+torch thread count of --threads. Methods are interleaved within each repeat and the median over
+repeats is reported (the machine is shared: compare ratios, not absolute numbers). GB/s counts the
+bytes of the weight representation each method reads once per call.
+
+    python benchmarks/qlinear_bench.py --threads 2 [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from freetoken.ops import PackedWeight, kernel_available, qlinear, quantize_int4, quantize_int8
+
+SHAPES: list[tuple[str, int, int]] = [  # (name, N, K)
+    ("gemma.q", 1024, 640),
+    ("gemma.kv", 256, 640),
+    ("gemma.gate_up", 4096, 640),
+    ("gemma.o", 640, 1024),
+    ("gemma.down", 640, 2048),
+    ("gemma.head", 262144, 640),
+    ("smol.qo", 576, 576),
+    ("smol.kv", 192, 576),
+    ("smol.gate_up", 3072, 576),
+    ("smol.down", 576, 1536),
+    ("smol.head", 49152, 576),
+]
+
+
+def _time(fn: Callable[[], object], min_s: float) -> float:
+    """Seconds per call: enough calls to last ~min_s."""
+    fn()
+    n, t0 = 0, time.perf_counter()
+    while True:
+        fn()
+        n += 1
+        dt = time.perf_counter() - t0
+        if dt >= min_s:
+            return dt / n
+
+
+def methods(n: int, k: int) -> dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], int]]:
+    """name -> (call on x, bytes of weight read per call)."""
+    w = torch.randn(n, k) * 0.02
+    q8, q4 = PackedWeight.from_quantized(quantize_int8(w)), PackedWeight.from_quantized(quantize_int4(w))
+    wb = w.bfloat16()
+    out: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], int]] = {
+        "ft int8": (lambda x: qlinear(x, q8), q8.nbytes),
+        "ft int4": (lambda x: qlinear(x, q4), q4.nbytes),
+        "torch bf16 linear": (lambda x: F.linear(x, wb), wb.numel() * 2),
+    }
+    if n % 16 == 0:
+        qi = quantize_int4(w)
+        p4 = torch._convert_weight_to_int4pack_for_cpu(qi.q.to(torch.int32), 1)
+        s = qi.scale.float()
+        sz = torch.stack([s.t(), (qi.minimum.float() + 8 * s).t()], dim=2).bfloat16().contiguous()
+        out["torch int4pack"] = (lambda x: torch._weight_int4pack_mm_for_cpu(x, p4, 32, sz), p4.numel() + sz.numel() * 2)
+    amax = w.abs().amax(dim=1)
+    w8 = (w / (amax[:, None] / 127)).round().to(torch.int8)
+    s8 = (amax / 127).bfloat16()
+    out["torch int8pack"] = (lambda x: torch._weight_int8pack_mm(x, w8, s8), w8.numel() + s8.numel() * 2)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--min-seconds", type=float, default=0.05, help="per method per repeat")
+    ap.add_argument("--shapes", nargs="+", default=None, help="subset of shape names")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"threads={args.threads} kernel={kernel_available()} torch={torch.__version__}")
+    results = []
+    for name, n, k in SHAPES:
+        if args.shapes and name not in args.shapes:
+            continue
+        ms = methods(n, k)
+        for m in args.rows:
+            x = torch.randn(m, k).bfloat16()
+            times: dict[str, list[float]] = {key: [] for key in ms}
+            for _ in range(args.repeats):
+                for key, (fn, _nb) in ms.items():
+                    times[key].append(_time(lambda: fn(x), args.min_seconds))
+            for key, (_fn, nb) in ms.items():
+                t = statistics.median(times[key])
+                row = {"shape": name, "N": n, "K": k, "M": m, "method": key, "us": t * 1e6, "GBps": nb / t / 1e9}
+                results.append(row)
+            base = statistics.median(times["torch bf16 linear"])
+            line = "  ".join(
+                f"{key}: {statistics.median(v) * 1e6:8.1f}us {ms[key][1] / statistics.median(v) / 1e9:5.1f}GB/s "
+                f"x{base / statistics.median(v):4.1f}"
+                for key, v in times.items()
+            )
+            print(f"{name:14s} {n:6d}x{k:<5d} M={m:<3d} {line}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,264 @@
+// Weight-only quantized linear layers for CPU decode: y[M, N] = x[M, K] @ W[N, K]^T (+ bias).
+//
+// Owns the AVX-512 VNNI kernel and the activation quantization it needs; it does not own the weight
+// format (freetoken/ops/quantized.py) nor the packing (freetoken/ops/qlinear.py), whose layout it
+// assumes. A row's 32-groups are taken 16 at a time (a chunk; the last may hold nb < 16 groups),
+// and a chunk's bytes are transposed so that int32 lane l of every vector belongs to group l:
+//   bits 8: 8 vectors of nb * 4 bytes; byte [v][4 l + b] = q[group l][4 v + b] + 128 (uint8);
+//   bits 4: 4 vectors of nb * 4 bytes; byte [u][4 l + b] = q[l][8 u + b] | q[l][8 u + 4 + b] << 4;
+//   a row is K bytes (bits 8) or K / 2 (bits 4), chunks in order, no padding;
+//   scale, minimum: float16 [N, K / 32]; w = q * scale + minimum (minimum absent: 0).
+// Activations are quantized per 32-group to int8 (absmax / 127, round to nearest, as llama.cpp's
+// Q8 activations) into the same transposed layout. A chunk's eight vpdpbusd then accumulate each
+// group's exact integer dot product in its own lane, and the float work is once per chunk:
+// acc += float(dot) * weight scale * activation scale + (minimum - 128 scale (bits 8)) * sum(x_q).
+// Compiled without -march: the AVX-512 functions carry a target attribute, and `supported()` tells
+// Python whether this CPU can run them; Python never calls the kernel otherwise.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <array>
+#include <utility>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#define FT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int kMaxRows = 16;     // activation rows sharing one pass over a tile of weight rows
+constexpr int64_t kReadPad = 64;    // readable bytes the packed weight has past its end
+constexpr int64_t kTileRows = 16; // weight rows per tile (a few KB: stays in L1 across row chunks)
+
+bool cpu_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+         __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+
+// Activations quantized per 32-group, in the chunk-transposed layout (always 16 lanes; groups past
+// G are zero: q = 0, scale = 0).
+struct QuantizedActs {
+  int64_t chunks = 0;                 // ceil(G / 16)
+  const int8_t* q = nullptr;          // [M, chunks, 8, 64]
+  const float* group_scale = nullptr; // [M, chunks * 16]: scale of each group
+  const float* group_sum = nullptr;   // [M, chunks * 16]: scale * sum(q) of each group
+};
+
+// Per calling thread, reused across calls: quantized activations are small (M * K bytes).
+thread_local std::vector<uint8_t> t_scratch;
+
+FT_AVX512 inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+FT_AVX512 inline __m512 load16(const at::BFloat16* x) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+template <typename T>
+FT_AVX512 QuantizedActs quantize_acts(const T* x, int64_t M, int64_t K) {
+  const int64_t G = K / kGroup;
+  QuantizedActs a;
+  a.chunks = (G + 15) / 16;
+  const int64_t g16 = a.chunks * 16;
+  const size_t q_bytes = size_t(M * a.chunks * 512);
+  const size_t f_bytes = size_t(M * g16) * sizeof(float);
+  const size_t total = q_bytes + 2 * f_bytes + 64;
+  if (t_scratch.size() < total) t_scratch.resize(total);
+  uint8_t* base = t_scratch.data();
+  base += (64 - reinterpret_cast<uintptr_t>(base) % 64) % 64;
+  int8_t* q = reinterpret_cast<int8_t*>(base);
+  float* gscale = reinterpret_cast<float*>(base + q_bytes);
+  float* gsum = reinterpret_cast<float*>(base + q_bytes + f_bytes);
+  if (G % 16) std::memset(base, 0, q_bytes + 2 * f_bytes);  // zero groups past G
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < G; ++g) {
+      const T* src = x + m * K + g * kGroup;
+      const __m512 v0 = load16(src), v1 = load16(src + 16);
+      const __m512 amax = _mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1));
+      const float d = _mm512_reduce_max_ps(amax) / 127.0f;
+      const float id = d > 0.0f ? 1.0f / d : 0.0f;
+      const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
+      const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
+      alignas(32) int32_t words[8];  // the group's 32 int8 values as 8 words of 4
+      _mm_store_si128(reinterpret_cast<__m128i*>(words), _mm512_cvtsepi32_epi8(i0));
+      _mm_store_si128(reinterpret_cast<__m128i*>(words + 4), _mm512_cvtsepi32_epi8(i1));
+      int32_t* dst = reinterpret_cast<int32_t*>(q + (m * a.chunks + g / 16) * 512) + g % 16;
+      for (int v = 0; v < 8; ++v) dst[v * 16] = words[v];
+      const int32_t isum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+      gscale[m * g16 + g] = d;
+      gsum[m * g16 + g] = d * float(isum);
+    }
+  }
+  a.q = q;
+  a.group_scale = gscale;
+  a.group_sum = gsum;
+  return a;
+}
+
+// out[i, n] (float32, row stride ldo) for weight rows [n0, n1) and activation rows [m0, m0 + MT).
+template <int MT, int BITS>
+FT_AVX512 void tile_kernel(const uint8_t* wq, const at::Half* ws, const at::Half* wm, int64_t K,
+                           int64_t n0, int64_t n1, const QuantizedActs& a, int64_t m0, float* out,
+                           int64_t ldo) {
+  const int64_t G = K / kGroup;
+  const int64_t row_bytes = BITS == 8 ? K : K / 2;
+  const int64_t chunk_bytes = BITS == 8 ? 512 : 256;
+  const int64_t qstride = a.chunks * 512, gstride = a.chunks * 16;
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = wq + n * row_bytes;
+    const uint16_t* srow = reinterpret_cast<const uint16_t*>(ws) + n * G;
+    const uint16_t* mrow = wm ? reinterpret_cast<const uint16_t*>(wm) + n * G : nullptr;
+    __m512 acc[MT];
+    for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < a.chunks; ++c) {
+      const int64_t nb = std::min<int64_t>(16, G - c * 16);
+      const uint8_t* w = row + c * chunk_bytes;
+      const int64_t vstep = nb * 4;  // bytes of one vector of this chunk
+      // Plain 64-byte loads even when nb < 16 (masked loads that miss the cache are slow on Zen 4):
+      // lanes past nb hold the next bytes, times activation lanes that are zero. The packed tensor
+      // has kReadPad readable bytes after its last row for this.
+      __m512i dot[MT];
+      for (int i = 0; i < MT; ++i) dot[i] = _mm512_setzero_si512();
+      const int8_t* aq = a.q + m0 * qstride + c * 512;
+      if constexpr (BITS == 8) {
+        for (int v = 0; v < 8; ++v) {
+          const __m512i wv = _mm512_loadu_si512(w + v * vstep);
+          for (int i = 0; i < MT; ++i)
+            dot[i] = _mm512_dpbusd_epi32(dot[i], wv, _mm512_load_si512(aq + i * qstride + v * 64));
+        }
+      } else {
+        for (int u = 0; u < 4; ++u) {
+          const __m512i packed = _mm512_loadu_si512(w + u * vstep);
+          const __m512i lo = _mm512_and_si512(packed, low4);
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+          for (int i = 0; i < MT; ++i) {
+            dot[i] = _mm512_dpbusd_epi32(dot[i], lo, _mm512_load_si512(aq + i * qstride + (2 * u) * 64));
+            dot[i] = _mm512_dpbusd_epi32(dot[i], hi, _mm512_load_si512(aq + i * qstride + (2 * u + 1) * 64));
+          }
+        }
+      }
+      const __mmask16 gmask = __mmask16((1u << nb) - 1u);
+      const __m512 S = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gmask, srow + c * 16));
+      __m512 Mn = mrow ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gmask, mrow + c * 16))
+                       : _mm512_setzero_ps();
+      if constexpr (BITS == 8) Mn = _mm512_fmadd_ps(_mm512_set1_ps(-128.0f), S, Mn);
+      for (int i = 0; i < MT; ++i) {
+        const int64_t o = (m0 + i) * gstride + c * 16;
+        const __m512 sa = _mm512_mul_ps(S, _mm512_load_ps(a.group_scale + o));
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), sa, acc[i]);
+        // Group offsets (minimum, and the -128 of the 8-bit weights) times each group's sum.
+        acc[i] = _mm512_fmadd_ps(Mn, _mm512_load_ps(a.group_sum + o), acc[i]);
+      }
+    }
+    for (int i = 0; i < MT; ++i) out[i * ldo + n] = _mm512_reduce_add_ps(acc[i]);
+  }
+}
+
+template <int BITS>
+using TileFn = void (*)(const uint8_t*, const at::Half*, const at::Half*, int64_t, int64_t, int64_t,
+                        const QuantizedActs&, int64_t, float*, int64_t);
+
+template <int BITS, int... Ms>
+constexpr std::array<TileFn<BITS>, sizeof...(Ms)> make_table(std::integer_sequence<int, Ms...>) {
+  return {&tile_kernel<Ms + 1, BITS>...};
+}
+
+template <int BITS>
+const std::array<TileFn<BITS>, kMaxRows>& tile_table() {
+  static constexpr auto table = make_table<BITS>(std::make_integer_sequence<int, kMaxRows>{});
+  return table;
+}
+
+inline uint16_t to_bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // NaN stays NaN
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+  return uint16_t(u >> 16);
+}
+
+template <int BITS>
+void run(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& ws,
+         const c10::optional<at::Tensor>& wm, const c10::optional<at::Tensor>& bias, at::Tensor& y,
+         int64_t N) {
+  const int64_t M = x.size(0), K = x.size(1);
+  const QuantizedActs a = x.scalar_type() == at::kFloat
+                              ? quantize_acts(x.data_ptr<float>(), M, K)
+                              : quantize_acts(x.data_ptr<at::BFloat16>(), M, K);
+  const bool f32_out = y.scalar_type() == at::kFloat;
+  const uint8_t* q = wq.data_ptr<uint8_t>();
+  const at::Half* s = ws.data_ptr<at::Half>();
+  const at::Half* mn = wm.has_value() ? wm->data_ptr<at::Half>() : nullptr;
+  const bool has_bias = bias.has_value();
+  const bool bias_f32 = has_bias && bias->scalar_type() == at::kFloat;
+  const void* bp = has_bias ? bias->data_ptr() : nullptr;
+  float* yf = f32_out ? y.data_ptr<float>() : nullptr;
+  uint16_t* yb = f32_out ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const auto& table = tile_table<BITS>();
+  const int64_t row_bytes = BITS == 8 ? K : K / 2;
+  // Each task reads at least ~64 KB of weights: below that, a thread's wake-up costs more than it saves.
+  const int64_t grain = std::max<int64_t>(kTileRows, (65536 / row_bytes + kTileRows - 1) / kTileRows * kTileRows);
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    float buf[kMaxRows * kTileRows];
+    for (int64_t t0 = begin; t0 < end; t0 += kTileRows) {
+      const int64_t t1 = std::min(end, t0 + kTileRows);
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+        const int64_t mt = std::min<int64_t>(kMaxRows, M - m0);
+        // buf[i, n - t0]: the kernel indexes columns by absolute n, so shift the base back by t0.
+        table[mt - 1](q, s, mn, K, t0, t1, a, m0, buf - t0, kTileRows);
+        for (int64_t i = 0; i < mt; ++i) {
+          for (int64_t n = t0; n < t1; ++n) {
+            float v = buf[i * kTileRows + (n - t0)];
+            if (has_bias)
+              v += bias_f32 ? static_cast<const float*>(bp)[n]
+                            : float(static_cast<const at::BFloat16*>(bp)[n]);
+            const int64_t o = (m0 + i) * N + n;
+            if (f32_out)
+              yf[o] = v;
+            else
+              yb[o] = to_bf16_bits(v);
+          }
+        }
+      }
+    }
+  });
+}
+
+// y[M, N] = x[M, K] @ dequant(W)[N, K]^T + bias, in x's dtype (float32 or bfloat16).
+at::Tensor qmm(const at::Tensor& x_in, const at::Tensor& wq, const at::Tensor& ws,
+               const c10::optional<at::Tensor>& wm, const c10::optional<at::Tensor>& bias,
+               int64_t bits) {
+  TORCH_CHECK(x_in.dim() == 2, "qmm: x must be [M, K]");
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16,
+              "qmm: x must be float32 or bfloat16");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = wq.size(0);
+  TORCH_CHECK(K % kGroup == 0 && ws.size(1) == K / kGroup, "qmm: K does not match the weight");
+  const int64_t row_bytes = bits == 8 ? K : K / 2;
+  TORCH_CHECK(wq.is_contiguous() && wq.size(1) == row_bytes &&
+                  wq.storage().nbytes() >= size_t((wq.storage_offset() + N * row_bytes + kReadPad)),
+              "qmm: packed weight must be contiguous [N, row bytes] with ", kReadPad, " bytes of padding");
+  TORCH_CHECK(ws.is_contiguous() && (!wm.has_value() || wm->is_contiguous()), "qmm: scales must be contiguous");
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  if (bits == 8)
+    run<8>(x, wq, ws, wm, bias, y, N);
+  else
+    run<4>(x, wq, ws, wm, bias, y, N);
+  return y;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "FreeToken's AVX-512 VNNI weight-only quantized matmul (see qlinear.cpp)";
+  m.def("supported", &cpu_supported, "whether this CPU has AVX-512 F/BW/VL/VNNI");
+  m.def("qmm", &qmm, "y = x @ dequant(W)^T + bias", py::arg("x"), py::arg("q"), py::arg("scale"),
+        py::arg("minimum"), py::arg("bias"), py::arg("bits"));
+}

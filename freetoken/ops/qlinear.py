@@ -1,0 +1,213 @@
+"""Weight-only quantized linear layers: `PackedWeight` (a QuantizedWeight laid out once, at load,
+for the kernel that will read it) and `qlinear` (y = x @ W^T + b, dispatched by row count).
+
+Owns the packed layout and the choice of path; the kernel itself lives in csrc/qlinear.cpp and the
+format math in quantized.py. The path for each row count is bound once, when the weight is packed,
+so a call costs one Python branch and one op: no feature checks and no allocations besides the
+output. It must not keep a bfloat16 copy of a weight between calls.
+
+Paths (CPU): M < PREFILL_ROWS -> the AVX-512 VNNI kernel when it was built and the CPU has the
+features; otherwise torch's `_weight_int4pack_mm_for_cpu` for 4-bit weights with bfloat16
+activations, or dequantize + F.linear. M >= PREFILL_ROWS -> the kernel as well (it beats
+dequantize-in-tiles + bf16 GEMM at the shapes measured; see docs/kernels.md). Other devices:
+dequantize + F.linear.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from freetoken.ops.quantized import GROUP, QuantizedWeight
+
+log = logging.getLogger(__name__)
+
+# Bytes the kernel may read past a packed weight's end (kReadPad in csrc/qlinear.cpp).
+READ_PAD = 64
+# Rows of output computed per dequantized tile on the large-M fallback (bf16 tile ~ 0.5-1 MB: L2).
+TILE_ROWS = 512
+
+
+def _load_kernel() -> ModuleType | None:
+    try:
+        from freetoken.ops import _qlinear_cpu  # built by `pip install -e .` (setup.py)
+    except ImportError as err:
+        log.info("freetoken.ops: C++ qlinear kernel not built (%s); using torch fallback", err)
+        return None
+    if not _qlinear_cpu.supported():
+        log.info("freetoken.ops: CPU lacks AVX-512 F/BW/VL/VNNI; using torch fallback for qlinear")
+        return None
+    return _qlinear_cpu
+
+
+_KERNEL: ModuleType | None = _load_kernel()  # decided once at import; never reassigned
+
+
+def kernel_available() -> bool:
+    """Whether CPU qlinear calls run FreeToken's own kernel."""
+    return _KERNEL is not None
+
+
+def _chunk_transpose(u: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """The kernel's byte order within each chunk of 16 groups (csrc/qlinear.cpp): group-major
+    [l][v][b] <-> vector-major [v][l][b] (l: group in chunk, v: 4-byte word in group, b: byte);
+    the last chunk may hold fewer than 16 groups. uint8 [R, K] -> uint8 [R, K]."""
+    r, k = u.shape
+    full = (k // GROUP // 16) * 16 * GROUP  # bytes of the full chunks
+    body = u[:, :full].reshape(r, -1, 16, 8, 4) if not inverse else u[:, :full].reshape(r, -1, 8, 16, 4)
+    parts = [body.transpose(2, 3).reshape(r, full)]
+    if full < k:
+        nb = (k - full) // GROUP
+        tail = u[:, full:].reshape(r, nb, 8, 4) if not inverse else u[:, full:].reshape(r, 8, nb, 4)
+        parts.append(tail.transpose(1, 2).reshape(r, k - full))
+    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+
+def _pack(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """int8 [N, K] -> the kernel's uint8 rows: bits 8, q + 128 [N, K]; bits 4, [N, K / 2] with the
+    words v = 2u (low nibbles) and 2u + 1 (high nibbles) of every group in vector u."""
+    if bits == 8:
+        return _chunk_transpose(q.view(torch.uint8) ^ 128, inverse=False).contiguous()
+    t = _chunk_transpose(q.to(torch.uint8), inverse=False)  # vector-major words v = 0..7
+    r, k = t.shape
+    out = []
+    for lo, n_groups in _chunks(k):
+        words = t[:, lo : lo + n_groups * GROUP].reshape(r, 4, 2, n_groups * 4)  # [R, u, v % 2, bytes]
+        out.append((words[:, :, 0] | (words[:, :, 1] << 4)).reshape(r, -1))
+    return torch.cat(out, dim=1).contiguous()
+
+
+def _padded(packed: torch.Tensor) -> torch.Tensor:
+    """A copy whose storage has READ_PAD bytes after the last row: the kernel's plain 64-byte loads
+    of a short last chunk read past the row (those lanes meet zero activations)."""
+    flat = torch.zeros(packed.numel() + READ_PAD, dtype=torch.uint8, device=packed.device)
+    flat[: packed.numel()] = packed.reshape(-1)
+    return flat[: packed.numel()].view(packed.shape)
+
+
+def _chunks(k: int) -> list[tuple[int, int]]:
+    """(first value, groups) of each chunk of 16 groups of a K-long row."""
+    g = k // GROUP
+    return [(c * GROUP, min(16, g - c)) for c in range(0, g, 16)]
+
+
+def _unpack(p: torch.Tensor, bits: int, k: int) -> torch.Tensor:
+    """Inverse of _pack: the kernel's rows [R, K or K / 2] -> int8 [R, K]."""
+    if bits == 8:
+        return (_chunk_transpose(p, inverse=True) ^ 128).view(torch.int8)
+    r = p.shape[0]
+    out = []
+    for lo, n_groups in _chunks(k):
+        packed = p[:, lo // 2 : lo // 2 + n_groups * 16].reshape(r, 4, 1, n_groups * 4)  # [R, u, 1, bytes]
+        out.append(torch.cat([packed & 15, packed >> 4], dim=2).reshape(r, -1))  # [R, u, 2, bytes]
+    return _chunk_transpose(torch.cat(out, dim=1), inverse=True).view(torch.int8)
+
+
+class PackedWeight:
+    """A quantized [N, K] weight in the layout its matmul path reads, built once at load."""
+
+    def __init__(self, qw: QuantizedWeight) -> None:
+        n, k = qw.q.shape
+        self.out_features, self.in_features, self.bits = n, k, qw.bits
+        # The kernel's layout on every device (see _pack): vpdpbusd takes unsigned weights.
+        self.packed = _padded(_pack(qw.q, qw.bits))
+        self.scale = qw.scale.contiguous()
+        self.minimum = qw.minimum.contiguous() if qw.minimum is not None else None
+        # Only without the kernel, for 4-bit on CPU: torch's int4 layout, beside ours (rows() reads ours).
+        self.int4pack: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._small: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+        self._large: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+        if qw.q.device.type != "cpu":
+            self._small = self._large = self._dequantized_linear
+        elif _KERNEL is not None:
+            self._small = self._large = self._kernel
+        else:
+            self._small, self._large = self._dequantized_linear, self._tiled_linear
+            if qw.bits == 4 and n % 16 == 0:
+                self.int4pack = self._torch_int4pack(qw)
+                self._small = self._int4pack_or_dequantized
+
+    @staticmethod
+    def from_quantized(qw: QuantizedWeight) -> PackedWeight:
+        return PackedWeight(qw)
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.packed, self.scale, self.minimum, *(self.int4pack or ())]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def __repr__(self) -> str:
+        kind = "kernel" if self._small == self._kernel else "torch"
+        return f"PackedWeight({self.out_features}x{self.in_features}, bits={self.bits}, {kind})"
+
+    # --- dequantization (reference, embedding rows, fallbacks) ---------------------------------
+
+    def _rows_of(self, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None,
+                 dtype: torch.dtype) -> torch.Tensor:
+        r, k = packed.shape[0], self.in_features
+        q = _unpack(packed, self.bits, k)
+        w = q.float().reshape(r, k // GROUP, GROUP) * scale.float().unsqueeze(2)  # [R, G, 32]
+        if minimum is not None:
+            w = w + minimum.float().unsqueeze(2)
+        return w.reshape(r, k).to(dtype)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """Rows `ids` of the dequantized weight (an embedding lookup): ids.shape + [K], in `dtype`."""
+        flat = ids.reshape(-1)
+        m = self.minimum.index_select(0, flat) if self.minimum is not None else None
+        out = self._rows_of(self.packed.index_select(0, flat), self.scale.index_select(0, flat), m, dtype)
+        return out.reshape(*ids.shape, self.in_features)
+
+    def rows_range(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        m = self.minimum[start:stop] if self.minimum is not None else None
+        return self._rows_of(self.packed[start:stop], self.scale[start:stop], m, dtype)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.rows_range(0, self.out_features, dtype)
+
+    # --- matmul paths ---------------------------------------------------------------------------
+
+    def _kernel(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return _KERNEL.qmm(x, self.packed, self.scale, self.minimum, bias, self.bits)
+
+    def _dequantized_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, self.dequantize(x.dtype), bias)
+
+    def _tiled_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """Dequantize TILE_ROWS output rows at a time: no full bf16 copy, each tile read from L2."""
+        out_t = torch.empty(self.out_features, x.shape[0], dtype=x.dtype)  # [N, M]: row tiles contiguous
+        for n0 in range(0, self.out_features, TILE_ROWS):
+            n1 = min(n0 + TILE_ROWS, self.out_features)
+            torch.mm(self.rows_range(n0, n1, x.dtype), x.t(), out=out_t[n0:n1])
+        out = out_t.t()
+        return out + bias if bias is not None else out
+
+    def _torch_int4pack(self, qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+        # torch's convention: w = (q - 8) * scale + zero, so zero = minimum + 8 * scale.
+        packed = torch._convert_weight_to_int4pack_for_cpu(qw.q.to(torch.int32), 1)
+        s = qw.scale.float()
+        zero = qw.minimum.float() + 8 * s if qw.minimum is not None else 8 * s
+        scales_and_zeros = torch.stack([s.t(), zero.t()], dim=2).to(torch.bfloat16).contiguous()  # [G, N, 2]
+        return packed, scales_and_zeros
+
+    def _int4pack_or_dequantized(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.dtype != torch.bfloat16:  # torch's float32 int4 path is scalar: dequantize instead
+            return self._dequantized_linear(x, bias)
+        packed, scales_and_zeros = self.int4pack
+        y = torch._weight_int4pack_mm_for_cpu(x, packed, GROUP, scales_and_zeros)
+        return y + bias if bias is not None else y
+
+
+# Row count from which a call is a prefill (compute-bound) rather than a decode (bandwidth-bound).
+PREFILL_ROWS = 64
+
+
+def qlinear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y[M, N] = x[M, K] @ dequantize(w)^T + bias, in x's dtype (bfloat16 or float32)."""
+    if x.shape[0] < PREFILL_ROWS:
+        return w._small(x, bias)
+    return w._large(x, bias)

@@ -1,0 +1,52 @@
+"""Build of FreeToken's optional C++ kernel (freetoken.ops._qlinear_cpu); everything else is pyproject.toml.
+
+The extension is optional: a compiler error is reported and the install goes on without it, and at
+run time freetoken.ops.qlinear falls back to torch's ops. No -march: the AVX-512 code carries
+per-function target attributes and is chosen at run time by CPU feature.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from setuptools import setup
+
+try:
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
+except ImportError:  # no torch in the build environment: pure-Python install
+    BuildExtension = None
+
+
+def _extensions() -> list:
+    if BuildExtension is None or sys.platform != "linux":
+        return []
+    return [
+        CppExtension(
+            name="freetoken.ops._qlinear_cpu",
+            sources=["freetoken/ops/csrc/qlinear.cpp"],
+            extra_compile_args=["-O3", "-fopenmp"],
+            extra_link_args=["-fopenmp"],
+        )
+    ]
+
+
+if BuildExtension is not None:
+
+    class OptionalBuildExtension(BuildExtension):
+        """Builds the kernel if it can; a failure leaves the torch fallback, never a failed install."""
+
+        def run(self) -> None:
+            try:
+                super().run()
+            except Exception as err:  # compiler missing or failing: the kernel is optional
+                print(f"freetoken: optional C++ kernel not built ({err}); using torch fallback", file=sys.stderr)
+
+        def build_extension(self, ext) -> None:
+            try:
+                super().build_extension(ext)
+            except Exception as err:
+                print(f"freetoken: optional C++ kernel {ext.name} not built ({err})", file=sys.stderr)
+
+    setup(ext_modules=_extensions(), cmdclass={"build_ext": OptionalBuildExtension})
+else:
+    setup()
