@@ -1,19 +1,55 @@
 """Traffic through a real `ft serve` on the tiny sliding-window model (window 7, page 4, prefill
 chunks of 12, --debug-kv): the seed's overlap over HTTP with its ablation rows, a concurrent
-agent soak, mid-stream disconnects and a full queue. Every test ends with the pools balanced."""
+agent soak, mid-stream disconnects and a full queue. Every test ends with the pools balanced and
+no violation or engine restart during it.
+
+The seed test reaches the key step of DESIGN.md §3 "Known failure" and proves it from what the
+server shows. Every A is fresh (its first page is unique to the test), so A's hit is 0 and A's
+first 12-token chunk commits its head page (positions 0-3) as a tombstone: 0-3 are out of the
+window of that chunk's end. B shares A's first 5 tokens and has 11 of its own (16 > the 12-token
+budget), so once admitted B's first chunk never samples and is committed at once. Then:
+
+- B's reported hit is 0 while the head page is in the tree: the head was a tombstone (a live
+  head page would be a 4-token hit);
+- B's first chunk covers at least 8 tokens (12 minus A's last chunk of 4, or a whole budget
+  beside A's decode), so it reaches B's own page 1 and commits it beneath the head;
+- A is admitted before B and still holds pages after B's response (`in_use > 0` with only A in
+  flight), so A held the head through B's commit and B's `b_max >= 2` decode steps;
+- a probe after both ends hits the head page: a commit of B's prompt made while B still held
+  its page 0 live (its first chunk) healed it at the new branch point -- A's and B's final
+  commits hold no live head page any more -- so B's prefill really was committed beneath the
+  head, not only its finish.
+
+What no HTTP surface shows is *which step* B's chunk shared with A (A's last prefill chunk or an
+early decode step); the engine test (`tests/engine/test_engine_seed.py`) pins that exact step.
+"""
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 from typing import Any
 
 import httpx
 import pytest
-from serving import ServeProcess, assert_balanced_idle
+from serving import ServeProcess
 
 MODEL = "tiny-gemma"
-A_PROMPT = [10 + (i * 37) % 300 for i in range(200)]  # ~28 windows of 7; 17 prefill chunks of 12
+A_LEN = 196  # 16 chunks of 12, then a last chunk of 4 that leaves B 8 tokens of the step's budget
+SHARED = 5
+_heads = itertools.count()
+
+
+def fresh_a_prompt(length: int = A_LEN) -> list[int]:
+    """A prompt no other test's request shares a page with: its first page is unique."""
+    k = next(_heads)
+    head = [319, 318, 300 + k % 17, 200 + k // 17]  # tokens no other test's prompt starts with
+    return head + [10 + (i * 37) % 280 for i in range(length - len(head))]
+
+
+def b_prompt_for(a_prompt: list[int]) -> list[int]:
+    return a_prompt[:SHARED] + [290 + i for i in range(11)]  # 16 tokens: its first chunk never samples
 
 
 class Streamer(threading.Thread):
@@ -48,6 +84,7 @@ class Streamer(threading.Thread):
 
 
 def wait_in_flight(server: ServeProcess, n: int) -> None:
+    """Until the API process has handed `n` requests to the engine (a hang guard of ~30 s)."""
     with server.http() as c:
         for _ in range(3000):
             if c.get("/health").json().get("in_flight", 0) >= n:
@@ -64,46 +101,69 @@ def complete(server: ServeProcess, prompt: list[int], max_tokens: int) -> dict[s
     return r.json()
 
 
-def overlap(server: ServeProcess, b_prompt: list[int], b_max: int, *, b_after_a: bool = False) -> tuple[Streamer, dict[str, Any], bool]:
-    a = Streamer(server, {"model": MODEL, "prompt": A_PROMPT, "max_tokens": 48, "temperature": 0, "ignore_eos": True})
-    a.start()
-    if b_after_a:
-        a.join()
-    else:
-        wait_in_flight(server, 1)  # A is queued or prefilling: B arrives during A's prefill
-    b = complete(server, b_prompt, b_max)
-    a_still_streaming = not a.done.is_set()
-    a.join()
-    assert a.got_done and not any("error" in e for e in a.events), a.events[-1:]
-    assert b["choices"][0]["finish_reason"] == "length" and b["usage"]["completion_tokens"] == b_max
-    return a, b, a_still_streaming
+def a_body(prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
 
 
 @pytest.mark.parametrize("b_max", [4, 2])
 def test_seed_overlap_over_http(server: ServeProcess, b_max: int) -> None:
-    """DESIGN.md "Known failure": B shares A's first 5 tokens and finishes while A streams."""
-    _, _, a_still_streaming = overlap(server, A_PROMPT[:5] + [301, 302, 303], b_max)
-    assert a_still_streaming, "B must finish while A is still streaming"
+    """DESIGN.md "Known failure", with its preconditions checked (see the module docstring)."""
+    a_prompt = fresh_a_prompt()
+    b_prompt = b_prompt_for(a_prompt)
+    # A cannot end before the test hangs it up: 600 decode steps against B's few.
+    server.wait_idle()  # nothing else in flight: the first request /health counts is A
+    a = Streamer(server, a_body(a_prompt, 600))
+    a.start()
+    wait_in_flight(server, 1)  # A's AddRequest went out first: B queues behind it, never before it
+    b = complete(server, b_prompt, b_max)
+    assert b["choices"][0]["finish_reason"] == "length" and b["usage"]["completion_tokens"] == b_max
+    assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, "A's head must be a tombstone when B is admitted"
+    during = server.cache_status()  # after B's response, so after B's finish in the engine
+    assert during["engine"]["in_flight"] == 1 and during["pools"]["full"]["in_use"] > 0, (
+        "A must still hold its pages after B ended", during)
+    assert not a.done.is_set() and a.events, "A streams on beside B"
+    a.hangup.set()
+    a.join(timeout=300)
+    assert not a.is_alive() and not a.got_done and not any("error" in e for e in a.events), a.events[-1:]
+    server.assert_balanced_idle()
+    probe = complete(server, a_prompt[:4] + [291, 292, 293, 294, 295, 296, 297, 298], 1)  # page 1 matches no one
+    assert probe["usage"]["prompt_tokens_details"]["cached_tokens"] == 4, (
+        "no live head: B's prefill chunk was never committed (or the head's protected window was evicted since)")
     with server.http() as c:
         assert c.get("/health").status_code == 200
-    assert_balanced_idle(server.wait_idle())
+    server.assert_balanced_idle()
 
 
 @pytest.mark.parametrize(
-    "name,b_prompt,b_max,after",
+    "name,share,b_max,after",
     [
-        ("b_max_tokens_1", A_PROMPT[:5] + [301, 302, 303], 1, False),
-        ("b_max_tokens_8", A_PROMPT[:5] + [301, 302, 303], 8, False),
-        ("b_shares_a_long_prefix", A_PROMPT[:150] + [301, 302], 4, False),
-        ("b_shares_nothing", [301, 302, 303, 304, 305, 306, 307, 308], 4, False),
-        ("b_after_a", A_PROMPT[:5] + [301, 302, 303], 4, True),
+        ("b_max_tokens_1", SHARED, 1, False),
+        ("b_max_tokens_8", SHARED, 8, False),
+        ("b_shares_a_long_prefix", 150, 4, False),
+        ("b_shares_nothing", 0, 4, False),
+        ("b_after_a", SHARED, 4, True),
     ],
 )
-def test_seed_ablation_rows_over_http(server: ServeProcess, name: str, b_prompt: list[int], b_max: int, after: bool) -> None:
-    overlap(server, b_prompt, b_max, b_after_a=after)
+def test_seed_ablation_rows_over_http(server: ServeProcess, name: str, share: int, b_max: int, after: bool) -> None:
+    a_prompt = fresh_a_prompt(200)
+    b_prompt = a_prompt[:share] + [290 + i for i in range(16 - min(share, 5))]
+    server.wait_idle()
+    a = Streamer(server, a_body(a_prompt, 48))
+    a.start()
+    if after:
+        a.join(timeout=600)
+        assert not a.is_alive()
+    else:
+        wait_in_flight(server, 1)  # A is queued or prefilling: B arrives during A's prefill or decode
+    b = complete(server, b_prompt, b_max)
+    assert b["choices"][0]["finish_reason"] == "length" and b["usage"]["completion_tokens"] == b_max
+    if share == 0:
+        assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    a.join(timeout=600)
+    assert not a.is_alive() and a.got_done and not any("error" in e for e in a.events), a.events[-1:]
     with server.http() as c:
         assert c.get("/health").status_code == 200
-    assert_balanced_idle(server.wait_idle())
+    server.assert_balanced_idle()
 
 
 SYSTEM = " ".join(["You are a careful coding agent. Use the tools; answer in JSON; check the weather in Paris."] * 4)
@@ -139,7 +199,7 @@ def test_concurrent_agent_soak(server: ServeProcess) -> None:
     assert all(all(hit > 0 for hit in v[1:]) for v in cached.values()), cached
     with server.http() as c:
         assert c.get("/health").status_code == 200
-    assert_balanced_idle(server.wait_idle())
+    server.assert_balanced_idle()
 
 
 def requests_with_status(server: ServeProcess, status: int) -> float:
@@ -160,7 +220,7 @@ def test_mid_stream_disconnects_release_pages(server: ServeProcess) -> None:
     for s in streams:
         s.join(timeout=300)
         assert len(s.events) == 3 and not s.got_done
-    assert_balanced_idle(server.wait_idle())
+    server.assert_balanced_idle()
     assert requests_with_status(server, 499) - before == 4  # each was cut off (and aborted) mid-stream
     assert complete(server, [5, 6, 7], 2)["choices"][0]["finish_reason"] == "length"  # still serving
 
@@ -179,4 +239,4 @@ def test_full_queue_gets_429(server: ServeProcess) -> None:
         s.join(timeout=600)
     assert full.status_code == 429, full.text
     assert full.headers["retry-after"] and full.json()["error"]["type"] == "rate_limit_error"
-    assert_balanced_idle(server.wait_idle())
+    server.assert_balanced_idle()
