@@ -1,5 +1,7 @@
 """Fixtures for server tests: tiny model directories and one shared `ft serve` over the tiny
-sliding-window model (small pools, chunked prefill, --debug-kv, an API key, cache report)."""
+sliding-window model (small pools, chunked prefill, --debug-kv, an API key, cache report), and
+an autouse fixture that marks each test's start on every server it uses, so that a test's
+integrity check counts only what happened during it."""
 
 from __future__ import annotations
 
@@ -34,3 +36,13 @@ def server(tiny_gemma_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     log = tmp_path_factory.mktemp("serve_logs") / "shared.log"
     with serving(str(tiny_gemma_dir), SHARED_FLAGS, log, api_key=API_KEY) as proc:
         yield proc
+
+
+@pytest.fixture(autouse=True)
+def _mark_servers(request: pytest.FixtureRequest) -> None:
+    for name in request.fixturenames:
+        if name == request.fixturename:
+            continue
+        value = request.getfixturevalue(name)
+        if isinstance(value, ServeProcess):
+            value.begin_test()

@@ -1,13 +1,18 @@
 """Start a real `ft serve` subprocess on a free port of 127.0.0.1 for a test module, and poll it.
 
 Owns `ServeProcess` (launch, wait until /health is 200, stop with SIGTERM, log on failure) and the
-idle-balance check of `/v1/cache/status`. Deadlines are generous and nothing is timed.
+idle-balance check of `/v1/cache/status`. A server shared by many tests is judged per test: the
+conftest's autouse fixture marks each test's start (`begin_test`), and
+`ServeProcess.assert_balanced_idle` compares with that mark (no new violation, no restart), so
+one failure does not spread into later tests and no test depends on which ran before it.
+Deadlines are generous hang guards and nothing is timed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 import os
 import signal
 import socket
@@ -29,6 +34,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@dataclass(frozen=True)
+class TestMark:
+    """The engine a test started with: a restart or a new violation after it is that test's."""
+
+    pid: int
+    restarts: int
+    violations: int
+
+
 class ServeProcess:
     def __init__(self, model: str, args: list[str], log_path: Path, api_key: str | None = None) -> None:
         self.port = free_port()
@@ -40,6 +54,7 @@ class ServeProcess:
             cmd += ["--api-key", api_key]
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.engine_pids: set[int] = set()  # every engine pid /health reported
+        self.mark: TestMark | None = None  # set by begin_test
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[2])
 
     @property
@@ -83,6 +98,25 @@ class ServeProcess:
             time.sleep(0.2)
         raise AssertionError(f"not idle after {IDLE_DEADLINE_S} s: {status}")
 
+    def begin_test(self) -> TestMark:
+        """Record the engine's pid, restart count and violation count at a test's start."""
+        self.wait_healthy()
+        status = self.cache_status()
+        self.mark = TestMark(status["engine"]["pid"], status["engine"]["restarts"], status["integrity"]["violations"])
+        return self.mark
+
+    def assert_balanced_idle(self) -> dict[str, Any]:
+        """Wait until idle, then: the same engine as at this test's start, no violation since,
+        and every pool balanced. Returns the status."""
+        status = self.wait_idle()
+        mark = self.mark or TestMark(status["engine"]["pid"], status["engine"]["restarts"], 0)
+        assert (status["engine"]["pid"], status["engine"]["restarts"]) == (mark.pid, mark.restarts), (
+            f"the engine restarted during this test: {status['engine']}\n{self.log()}"
+        )
+        assert status["integrity"]["violations"] == mark.violations, status["integrity"]
+        assert_pools_balanced(status)
+        return status
+
     def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -105,9 +139,15 @@ def pid_alive(pid: int) -> bool:
 
 
 def assert_balanced_idle(status: dict[str, Any]) -> None:
-    """DESIGN.md §4: every pool balances, nothing in use, no audit violation."""
+    """DESIGN.md §4 on a server's whole life: no audit violation ever, every pool balanced and
+    nothing in use. For a server shared by several tests use `ServeProcess.assert_balanced_idle`."""
     assert status["integrity"]["violations"] == 0, status
     assert status["integrity"]["ok"] is True, status
+    assert_pools_balanced(status)
+
+
+def assert_pools_balanced(status: dict[str, Any]) -> None:
+    """Every pool balances (`capacity == free + cached + in_use + quarantined`), nothing in use."""
     for name, pool in status["pools"].items():
         assert pool["in_use"] == 0, (name, pool)
         assert pool["capacity"] == pool["free"] + pool["cached"] + pool["in_use"] + pool["quarantined"], (name, pool)

@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from serving import ServeProcess, assert_balanced_idle, serving
+from serving import ServeProcess, serving
 
 MODEL = "tiny-gemma-long"
 CONVERSATIONS = 4
@@ -88,7 +88,6 @@ def test_concurrent_tool_calling_soak(soak_server: ServeProcess) -> None:
     assert all(all(hit > 0 for hit in v[1:]) for v in cached.values()), cached
     with soak_server.http() as c:
         assert c.get("/health").status_code == 200
-    status = soak_server.wait_idle()
-    assert_balanced_idle(status)
+    status = soak_server.assert_balanced_idle()
     for pool in status["pools"].values():
         assert pool["in_use"] == 0 and pool["quarantined"] == 0, pool

@@ -15,7 +15,7 @@ import httpx
 import jsonschema
 import pytest
 from conftest import API_KEY
-from serving import ServeProcess, assert_balanced_idle
+from serving import ServeProcess
 
 from freetoken.server.anthropic_protocol import MessagesRequest
 from freetoken.server.tool_messages import prepare_messages
@@ -216,7 +216,7 @@ def test_forced_tool_use_round_trip(client: anthropic.Anthropic, server: ServePr
         else:
             assert block.type == "text"
     assert (answer.stop_reason == "tool_use") == any(b.type == "tool_use" for b in answer.content)
-    assert_balanced_idle(server.wait_idle())
+    server.assert_balanced_idle()
 
 
 def test_tool_use_streamed_in_anthropic_order(client: anthropic.Anthropic) -> None:
@@ -328,4 +328,4 @@ def test_openai_routes_keep_openai_errors(server: ServeProcess) -> None:
 
 
 def test_idle_balanced_after_anthropic_traffic(server: ServeProcess) -> None:
-    assert_balanced_idle(server.wait_idle())
+    server.assert_balanced_idle()

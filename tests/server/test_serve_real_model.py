@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import openai
 import pytest
-from serving import ServeProcess, assert_balanced_idle, serving
+from serving import ServeProcess, serving
 
 
 @pytest.fixture(scope="module")
@@ -30,4 +30,4 @@ def test_default_model_chat_over_http(default_server: ServeProcess) -> None:
     again = client.chat.completions.create(model="default", messages=messages, max_tokens=4, temperature=0)
     assert again.usage is not None and again.usage.prompt_tokens_details is not None
     assert again.usage.prompt_tokens_details.cached_tokens > 0  # the same prompt hits the prefix cache
-    assert_balanced_idle(default_server.wait_idle())
+    default_server.assert_balanced_idle()

@@ -1,6 +1,10 @@
 """Killing the engine process under `ft serve`: /health goes non-200, an in-flight stream ends
 with an error event (no hang, no [DONE]), then the supervisor's new engine serves again. Also:
-the app module keeps torch out of the API process, and a model without a chat template says so."""
+the app module keeps torch out of the API process, and a model without a chat template says so.
+
+No test depends on another's restarts (each counts its own, as a delta) or on catching the down
+window by polling fast: the test that checks the 503s freezes (SIGSTOP) the supervisor's new
+engine process the moment it is spawned, so the engine stays down until the test resumes it."""
 
 from __future__ import annotations
 
@@ -9,11 +13,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 from serving import ServeProcess, serving
 
@@ -27,8 +33,15 @@ def own_server(tiny_gemma_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
         yield proc
 
 
+def restarts_metric(server: ServeProcess) -> float:
+    text = httpx.get(f"{server.base}/metrics", timeout=30).text
+    return next(float(line.split()[1]) for line in text.splitlines() if line.startswith("freetoken_engine_restarts "))
+
+
 def test_engine_killed_mid_stream_then_back(own_server: ServeProcess) -> None:
-    first_pid = own_server.wait_healthy()["pid"]
+    healthy = own_server.wait_healthy()
+    first_pid, restarts_before = healthy["pid"], healthy["restarts"]
+    metric_before = restarts_metric(own_server)
     body = {"model": MODEL, "prompt": [5, 6, 7, 8], "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
     events: list[str] = []
     with httpx.Client(base_url=own_server.base, timeout=120) as c, c.stream("POST", "/v1/completions", json=body) as r:
@@ -50,31 +63,68 @@ def test_engine_killed_mid_stream_then_back(own_server: ServeProcess) -> None:
         assert health.json()["status"] == "error" and health.json()["message"]
         time.sleep(0.2)
         health = httpx.get(f"{own_server.base}/health", timeout=30)
-    assert health.status_code == 200 and health.json()["pid"] != first_pid and health.json()["restarts"] >= 1
+    assert health.status_code == 200 and health.json()["pid"] != first_pid, health.text
+    assert health.json()["restarts"] == restarts_before + 1
     own_server.engine_pids.add(health.json()["pid"])
     r = httpx.post(f"{own_server.base}/v1/completions", json={"model": MODEL, "prompt": "back again", "max_tokens": 3}, timeout=120)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
-    assert "freetoken_engine_restarts 1.0" in httpx.get(f"{own_server.base}/metrics", timeout=30).text
+    assert restarts_metric(own_server) == metric_before + 1
+
+
+class RespawnFreezer(threading.Thread):
+    """Suspends (SIGSTOP) the first new child process of the server: the engine the supervisor
+    spawns after a death, caught while it still imports torch, long before it can say Ready."""
+
+    def __init__(self, server: ServeProcess) -> None:
+        super().__init__(daemon=True)
+        self.parent = psutil.Process(server.proc.pid)
+        self.known = {c.pid for c in self.parent.children(recursive=True)}  # old engine, resource tracker
+        self.frozen: psutil.Process | None = None
+        self.caught = threading.Event()
+        self.quit = threading.Event()
+
+    def run(self) -> None:
+        while not self.quit.is_set():
+            for child in self.parent.children(recursive=True):
+                if child.pid not in self.known:
+                    child.suspend()
+                    self.frozen = child
+                    self.caught.set()
+                    return
+            time.sleep(0.001)
+
+    def resume(self) -> None:
+        self.quit.set()
+        if self.frozen is not None:
+            self.frozen.resume()
 
 
 def test_health_is_503_while_engine_is_down(own_server: ServeProcess) -> None:
-    pid = own_server.wait_healthy()["pid"]
-    os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 60
-    seen = None
-    while time.monotonic() < deadline:
+    healthy = own_server.wait_healthy()
+    pid, restarts_before = healthy["pid"], healthy["restarts"]
+    freezer = RespawnFreezer(own_server)
+    freezer.start()
+    try:
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60  # a hang guard: the supervisor sees the death at once
         r = httpx.get(f"{own_server.base}/health", timeout=30)
-        if r.status_code != 200 or r.json()["pid"] != pid:
-            seen = r
-            break
-        time.sleep(0.02)
-    assert seen is not None and seen.status_code == 503, seen and seen.text
-    assert seen.json()["status"] == "error" and seen.json()["message"]
-    busy = httpx.post(f"{own_server.base}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1}, timeout=60)
-    assert busy.status_code in (200, 503)  # 503 while down; 200 only if the restart already finished
-    if busy.status_code == 503:
+        while r.status_code == 200 and r.json()["pid"] == pid and time.monotonic() < deadline:
+            r = httpx.get(f"{own_server.base}/health", timeout=30)
+        # Until the test resumes the frozen respawn, the engine cannot be back: only 503s here.
+        assert r.status_code == 503, r.text
+        assert r.json()["status"] == "error" and r.json()["message"]
+        busy = httpx.post(f"{own_server.base}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1}, timeout=60)
+        assert busy.status_code == 503, busy.text
         assert busy.json()["error"]["code"] == "engine_unavailable"
-    own_server.engine_pids.add(own_server.wait_healthy()["pid"])
+        assert freezer.caught.wait(60), "the supervisor never spawned a new engine"
+        still_down = httpx.get(f"{own_server.base}/health", timeout=30)
+        assert still_down.status_code == 503 and still_down.json()["status"] == "error", still_down.text
+    finally:
+        freezer.resume()
+    back = own_server.wait_healthy()
+    assert back["pid"] != pid and back["restarts"] == restarts_before + 1
+    assert freezer.frozen is not None and freezer.frozen.pid == back["pid"], "the frozen child was not the new engine"
+    own_server.engine_pids.add(back["pid"])
 
 
 def test_app_import_keeps_torch_out() -> None:

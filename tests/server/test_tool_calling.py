@@ -11,7 +11,7 @@ from typing import Any
 import openai
 import pytest
 from conftest import API_KEY
-from serving import ServeProcess, assert_balanced_idle
+from serving import ServeProcess
 
 from freetoken.server.tool_messages import prepare_messages, template_support
 from freetoken.tokenizer import Tokenizer
@@ -112,7 +112,7 @@ def test_round_trip_with_tool_results(oa: openai.OpenAI, server: ServeProcess, s
         assert choice.message.content is not None or choice.message.tool_calls
         messages.append({"role": "assistant", "content": choice.message.content or ""})
         messages.append({"role": "user", "content": "And now?"})
-    assert_balanced_idle(server.wait_idle())
+    server.assert_balanced_idle()
 
 
 def test_none_and_auto_return_text(oa: openai.OpenAI) -> None:
