@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+import llguidance  # a hard dependency (pyproject): its absence must fail, not skip
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -132,7 +133,6 @@ def test_tool_prompt_lists_schemas(parser: str) -> None:
 
 @pytest.mark.parametrize("parser", list(CASES))
 def test_forced_grammar_compiles_and_names_each_tool(parser: str) -> None:
-    llguidance = pytest.importorskip("llguidance")
     tools = [
         {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris"]}}}}},
         {"type": "function", "function": {"name": "search"}},
