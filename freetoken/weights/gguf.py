@@ -1,4 +1,5 @@
-"""Loading a GGUF checkpoint into HF-named, dequantized torch tensors and an HF config dict.
+"""Loading a GGUF checkpoint into HF-named torch tensors (dequantized, or kept in integer form)
+and an HF config dict.
 
 Owns the walk over a GGUF file: open it (memory-mapped), check the architecture, the tensor names
 and the quant types before decoding anything, then dequantize tensor by tensor into HF names and
@@ -19,11 +20,13 @@ import torch
 from tqdm import tqdm
 
 from freetoken.errors import ModelLoadError
+from freetoken.ops.quantized import QuantizedWeight
 from freetoken.weights.dequant import SUPPORTED_TYPES, dequantize, type_name
 from freetoken.weights.gguf_config import architecture_of, hf_config_from_metadata
 from freetoken.weights.gguf_file import GGUFFile, GGUFTensorInfo
 from freetoken.weights.gguf_metadata import metadata_of, open_gguf
 from freetoken.weights.names import HFTensorAssembler, hf_target
+from freetoken.weights.requant import INTEGER_TYPES, to_quantized
 
 # Called after each tensor with (tensors done, tensors in the file, GGUF name of the tensor).
 ProgressCallback = Callable[[int, int, str], None]
@@ -34,7 +37,7 @@ class GGUFCheckpoint:
     """What a GGUF file holds, in Hugging Face terms."""
 
     hf_config: dict[str, object]
-    tensors: dict[str, torch.Tensor]  # HF parameter name -> dequantized tensor
+    tensors: dict[str, torch.Tensor | QuantizedWeight]  # HF name -> dequantized tensor, or kept in integer form
     metadata: dict[str, object]  # every GGUF key/value, decoded
     quant_types: dict[str, int]  # GGML type name -> number of tensors stored in it
 
@@ -80,9 +83,11 @@ def load_gguf(
     dtype: torch.dtype = torch.float32,
     progress: ProgressCallback | None = None,
     device: torch.device | str | None = None,
+    keep_quantized: bool = False,
 ) -> GGUFCheckpoint:
     """Read the GGUF file at `path`: HF config, HF-named tensors in `dtype` on `device`, metadata
-    and the count of tensors per quant type."""
+    and the count of tensors per quant type. With `keep_quantized`, matrices of an integer GGML
+    type come back as `QuantizedWeight`s (on the CPU) instead of being dequantized."""
     p = Path(path)
     reader = open_gguf(p)
     metadata = metadata_of(reader)
@@ -102,8 +107,11 @@ def load_gguf(
     for i, t in enumerate(reader.tensors):
         try:
             data = reader.tensor_data(t)
-            values = dequantize(data, t.ggml_type, t.shape, t.name, decode_dtype(t, dtype), device)
-            assembler.add(t.name, values)
+            if keep_quantized and len(t.shape) == 2 and t.ggml_type in INTEGER_TYPES:
+                assembler.add_quantized(t.name, to_quantized(data, t.ggml_type, t.shape, t.name))
+            else:
+                values = dequantize(data, t.ggml_type, t.shape, t.name, decode_dtype(t, dtype), device)
+                assembler.add(t.name, values)
         except ModelLoadError as err:
             raise ModelLoadError(f"{p}: {err}") from None
         if progress is not None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from freetoken.errors import ModelLoadError
+from freetoken.ops.quantized import QuantizedWeight
 from freetoken.weights.safetensors import load_safetensors_dir
 from freetoken.weights.source import DEFAULT_MODEL, SHORT_NAMES, ModelSource, resolve_model
 
@@ -23,7 +24,7 @@ class Checkpoint:
 
     source: ModelSource
     hf_config: dict[str, object]
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, torch.Tensor | QuantizedWeight]  # quantized only from GGUF with keep_quantized
     metadata: dict[str, object] | None = None  # GGUF key/values (tokenizer, template); None for safetensors
     quant_types: dict[str, int] = field(default_factory=dict)
 
@@ -38,13 +39,14 @@ def read_hf_config(directory: Path) -> dict[str, object]:
     return config
 
 
-def load_checkpoint(source: ModelSource, dtype: torch.dtype) -> Checkpoint:
-    """Read the checkpoint's config and tensors (dequantized to `dtype` for GGUF)."""
+def load_checkpoint(source: ModelSource, dtype: torch.dtype, keep_quantized: bool = False) -> Checkpoint:
+    """Read the checkpoint's config and tensors (for GGUF: dequantized to `dtype`, or with
+    `keep_quantized` the integer-typed matrices as QuantizedWeights)."""
     if source.kind == "safetensors":
         return Checkpoint(source, read_hf_config(source.path), load_safetensors_dir(source.path, dtype))
     from freetoken.weights.gguf import load_gguf
 
-    ckpt = load_gguf(source.path, dtype=dtype)
+    ckpt = load_gguf(source.path, dtype=dtype, keep_quantized=keep_quantized)
     return Checkpoint(source, ckpt.hf_config, ckpt.tensors, ckpt.metadata, ckpt.quant_types)
 
 

@@ -12,7 +12,8 @@ HF parameter each GGUF tensor becomes and how its values are rearranged on the w
   indices), `down_proj` [E, I, H], and the biases alike.
 
 A file without `output.weight` has tied embeddings: no `lm_head.weight` is produced, and the
-config says `tie_word_embeddings`. This module does not read files or dequantize.
+config says `tie_word_embeddings`. Matrices kept quantized (`add_quantized`) get the same row
+rearrangement. This module does not read files or dequantize.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from freetoken.errors import ModelLoadError
+from freetoken.ops.quantized import QuantizedWeight
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "gemma3", "gpt-oss")
 
@@ -174,7 +176,7 @@ class HFTensorAssembler:
         self.dtype = dtype
         self.n_heads = num_attention_heads
         self.n_kv_heads = num_key_value_heads
-        self.tensors: dict[str, torch.Tensor] = {}
+        self.tensors: dict[str, torch.Tensor | QuantizedWeight] = {}
         self._halves: dict[str, dict[int, torch.Tensor]] = {}
 
     def add(self, gguf_name: str, tensor: torch.Tensor) -> None:
@@ -198,12 +200,31 @@ class HFTensorAssembler:
             del self._halves[target.hf_name]
             self._put(target.hf_name, _interleave(halves[0], halves[1]), gguf_name)
 
+    def add_quantized(self, gguf_name: str, qw: QuantizedWeight) -> None:
+        """A matrix kept in integer form: renamed, and its rows rearranged as `add` would."""
+        target = hf_target(self.arch, gguf_name)
+        if target is None:
+            return
+        if target.part is not None:
+            raise ModelLoadError(f"{gguf_name}: an expert half cannot stay quantized")
+        rest = gguf_name.split(".", 2)[2] if gguf_name.startswith("blk.") else gguf_name
+
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            return _to_hf_layout(self.arch, rest, t, self.n_heads, self.n_kv_heads).contiguous()
+
+        if self.arch == "gemma3" and rest.endswith("norm.weight"):
+            raise ModelLoadError(f"{gguf_name}: a norm cannot stay quantized")
+        minimum = None if qw.minimum is None else rows(qw.minimum)
+        if target.hf_name in self.tensors:
+            raise ModelLoadError(f"GGUF file holds {gguf_name} twice")
+        self.tensors[target.hf_name] = QuantizedWeight(qw.bits, rows(qw.q), rows(qw.scale), minimum)
+
     def _put(self, hf_name: str, t: torch.Tensor, gguf_name: str) -> None:
         if hf_name in self.tensors:
             raise ModelLoadError(f"GGUF file holds {gguf_name} twice")
         self.tensors[hf_name] = t.to(self.dtype).contiguous()
 
-    def finish(self) -> dict[str, torch.Tensor]:
+    def finish(self) -> dict[str, torch.Tensor | QuantizedWeight]:
         """The HF state dict; raises ModelLoadError when an expert half never arrived."""
         if self._halves:
             missing = ", ".join(sorted(self._halves))
