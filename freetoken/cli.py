@@ -26,12 +26,16 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="auto = bfloat16 where the hardware is fast at it, else float32")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: the physical cores this process may use)")
+    p.add_argument("--weights", default="auto", choices=["auto", "bf16", "int8", "int4"],
+                   help="what matrices run as: auto = the file's precision class (4-bit types int4, 5/6/8-bit int8, float bf16), bf16 = the --dtype, int8/int4 = quantized (default auto)")
 
 
 def _add_inspect(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("inspect", help="print a model's architecture, layer kinds, vocabulary, quant types and size")
+    p = sub.add_parser("inspect", help="print a model's architecture, layer kinds, vocabulary, quant types, size and what each weight runs as")
     p.add_argument("--model", default=None, help=MODEL_HELP)
+    p.add_argument("--weights", default="auto", choices=["auto", "bf16", "int8", "int4"],
+                   help="what matrices run as: auto = the file's precision class (4-bit types int4, 5/6/8-bit int8, float bf16), bf16 = the --dtype, int8/int4 = quantized (default auto)")
 
 
 def _swa_pool_tokens(value: str) -> int | str:
@@ -67,7 +71,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--swa-full-tokens-ratio", type=float, default=None, help="SWA pool size as a share of the FULL pool")
     p.add_argument("--swa-pool-tokens", type=_swa_pool_tokens, default=None, metavar="N|floor", help="SWA pool size in tokens, or 'floor'")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="auto = bfloat16 where the hardware is fast at it, else float32")
-    p.add_argument("--threads", type=int, default=None, help="the engine process's torch threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=None, help="the engine process's torch threads (default: the physical cores it may use)")
+    p.add_argument("--weights", default="auto", choices=["auto", "bf16", "int8", "int4"],
+                   help="what matrices run as: auto = the file's precision class (4-bit types int4, 5/6/8-bit int8, float bf16), bf16 = the --dtype, int8/int4 = quantized (default auto)")
     p.add_argument("--debug-kv", action="store_true", help="audit the KV cache after every step; a violation is fatal (for tests)")
 
 
@@ -93,7 +99,7 @@ def _generate(args: argparse.Namespace) -> None:
         params.validate()
     except ValueError as err:
         raise FreeTokenError(str(err)) from None
-    llm = LLM(args.model, dtype=args.dtype, threads=args.threads, max_running_requests=1)
+    llm = LLM(args.model, dtype=args.dtype, weights=args.weights, threads=args.threads, max_running_requests=1)
     out = llm.generate([args.prompt], params)[0]
     sys.stdout.write(out.text + "\n")
     sys.stdout.flush()
@@ -102,7 +108,7 @@ def _generate(args: argparse.Namespace) -> None:
 def _inspect(args: argparse.Namespace) -> None:
     from freetoken.models.inspect import describe_model
 
-    sys.stdout.write(describe_model(args.model) + "\n")
+    sys.stdout.write(describe_model(args.model, args.weights) + "\n")
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -113,6 +119,7 @@ def _serve(args: argparse.Namespace) -> None:
     engine = EngineConfig(
         model=args.model,
         dtype=args.dtype,
+        weights=args.weights,
         cache_type=args.cache_type,
         page_size=args.page_size,
         max_running_requests=args.max_running_requests,

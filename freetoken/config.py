@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from freetoken.errors import ConfigError
 
 CACHE_TYPES = ("naive", "radix", "swa_radix")
+# The --weights policies (kept here, below models, so validation needs no model import).
+WEIGHT_POLICIES = ("auto", "bf16", "int8", "int4")
 
 
 def swa_floor_pages(max_running: int, max_prefill: int, window: int, page_size: int) -> int:
@@ -28,6 +30,7 @@ class EngineConfig:
 
     model: str | None = None
     dtype: str = "auto"
+    weights: str = "auto"  # auto | bf16 | int8 | int4 (models.linear.apply_policy)
     device: str | None = None
     cache_type: str = "radix"
     page_size: int = 16
@@ -44,6 +47,10 @@ class EngineConfig:
 
     def validate(self) -> None:
         """Raise ConfigError on flags that cannot work, naming the flag."""
+        if self.weights not in WEIGHT_POLICIES:
+            raise ConfigError(f"--weights must be one of {', '.join(WEIGHT_POLICIES)}, got {self.weights!r}")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"--threads must be at least 1, got {self.threads}")
         if self.cache_type not in CACHE_TYPES:
             raise ConfigError(f"--cache-type must be one of {', '.join(CACHE_TYPES)}, got {self.cache_type!r}")
         positive = {

@@ -30,6 +30,7 @@ class LLM:
         *,
         cache_type: str = "radix",
         dtype: str = "auto",
+        weights: str = "auto",
         device: str | None = None,
         page_size: int = 16,
         max_running_requests: int = 16,
@@ -48,6 +49,7 @@ class LLM:
             config = EngineConfig(
                 model=model,
                 dtype=dtype,
+                weights=weights,
                 device=device,
                 cache_type=cache_type,
                 page_size=page_size,

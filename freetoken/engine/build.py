@@ -20,7 +20,7 @@ from freetoken.kv.manager import KVManager
 from freetoken.kv.tensors import KVTensors
 from freetoken.models.config import ModelConfig
 from freetoken.models.load import LoadedModel, load_model
-from freetoken.utils.hardware import default_device, resolve_dtype
+from freetoken.utils.hardware import default_device, default_threads, resolve_dtype
 
 log = logging.getLogger("freetoken.engine")
 
@@ -63,11 +63,12 @@ def build_engine_for(config: EngineConfig, loaded: LoadedModel) -> Engine:
 
 def load_for(config: EngineConfig) -> LoadedModel:
     config.validate()
-    if config.threads is not None:
-        torch.set_num_threads(config.threads)
+    threads = config.threads or default_threads()
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
     device = torch.device(config.device) if config.device else default_device()
     dtype = resolve_dtype(config.dtype, device)
-    return load_model(config.model, dtype, device)
+    return load_model(config.model, dtype, device, config.weights)
 
 
 def build_engine(config: EngineConfig) -> tuple[Engine, LoadedModel]:

@@ -16,9 +16,10 @@ from torch import nn
 from freetoken.attention.metadata import ForwardBatch
 from freetoken.kv.tensors import KVTensors
 from freetoken.models.config import ModelConfig
+from freetoken.models.linear import Weight
 from freetoken.models.layers import (
-    GatedMLP, RMSNorm, Rotary, apply_rope, embedding, linear, load_named, output_logits,
-    paged_self_attention, strip_prefix,
+    GatedMLP, RMSNorm, Rotary, apply_rope, embedding, linear, load_named, output_logits, paged_self_attention,
+    qkv_linear, split_qkv, strip_prefix,
 )
 
 # Tensors of the multimodal checkpoint that the text model does not use.
@@ -35,9 +36,7 @@ class Gemma3Attention(nn.Module):
         super().__init__()
         c, bias = config, config.attention_bias
         self.config = config
-        self.q_proj = linear(c.hidden_size, c.num_heads * c.head_dim, bias, dtype, device)
-        self.k_proj = linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias, dtype, device)
-        self.v_proj = linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias, dtype, device)
+        self.qkv_proj = qkv_linear(c, dtype, device)
         self.o_proj = linear(c.num_heads * c.head_dim, c.hidden_size, bias, dtype, device)
         self.q_norm = _norm(c.head_dim, c, dtype, device)
         self.k_norm = _norm(c.head_dim, c, dtype, device)
@@ -47,9 +46,8 @@ class Gemma3Attention(nn.Module):
     ) -> torch.Tensor:
         c = self.config
         T = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(T, c.num_heads, c.head_dim))  # [T, H, D]
-        k = self.k_norm(self.k_proj(x).view(T, c.num_kv_heads, c.head_dim))  # [T, n_kv, D]
-        v = self.v_proj(x).view(T, c.num_kv_heads, c.head_dim)  # [T, n_kv, D]
+        q, k, v = split_qkv(self.qkv_proj(x), c)  # [T, H, D], [T, n_kv, D], [T, n_kv, D]
+        q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = paged_self_attention(q, k, v, layer, c, batch, kv)  # [T, H, D]
         return self.o_proj(out.reshape(T, c.num_heads * c.head_dim))  # [T, hidden]
@@ -94,15 +92,15 @@ class Gemma3ForCausalLM(nn.Module):
             return None
         return strip_prefix(name, _PREFIXES)
 
-    def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Load HF-named tensors (text-only or multimodal Gemma 3 checkpoints)."""
-        load_named(self, tensors, self._rename)
+    def load_weights(self, tensors: Mapping[str, Weight], weights: str = "auto") -> None:
+        """Load HF-named tensors (text-only or multimodal Gemma 3 checkpoints) under the `--weights` policy."""
+        load_named(self, tensors, self._rename, weights)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv: KVTensors) -> torch.Tensor:
         """input_ids [T] -> logits [N, vocab] for the rows batch.logits_indices."""
         x = self.embed_tokens(input_ids) * self.embed_scale.to(input_ids.device)  # [T, hidden]
-        rope_full = self.rotary_full.cos_sin(batch.positions, x.dtype)  # ([T, D / 2], [T, D / 2])
+        rope_full = self.rotary_full.cos_sin(batch.positions, x.dtype)  # ([T, 1, D], [T, 1, D])
         rope_sliding = self.rotary_sliding.cos_sin(batch.positions, x.dtype)
         for i, layer in enumerate(self.layers):
             cos, sin = rope_sliding if self.config.is_sliding(i) else rope_full

@@ -16,9 +16,10 @@ from torch import nn
 from freetoken.attention.metadata import ForwardBatch
 from freetoken.kv.tensors import KVTensors
 from freetoken.models.config import ModelConfig
+from freetoken.models.linear import Weight
 from freetoken.models.layers import (
     RMSNorm, Rotary, apply_rope, compute_dtype, embedding, linear, load_named, output_logits, paged_self_attention,
-    strip_prefix,
+    qkv_linear, split_qkv, strip_prefix,
 )
 
 
@@ -32,9 +33,7 @@ class GptOssAttention(nn.Module):
         super().__init__()
         c, bias = config, config.attention_bias
         self.config = config
-        self.q_proj = linear(c.hidden_size, c.num_heads * c.head_dim, bias, dtype, device)
-        self.k_proj = linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias, dtype, device)
-        self.v_proj = linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias, dtype, device)
+        self.qkv_proj = qkv_linear(c, dtype, device)
         self.o_proj = linear(c.num_heads * c.head_dim, c.hidden_size, bias, dtype, device)
         self.sinks = nn.Parameter(torch.empty(c.num_heads, dtype=dtype, device=device))
 
@@ -43,9 +42,7 @@ class GptOssAttention(nn.Module):
     ) -> torch.Tensor:
         c = self.config
         T = x.shape[0]
-        q = self.q_proj(x).view(T, c.num_heads, c.head_dim)  # [T, H, D]
-        k = self.k_proj(x).view(T, c.num_kv_heads, c.head_dim)  # [T, n_kv, D]
-        v = self.v_proj(x).view(T, c.num_kv_heads, c.head_dim)  # [T, n_kv, D]
+        q, k, v = split_qkv(self.qkv_proj(x), c)  # [T, H, D], [T, n_kv, D], [T, n_kv, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = paged_self_attention(q, k, v, layer, c, batch, kv, sinks=self.sinks)  # [T, H, D]
         return self.o_proj(out.reshape(T, c.num_heads * c.head_dim))  # [T, hidden]
@@ -67,7 +64,7 @@ class GptOssMoE(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         self.config = config
-        self.router = linear(config.hidden_size, config.num_experts, True, dtype, device)
+        self.router = linear(config.hidden_size, config.num_experts, True, dtype, device, quantizable=False)
         self.experts = GptOssExperts(config, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -118,15 +115,16 @@ class GptOssForCausalLM(nn.Module):
             return None
         return strip_prefix(name, ("model.",))
 
-    def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Load HF-named tensors (`model.layers.0.mlp.experts.gate_up_proj`, ...), unquantised."""
-        load_named(self, tensors, self._rename)
+    def load_weights(self, tensors: Mapping[str, Weight], weights: str = "auto") -> None:
+        """Load HF-named tensors (`model.layers.0.mlp.experts.gate_up_proj`, ...); `weights` is the
+        `--weights` policy for the attention projections and embeddings (experts and router stay float)."""
+        load_named(self, tensors, self._rename, weights)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv: KVTensors) -> torch.Tensor:
         """input_ids [T] -> logits [N, vocab] for the rows batch.logits_indices."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)  # [T, D / 2] each
+        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)  # [T, 1, D] each
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, i, batch, kv)
         return output_logits(x, batch, self.norm, self.embed_tokens, self.lm_head)  # [N, vocab]

@@ -1,17 +1,21 @@
 """`ft inspect`: a human-readable summary of a checkpoint.
 
 Owns the text `ft inspect` prints: architecture, layer kinds and windows, vocabulary, quant
-types and parameter count. It builds no model and allocates no KV memory.
+types, parameter count and what each weight runs as under the `--weights` policy (so it builds
+the model, on the CPU). It allocates no KV memory.
 """
 
 from __future__ import annotations
 
+import re
+from collections import Counter
+
 import torch
 
 from freetoken.models.config import SLIDING_ATTENTION, ModelConfig
-from freetoken.models.load import load_tokenizer
+from freetoken.models.linear import QuantizableWeight
+from freetoken.models.load import load_model
 from freetoken.tokenizer.chat_template import builtin_chat_template
-from freetoken.weights.loader import load_checkpoint, resolve_model
 
 
 def _layer_kinds(config: ModelConfig) -> str:
@@ -21,15 +25,29 @@ def _layer_kinds(config: ModelConfig) -> str:
     return text
 
 
-def describe_model(spec: str | None) -> str:
-    source = resolve_model(spec)
-    ckpt = load_checkpoint(source, torch.bfloat16)
-    config = ModelConfig.from_hf(ckpt.hf_config)
-    tok = load_tokenizer(source, ckpt.metadata)
-    params = sum(t.numel() for t in ckpt.tensors.values())
-    quant = ", ".join(f"{k} x{v}" for k, v in sorted(ckpt.quant_types.items())) or "none (safetensors)"
-    if config.tie_word_embeddings:
-        params -= sum(t.numel() for n, t in ckpt.tensors.items() if n == "lm_head.weight")
+def weight_kinds(model: torch.nn.Module) -> list[str]:
+    """One line per projection kind: `layers.*.self_attn.qkv_proj  int8 (group 32)  x18  [out, in]`."""
+    kinds: Counter[tuple[str, str, tuple[int, int]]] = Counter()
+    for name, module in model.named_modules():
+        if isinstance(module, QuantizableWeight):
+            shape = (module.packed.out_features, module.packed.in_features) if module.packed is not None else tuple(module.weight.shape)
+            kinds[(re.sub(r"\.\d+\.", ".*.", name), module.runs_as(), shape)] += 1  # type: ignore[index]
+    width = max((len(k[0]) for k in kinds), default=0)
+    return [f"  {name:<{width}}  {runs:<16} x{n:<3} {list(shape)}" for (name, runs, shape), n in kinds.items()]
+
+
+def _param_count(model: torch.nn.Module) -> int:
+    count = sum(p.numel() for p in model.parameters())
+    return count + sum(
+        m.packed.out_features * m.packed.in_features
+        for m in model.modules() if isinstance(m, QuantizableWeight) and m.packed is not None
+    )
+
+
+def describe_model(spec: str | None, weights: str = "auto") -> str:
+    loaded = load_model(spec, torch.bfloat16, torch.device("cpu"), weights)
+    source, config, tok = loaded.source, loaded.config, loaded.tokenizer
+    quant = ", ".join(f"{k} x{v}" for k, v in sorted(loaded.quant_types.items())) or "none (safetensors)"
     if not tok.chat_template:
         template = "none"
     elif tok.chat_template == builtin_chat_template(config.architecture):
@@ -51,6 +69,8 @@ def describe_model(spec: str | None) -> str:
         f"vocabulary:    {tok.vocab_size} (bos {tok.bos_id}, eos {tok.eos_id})",
         f"chat template: {template}",
         f"quant types:   {quant}",
-        f"parameters:    {params:,}",
+        f"parameters:    {_param_count(loaded.model):,}",
+        f"weights:       --weights {weights}; matrices run as (activations bfloat16):",
+        *weight_kinds(loaded.model),
     ]
     return "\n".join(lines)

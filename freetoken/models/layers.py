@@ -7,6 +7,7 @@ K/V in its pool, then attend over the pages. It does not know any family's layer
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 
@@ -19,6 +20,8 @@ from freetoken.attention.metadata import ForwardBatch
 from freetoken.errors import ModelLoadError
 from freetoken.kv.tensors import KVTensors
 from freetoken.models.config import ModelConfig, RopeConfig
+from freetoken.models.linear import Embedding, Linear, QuantizableWeight, Weight, apply_policy, check_policy
+from freetoken.ops.quantized import QuantizedWeight, concat, dequantize
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -26,13 +29,15 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def linear(n_in: int, n_out: int, bias: bool, dtype: torch.dtype, device: torch.device | str) -> nn.Linear:
-    """An uninitialised nn.Linear (weights come from the checkpoint)."""
-    return nn.utils.skip_init(nn.Linear, n_in, n_out, bias=bias, dtype=dtype, device=device)
+def linear(
+    n_in: int, n_out: int, bias: bool, dtype: torch.dtype, device: torch.device | str, quantizable: bool = True,
+) -> Linear:
+    """An uninitialised linear layer (weights come from the checkpoint, float or quantized)."""
+    return Linear(n_in, n_out, bias, dtype, device, quantizable)
 
 
-def embedding(n: int, dim: int, dtype: torch.dtype, device: torch.device | str) -> nn.Embedding:
-    return nn.utils.skip_init(nn.Embedding, n, dim, dtype=dtype, device=device)
+def embedding(n: int, dim: int, dtype: torch.dtype, device: torch.device | str) -> Embedding:
+    return Embedding(n, dim, dtype, device)
 
 
 class RMSNorm(nn.Module):
@@ -51,16 +56,22 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.unit_offset = unit_offset
         self.scale_in_float = scale_in_float
+        self._cached: tuple[tuple[int, torch.dtype], torch.Tensor] | None = None
+
+    def _float_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight as multiplied in `dtype` ((1 + w) for Gemma), made once per loaded value."""
+        key = (self.weight._version, dtype)
+        if self._cached is None or self._cached[0] != key:
+            w = self.weight.detach().to(dtype)
+            self._cached = (key, 1.0 + w if self.unit_offset else w)
+        return self._cached[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.to(compute_dtype(x.dtype))
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        w = self.weight.to(xf.dtype)
-        if self.unit_offset:
-            w = 1.0 + w
-        if self.scale_in_float:
-            return (xf * w).to(x.dtype)
-        return self.weight * xf.to(x.dtype)
+        dims = (x.shape[-1],)
+        if self.scale_in_float or self.unit_offset:
+            return F.rms_norm(xf, dims, self._float_weight(xf.dtype), self.eps).to(x.dtype)
+        return self.weight * F.rms_norm(xf, dims, None, self.eps).to(x.dtype)
 
 
 def _yarn_inv_freq(rope: RopeConfig, dim: int, pos_freqs: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -125,18 +136,21 @@ class Rotary:
         self.inv_freq = inv_freq.to(device)  # [D / 2] float32
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> cos, sin [T, D / 2] in `dtype`."""
+        """positions [T] -> the tables `apply_rope` takes, each [T, 1, D] in `dtype`: (cos, cos)
+        and (-sin, sin) over the two halves. Made once per step and shared by every layer."""
         freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D / 2]
         cos = freqs.cos() * self.attention_scaling
         sin = freqs.sin() * self.attention_scaling
-        return cos.to(dtype), sin.to(dtype)
+        cos2 = torch.cat([cos, cos], dim=-1).to(dtype)  # [T, D]
+        sin2 = torch.cat([-sin, sin], dim=-1).to(dtype)  # [T, D]
+        return cos2[:, None, :], sin2[:, None, :]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the two halves of x [T, heads, D] by cos, sin [T, D / 2]."""
+    """Rotate the two halves (x1, x2) of x [T, heads, D] into (x1 c - x2 s, x2 c + x1 s), with
+    cos = (c, c) and sin = (-s, s) [T, 1, D] from `Rotary.cos_sin`."""
     x1, x2 = x.chunk(2, dim=-1)  # each [T, heads, D / 2]
-    cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, D / 2]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return x * cos + torch.cat([x2, x1], dim=-1) * sin
 
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -156,12 +170,27 @@ class GatedMLP(nn.Module):
         if act not in ACTIVATIONS:
             raise ModelLoadError(f"unsupported activation {act!r}")
         self.act = ACTIVATIONS[act]
-        self.gate_proj = linear(hidden, intermediate, bias, dtype, device)
-        self.up_proj = linear(hidden, intermediate, bias, dtype, device)
+        self.intermediate = intermediate
+        self.gate_up_proj = linear(hidden, 2 * intermediate, bias, dtype, device)  # gate rows, then up rows
         self.down_proj = linear(intermediate, hidden, bias, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)  # [T, inter] each
+        return self.down_proj(self.act(gate) * up)
+
+
+def qkv_linear(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> Linear:
+    """The fused q/k/v projection: q rows, then k rows, then v rows."""
+    c = config
+    return linear(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.attention_bias, dtype, device)
+
+
+def split_qkv(qkv: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[T, (H + 2 n_kv) D] -> q [T, H, D], k [T, n_kv, D], v [T, n_kv, D] (views)."""
+    c = config
+    T = qkv.shape[0]
+    q, k, v = qkv.split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim], dim=-1)
+    return q.view(T, c.num_heads, c.head_dim), k.view(T, c.num_kv_heads, c.head_dim), v.view(T, c.num_kv_heads, c.head_dim)
 
 
 def paged_self_attention(
@@ -189,26 +218,87 @@ def paged_self_attention(
     )
 
 
-def load_named(module: nn.Module, tensors: Mapping[str, torch.Tensor], rename: Callable[[str], str | None]) -> None:
+# Projections run as one matrix: the parts' rows stacked in this order under the fused name.
+FUSED: dict[str, tuple[str, ...]] = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_FUSED_INTO: dict[str, str] = {part: fused for fused, parts in FUSED.items() for part in parts}
+
+
+def _stack(parts: list[Weight]) -> Weight:
+    """Rows of `parts` stacked; all-quantized parts stay quantized, a mix becomes float."""
+    if all(isinstance(p, QuantizedWeight) for p in parts):
+        return concat(parts)  # type: ignore[arg-type]
+    floats = [dequantize(p, torch.float32) if isinstance(p, QuantizedWeight) else p for p in parts]
+    dtype = functools.reduce(torch.promote_types, (f.dtype for f in floats))
+    return torch.cat([f.to(dtype) for f in floats])
+
+
+def fuse_projections(tensors: Mapping[str, Weight], fused_names: set[str]) -> dict[str, Weight]:
+    """`...q_proj.weight`, `...k_proj.weight`, `...v_proj.weight` -> `...qkv_proj.weight` (and
+    gate/up, and biases alike) for the fused modules named in `fused_names`; other tensors, and
+    parts whose group is incomplete, pass through under their own names."""
+    out: dict[str, Weight] = {}
+    groups: dict[str, dict[str, Weight]] = {}
+    for name, t in tensors.items():
+        module, _, leaf = name.rpartition(".")
+        parent, _, proj = module.rpartition(".")
+        fused = _FUSED_INTO.get(proj)
+        target = f"{parent}.{fused}" if parent else str(fused)
+        if fused is None or target not in fused_names:
+            out[name] = t
+            continue
+        groups.setdefault(f"{target}.{leaf}", {})[proj] = t
+    for key, parts in groups.items():
+        module, _, leaf = key.rpartition(".")
+        parent, _, fused = module.rpartition(".")
+        order = FUSED[fused]
+        if set(parts) == set(order):
+            out[key] = _stack([parts[p] for p in order])
+        else:
+            prefix = f"{parent}." if parent else ""
+            out.update({f"{prefix}{p}.{leaf}": t for p, t in parts.items()})
+    return out
+
+
+def load_named(
+    module: nn.Module, tensors: Mapping[str, Weight], rename: Callable[[str], str | None], weights: str = "auto",
+) -> None:
     """Copy checkpoint tensors into `module`'s parameters, each HF name mapped by `rename`
-    (None: a tensor the model knowingly ignores). Raises ModelLoadError naming the missing,
-    unexpected or mis-shaped tensors."""
+    (None: a tensor the model knowingly ignores), q/k/v and gate/up parts stacked into the
+    model's fused projections, and each quantizable matrix loaded as the `weights` policy says
+    (`models.linear.apply_policy`). Raises ModelLoadError naming the missing, unexpected or
+    mis-shaped tensors."""
+    check_policy(weights)
     params = dict(module.named_parameters())
+    modules = dict(module.named_modules())
+    renamed: dict[str, Weight] = {}
+    checkpoint_name: dict[str, str] = {}  # local name -> the checkpoint's, for messages
+    for name, tensor in tensors.items():
+        local = rename(name)
+        if local is not None:
+            renamed[local] = tensor
+            checkpoint_name[local] = name
     loaded: set[str] = set()
     unexpected: list[str] = []
     with torch.no_grad():
-        for name, tensor in tensors.items():
-            local = rename(name)
-            if local is None:
-                continue
+        for local, tensor in fuse_projections(renamed, set(modules)).items():
             param = params.get(local)
             if param is None:
-                unexpected.append(name)
+                unexpected.append(checkpoint_name.get(local, local))
                 continue
-            if tuple(param.shape) != tuple(tensor.shape):
-                raise ModelLoadError(
-                    f"tensor {name} has shape {tuple(tensor.shape)}, the model expects {tuple(param.shape)}"
-                )
+            shape = tuple(tensor.q.shape if isinstance(tensor, QuantizedWeight) else tensor.shape)
+            if tuple(param.shape) != shape:
+                name = checkpoint_name.get(local, local)
+                raise ModelLoadError(f"tensor {name} has shape {shape}, the model expects {tuple(param.shape)}")
+            owner_name, _, leaf = local.rpartition(".")
+            owner = modules.get(owner_name)
+            if isinstance(owner, QuantizableWeight) and owner.quantizable and leaf == "weight":
+                tensor = apply_policy(tensor, weights)
+                if isinstance(tensor, QuantizedWeight):
+                    owner.load_quantized(tensor)
+                    loaded.add(local)
+                    continue
+            if isinstance(tensor, QuantizedWeight):
+                tensor = dequantize(tensor, torch.float32)
             param.copy_(tensor)
             loaded.add(local)
     missing = sorted(set(params) - loaded)
@@ -234,8 +324,8 @@ def output_logits(
     x: torch.Tensor,
     batch: ForwardBatch,
     norm: nn.Module,
-    embed_tokens: nn.Embedding,
-    lm_head: nn.Linear | None,
+    embed_tokens: Embedding,
+    lm_head: Linear | None,
     softcap: float | None = None,
 ) -> torch.Tensor:
     """The final norm and the output projection, for the rows that need logits only.
@@ -244,8 +334,7 @@ def output_logits(
     embeddings; `softcap` is Gemma's final soft-capping.
     """
     x = norm(x[batch.logits_indices])  # [N, hidden]
-    head = embed_tokens.weight if lm_head is None else lm_head.weight
-    logits = F.linear(x, head)  # [N, vocab]
+    logits = (embed_tokens if lm_head is None else lm_head).project(x)  # [N, vocab]
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
     return logits.to(compute_dtype(logits.dtype))

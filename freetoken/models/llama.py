@@ -14,9 +14,10 @@ from torch import nn
 from freetoken.attention.metadata import ForwardBatch
 from freetoken.kv.tensors import KVTensors
 from freetoken.models.config import ModelConfig
+from freetoken.models.linear import Weight
 from freetoken.models.layers import (
-    GatedMLP, RMSNorm, Rotary, apply_rope, embedding, linear, load_named, output_logits,
-    paged_self_attention, strip_prefix,
+    GatedMLP, RMSNorm, Rotary, apply_rope, embedding, linear, load_named, output_logits, paged_self_attention,
+    qkv_linear, split_qkv, strip_prefix,
 )
 
 
@@ -25,9 +26,7 @@ class LlamaAttention(nn.Module):
         super().__init__()
         c, bias = config, config.attention_bias
         self.config = config
-        self.q_proj = linear(c.hidden_size, c.num_heads * c.head_dim, bias, dtype, device)
-        self.k_proj = linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias, dtype, device)
-        self.v_proj = linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias, dtype, device)
+        self.qkv_proj = qkv_linear(c, dtype, device)
         self.o_proj = linear(c.num_heads * c.head_dim, c.hidden_size, bias, dtype, device)
 
     def forward(
@@ -35,9 +34,7 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         c = self.config
         T = x.shape[0]
-        q = self.q_proj(x).view(T, c.num_heads, c.head_dim)  # [T, H, D]
-        k = self.k_proj(x).view(T, c.num_kv_heads, c.head_dim)  # [T, n_kv, D]
-        v = self.v_proj(x).view(T, c.num_kv_heads, c.head_dim)  # [T, n_kv, D]
+        q, k, v = split_qkv(self.qkv_proj(x), c)  # [T, H, D], [T, n_kv, D], [T, n_kv, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = paged_self_attention(q, k, v, layer, c, batch, kv)  # [T, H, D]
         return self.o_proj(out.reshape(T, c.num_heads * c.head_dim))  # [T, hidden]
@@ -75,15 +72,15 @@ class LlamaForCausalLM(nn.Module):
             return None  # tied: the embedding is the head
         return strip_prefix(name, ("model.",))
 
-    def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Load HF-named tensors (`model.layers.0.self_attn.q_proj.weight`, ...)."""
-        load_named(self, tensors, self._rename)
+    def load_weights(self, tensors: Mapping[str, Weight], weights: str = "auto") -> None:
+        """Load HF-named tensors (`model.layers.0.self_attn.q_proj.weight`, ...). `weights` is the `--weights` policy."""
+        load_named(self, tensors, self._rename, weights)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv: KVTensors) -> torch.Tensor:
         """input_ids [T] -> logits [N, vocab] for the rows batch.logits_indices."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)  # [T, D / 2] each
+        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)  # [T, 1, D] each
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, i, batch, kv)
         return output_logits(x, batch, self.norm, self.embed_tokens, self.lm_head)  # [N, vocab]

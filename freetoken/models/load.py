@@ -14,6 +14,7 @@ import torch
 
 from freetoken.errors import ModelLoadError
 from freetoken.models.config import ModelConfig
+from freetoken.models.linear import check_policy
 from freetoken.models.registry import build_model
 from freetoken.tokenizer import Tokenizer
 from freetoken.weights.loader import ModelSource, load_checkpoint, resolve_model
@@ -30,6 +31,7 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     quant_types: dict[str, int]
+    weights: str = "bf16"  # the --weights policy the model was loaded with
 
 
 def load_tokenizer(source: ModelSource, metadata: dict[str, object] | None) -> Tokenizer:
@@ -39,19 +41,23 @@ def load_tokenizer(source: ModelSource, metadata: dict[str, object] | None) -> T
     return Tokenizer.from_pretrained_dir(source.path)
 
 
-def load_model(spec: str | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    """Resolve `spec`, read its weights in `dtype`, build the model on `device`."""
+def load_model(spec: str | None, dtype: torch.dtype, device: torch.device, weights: str = "bf16") -> LoadedModel:
+    """Resolve `spec`, read its weights, build the model on `device` with activations in `dtype`
+    and each matrix as the `weights` policy says (`models.linear.apply_policy`; `bf16`, the
+    default here, is every weight in `dtype`; the serving default is `auto`)."""
+    check_policy(weights)
     t0 = time.perf_counter()
     source = resolve_model(spec)
     log.info("loading %s from %s", source.name, source.path)
-    ckpt = load_checkpoint(source, dtype)
+    ckpt = load_checkpoint(source, dtype, keep_quantized=weights != "bf16")
     config = ModelConfig.from_hf(ckpt.hf_config)
     model = build_model(config, dtype, device)
     try:
-        model.load_weights(ckpt.tensors)
+        model.load_weights(ckpt.tensors, weights)
     except (KeyError, ValueError, RuntimeError) as err:
         raise ModelLoadError(f"{source.path}: weights do not fit the {config.architecture} model ({err})") from None
     model.eval()
     tokenizer = load_tokenizer(source, ckpt.metadata)
-    log.info("loaded %s (%s, %s) in %.1f s", source.name, config.architecture, dtype, time.perf_counter() - t0)
-    return LoadedModel(source, config, model, tokenizer, dtype, device, ckpt.quant_types)
+    log.info("loaded %s (%s, %s, weights %s) in %.1f s", source.name, config.architecture, dtype, weights,
+             time.perf_counter() - t0)
+    return LoadedModel(source, config, model, tokenizer, dtype, device, ckpt.quant_types, weights)

@@ -17,14 +17,16 @@ from freetoken.kv.tensors import KVTensors
 from freetoken.models.config import ModelConfig
 from freetoken.models.gemma3 import Gemma3ForCausalLM
 from freetoken.models.gpt_oss import GptOssForCausalLM
+from freetoken.models.linear import Weight
 from freetoken.models.llama import LlamaForCausalLM
 
 
 class CausalLM(Protocol):
     config: ModelConfig
 
-    def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Copy HF-named tensors into the model; ModelLoadError names missing/unexpected ones."""
+    def load_weights(self, tensors: Mapping[str, Weight], weights: str = "auto") -> None:
+        """Copy HF-named tensors into the model under the `--weights` policy; ModelLoadError
+        names missing/unexpected ones."""
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv: KVTensors) -> torch.Tensor:
         """input_ids [T] -> logits [N, vocab] (float32, float64 for a float64 model)."""

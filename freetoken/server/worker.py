@@ -16,7 +16,6 @@ import signal
 import time
 from collections.abc import Callable
 
-import torch
 import zmq
 
 from freetoken.config import EngineConfig
@@ -246,9 +245,7 @@ def run_worker(config: EngineConfig, *, engine_endpoint: str, api_endpoint: str,
 
     try:
         try:
-            if config.threads is not None:
-                torch.set_num_threads(config.threads)
-            engine, loaded = build_engine(config)
+            engine, loaded = build_engine(config)  # sets torch's threads (--threads or the physical cores)
         except FreeTokenError as err:
             log.error("the engine cannot start: %s", err)
             send(EngineError(str(err)))

@@ -25,6 +25,20 @@ def cpu_has_fast_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def default_threads() -> int:
+    """The physical cores this process may run on: torch's intra-op threads default to this, so
+    hyper-threads and cores outside the affinity mask are never oversubscribed."""
+    import os
+
+    import psutil
+
+    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    logical = psutil.cpu_count(logical=True) or allowed
+    physical = psutil.cpu_count(logical=False) or logical
+    # Within the affinity mask, count a core once even when both of its threads are allowed.
+    return max(1, min(physical, round(allowed * physical / logical)))
+
+
 def default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 

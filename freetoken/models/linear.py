@@ -1,0 +1,115 @@
+"""Linear layers and embeddings whose weight is either a float tensor or a packed quantized one.
+
+Owns the `--weights` policy (`auto | bf16 | int8 | int4`) as it applies to one weight at load
+time, and the two modules every family builds its projections from. A quantized weight runs
+through `freetoken.ops.qlinear` (our kernel for decode-sized batches, torch otherwise); an
+embedding over a quantized table dequantizes only the rows it reads, and a tied output head
+multiplies by the same packed table. It does not read files or choose kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from freetoken.config import WEIGHT_POLICIES
+from freetoken.errors import ModelLoadError
+from freetoken.ops.qlinear import PackedWeight, qlinear
+from freetoken.ops.quantized import GROUP, QuantizedWeight, dequantize, quantize_int4, quantize_int8
+
+
+# A checkpoint tensor: float, or the group-32 integer form a quantized GGUF matrix loads into.
+Weight = torch.Tensor | QuantizedWeight
+
+
+def check_policy(weights: str) -> None:
+    if weights not in WEIGHT_POLICIES:
+        raise ModelLoadError(f"--weights must be one of {', '.join(WEIGHT_POLICIES)}, got {weights!r}")
+
+
+def _promote_to_int8(qw: QuantizedWeight) -> QuantizedWeight:
+    """4-bit integers in [0, 15] with their scale and minimum are exactly a valid 8-bit weight."""
+    return QuantizedWeight(8, qw.q, qw.scale, qw.minimum)
+
+
+def apply_policy(value: Weight, weights: str) -> Weight:
+    """What a quantizable matrix runs as under `weights`: `auto` keeps the checkpoint's form
+    (a 4-bit file type stays 4-bit, a 5/6/8-bit one 8-bit, a float one float); `bf16` is the
+    model dtype (floats); `int8` / `int4` quantize (4-bit integers widen to 8 bits exactly)."""
+    if weights == "auto":
+        return value
+    if weights == "bf16":
+        return dequantize(value, torch.float32) if isinstance(value, QuantizedWeight) else value
+    if isinstance(value, QuantizedWeight):
+        if weights == "int8":
+            return value if value.bits == 8 else _promote_to_int8(value)
+        return value if value.bits == 4 else quantize_int4(dequantize(value, torch.float32))
+    if value.shape[-1] % GROUP != 0:
+        return value  # rows that are not whole groups stay float
+    return quantize_int8(value.float()) if weights == "int8" else quantize_int4(value.float())
+
+
+def _on(qw: QuantizedWeight, device: torch.device) -> QuantizedWeight:
+    minimum = None if qw.minimum is None else qw.minimum.to(device)
+    return QuantizedWeight(qw.bits, qw.q.to(device), qw.scale.to(device), minimum)
+
+
+class QuantizableWeight(nn.Module):
+    """The weight [out, in] shared by Linear and Embedding: a float Parameter until
+    `load_quantized` swaps it for a PackedWeight (the Parameter is then dropped)."""
+
+    weight: nn.Parameter | None
+
+    def __init__(self, n_rows: int, n_cols: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        # Uninitialised (the checkpoint fills it); untouched pages of torch.empty cost no memory.
+        self.weight = nn.Parameter(torch.empty(n_rows, n_cols, dtype=dtype, device=device))
+        self.dtype = dtype
+        self.packed: PackedWeight | None = None
+
+    def load_quantized(self, qw: QuantizedWeight) -> None:
+        assert self.weight is not None  # loaded once
+        if tuple(qw.q.shape) != tuple(self.weight.shape):
+            raise ModelLoadError(f"quantized weight {tuple(qw.q.shape)} where {tuple(self.weight.shape)} is expected")
+        device = self.weight.device
+        self.weight = None
+        self.packed = PackedWeight.from_quantized(_on(qw, device))
+
+    def runs_as(self) -> str:
+        """What `ft inspect` prints for this weight: `int8`, `int4` or the float dtype."""
+        if self.packed is not None:
+            return f"int{self.packed.bits} (group {GROUP})"
+        return str(self.dtype).removeprefix("torch.")
+
+    def project(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, in] -> x W^T (+ bias) [T, out]."""
+        if self.packed is not None:
+            return qlinear(x, self.packed, bias)
+        return F.linear(x, self.weight, bias)
+
+
+class Linear(QuantizableWeight):
+    """y = x W^T + b over [T, in] -> [T, out]. `quantizable=False` keeps the weight float
+    whatever the policy (a router, whose choices a coarse grid would change)."""
+
+    def __init__(
+        self, n_in: int, n_out: int, bias: bool, dtype: torch.dtype, device: torch.device | str, quantizable: bool = True
+    ) -> None:
+        super().__init__(n_out, n_in, dtype, device)
+        self.bias = nn.Parameter(torch.empty(n_out, dtype=dtype, device=device)) if bias else None
+        self.quantizable = quantizable
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.project(x, self.bias)
+
+
+class Embedding(QuantizableWeight):
+    """Token ids [T] -> rows [T, dim] of the table [vocab, dim]; `project` is the tied output head."""
+
+    quantizable = True
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return self.packed.rows(ids, self.dtype)
+        return F.embedding(ids, self.weight)
