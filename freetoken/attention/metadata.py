@@ -10,7 +10,7 @@ may be NULL. This module does not allocate or free pages and does not run attent
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -39,6 +39,9 @@ class ForwardBatch:
     sliding_window: int | None  # W the SWA columns below were computed for
     swa_first_page: torch.Tensor | None  # [B] int64, first table column a sliding query can see
     swa_num_pages: int  # table columns to gather per request for sliding layers
+    # Values an attention backend derives from this batch alone (gather slots, masks), built by
+    # the first layer that needs them and reused by the others; owned by the backends.
+    memo: dict[object, object] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_requests(self) -> int:

@@ -7,8 +7,9 @@ key slots of the table columns the batch needs (the window's columns on sliding 
 or past a request's length read slot 0 of the NULL page and NULL table entries point into it; the
 KV pool keeps that page all zeros, so stale or unwritten slots never reach the fused kernel.
 Grouped-query attention uses SDPA's `enable_gqa`, so K/V are never copied per query head. Cases
-SDPA cannot do exactly (attention sinks, logit soft-capping) go to the reference. It does not
-write K/V and holds no state.
+SDPA cannot do exactly (attention sinks, logit soft-capping) go to the reference. The slots and
+the mask depend only on the batch and the layer kind, so they are built once per step and kept in
+the batch's memo. It does not write K/V and holds no state of its own.
 """
 
 from __future__ import annotations
@@ -64,27 +65,43 @@ def paged_attention(
             q, k_pages, v_pages, page_table, batch, scale, sliding_window, sinks, softcap,
         )
     T, H, D = q.shape
-    P, n_kv = k_pages.shape[1], k_pages.shape[2]
-    G = H // n_kv
-    B = page_table.shape[0]
-    Lq = batch.max_query_len
-
-    slots, k_pos = _key_slots(page_table, batch, sliding_window, P)  # [B, S], [B or 1, S]
-    S = slots.shape[1]
-    flat = slots.reshape(-1)
+    n_kv = k_pages.shape[2]
+    key = ("sdpa", sliding_window, page_table is batch.swa_table)
+    plan = batch.memo.get(key)
+    if plan is None:  # the same for every layer of this kind in this step: built once
+        plan = batch.memo[key] = _plan(page_table, batch, sliding_window, k_pages.shape[1], q.device)
+    flat, visible, S = plan
+    B, Lq = batch.num_requests, batch.max_query_len
     k = k_pages.view(-1, n_kv, D).index_select(0, flat).view(B, S, n_kv, D).transpose(1, 2)  # [B, n_kv, S, D]
     v = v_pages.view(-1, n_kv, D).index_select(0, flat).view(B, S, n_kv, D).transpose(1, 2)  # [B, n_kv, S, D]
 
     unpadded = T == B * Lq  # every request has Lq new tokens (all decodes, or one prefill)
     if unpadded:
-        q_pos = batch.positions.view(B, Lq)  # [B, Lq]
         q_pad = q.view(B, Lq, H, D)
     else:
-        q_pos = torch.full((B, Lq), -1, dtype=torch.long, device=q.device)  # [B, Lq], -1 = padding
-        q_pos[batch.token_request, batch.token_offset] = batch.positions
         q_pad = q.new_zeros(B, Lq, H, D)
         q_pad[batch.token_request, batch.token_offset] = q
+    out = F.scaled_dot_product_attention(
+        q_pad.transpose(1, 2), k, v, attn_mask=visible, scale=scale, enable_gqa=H > n_kv,
+    )  # [B, H, Lq, D]
+    out = out.transpose(1, 2)  # [B, Lq, H, D]
+    if unpadded:
+        return out.reshape(T, H, D)
+    return out[batch.token_request, batch.token_offset]  # [T, H, D]
 
+
+def _plan(
+    page_table: torch.Tensor, batch: ForwardBatch, sliding_window: int | None, P: int, device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """What every layer of one kind gathers and masks: pool slots [B * S], mask [B, 1, Lq, S], S."""
+    B, Lq, T = batch.num_requests, batch.max_query_len, batch.num_tokens
+    slots, k_pos = _key_slots(page_table, batch, sliding_window, P)  # [B, S], [B or 1, S]
+    unpadded = T == B * Lq
+    if unpadded:
+        q_pos = batch.positions.view(B, Lq)  # [B, Lq]
+    else:
+        q_pos = torch.full((B, Lq), -1, dtype=torch.long, device=device)  # [B, Lq], -1 = padding
+        q_pos[batch.token_request, batch.token_offset] = batch.positions
     # q - k >= 0 also keeps keys at or past the request's length out (queries lie below it).
     diff = q_pos[:, :, None] - k_pos[:, None, :]  # [B, Lq, S]
     visible = diff >= 0
@@ -92,11 +109,4 @@ def paged_attention(
         visible &= diff < sliding_window
     if not unpadded:  # a padded row would see nothing (SDPA gives NaN): let it see all; it is dropped
         visible |= (q_pos < 0)[:, :, None]
-
-    out = F.scaled_dot_product_attention(
-        q_pad.transpose(1, 2), k, v, attn_mask=visible[:, None], scale=scale, enable_gqa=G > 1,
-    )  # [B, H, Lq, D]
-    out = out.transpose(1, 2)  # [B, Lq, H, D]
-    if unpadded:
-        return out.reshape(T, H, D)
-    return out[batch.token_request, batch.token_offset]  # [T, H, D]
+    return slots.reshape(-1), visible[:, None], slots.shape[1]
