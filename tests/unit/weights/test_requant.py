@@ -1,0 +1,101 @@
+"""GGUF blocks -> group-32 integers: against the exact dequantization, type by type.
+
+Exact types (the integers and the float16 scales are the file's own) must dequantize bit for bit
+to what `weights.dequant` (itself bit-identical to gguf's reference) gives; the K-quants round the
+product d * sub-block scale to float16 once (relative error <= 2^-11 of the scale, so <= 2^-11 of
+the group's range); Q6_K is requantized to absmax int8 (error <= half a step of the new grid).
+Real tensors of both bundled files, random block bytes for every type, and the llama row
+permutation of a quantized q/k projection.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from freetoken.errors import ModelLoadError
+from freetoken.ops.quantized import GROUP, dequantize as dequantize_groups
+from freetoken.weights.dequant import dequantize
+from freetoken.weights.requant import INTEGER_TYPES, to_quantized
+
+Q = gguf.GGMLQuantizationType
+EXACT = {Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q4_0, Q.Q4_1}
+BITS = {Q.Q8_0: 8, Q.Q5_0: 8, Q.Q5_1: 8, Q.Q5_K: 8, Q.Q6_K: 8, Q.Q4_0: 4, Q.Q4_1: 4, Q.Q4_K: 4}
+F16_FIELDS: dict[Q, list[int]] = {
+    Q.Q8_0: [0], Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2],
+    Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208],
+}
+
+
+def check(raw: np.ndarray, qtype: Q, shape: tuple[int, int], name: str) -> None:
+    qw = to_quantized(raw, qtype, shape, name)
+    assert qw.bits == BITS[qtype] and tuple(qw.q.shape) == shape
+    if qw.bits == 4:
+        assert int(qw.q.min()) >= 0 and int(qw.q.max()) <= 15
+    want = dequantize(raw, qtype, shape, name)  # float32, bit-identical to gguf's reference
+    got = dequantize_groups(qw, torch.float32)
+    if qtype in EXACT:
+        assert torch.equal(got, want), name
+        return
+    groups = want.view(-1, GROUP)
+    err = (got.view(-1, GROUP) - groups).abs().amax(dim=1)
+    spread = groups.amax(dim=1) - groups.amin(dim=1)
+    if qtype == Q.Q6_K:
+        bound = groups.abs().amax(dim=1) / 127 * 0.5 * (1 + 1e-3) + 1e-12
+    else:  # one float16 rounding of scale and minimum: <= 2^-11 of each, over 15 or 31 steps
+        bound = (spread + groups.abs().amax(dim=1)) * 2.0**-10 + 1e-12
+    assert bool((err <= bound).all()), f"{name}: worst {float((err / bound).max()):.3f} of the bound"
+
+
+@pytest.mark.parametrize("qtype", sorted(INTEGER_TYPES, key=int))
+def test_random_block_bytes(qtype: Q) -> None:
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(200 + int(qtype))
+    n_blocks = 64
+    raw = rng.integers(0, 256, (n_blocks, type_size), dtype=np.uint8)
+    for offset in F16_FIELDS[qtype]:
+        scales = rng.uniform(-2.0, 2.0, n_blocks).astype(np.float16)
+        raw[:, offset : offset + 2] = scales.view(np.uint8).reshape(n_blocks, 2)
+    shape = (4, n_blocks * block_size // 4)
+    check(raw.reshape(4, -1), qtype, shape, f"random {qtype.name}")
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("which", ["gemma", "smollm2"])
+def test_real_tensors(which: str, request: pytest.FixtureRequest) -> None:
+    reader = request.getfixturevalue(f"{which}_reader")
+    seen = set()
+    for t in reader.tensors:
+        if int(t.tensor_type) not in INTEGER_TYPES or len(t.shape) != 2 or int(t.n_elements) > 2_000_000:
+            continue  # the embedding (167M values) is Q8_0 like smaller tensors: skip it for time
+        qtype = Q(int(t.tensor_type))
+        if qtype.name in seen and qtype not in (Q.Q6_K, Q.Q4_K):
+            continue
+        check(t.data, qtype, (int(t.shape[1]), int(t.shape[0])), t.name)
+        seen.add(qtype.name)
+    assert seen == ({"Q8_0", "Q5_0", "Q4_K", "Q6_K"} if which == "gemma" else {"Q4_1"})
+
+
+def test_llama_q_rows_are_unpermuted_like_the_float_path() -> None:
+    """A quantized attn_q gets the same row rearrangement as its dequantized twin."""
+    from freetoken.weights.names import HFTensorAssembler
+
+    rng = np.random.default_rng(5)
+    values = rng.standard_normal((16, 64)).astype(np.float32)
+    raw = gguf.quants.quantize(values, Q.Q8_0)
+    floats, ints = HFTensorAssembler("llama", 2, 1), HFTensorAssembler("llama", 2, 1)
+    floats.add("blk.0.attn_q.weight", dequantize(raw, Q.Q8_0, (16, 64)))
+    ints.add_quantized("blk.0.attn_q.weight", to_quantized(raw, Q.Q8_0, (16, 64)))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(dequantize_groups(ints.finish()[name]), floats.finish()[name])
+
+
+def test_errors_name_the_tensor() -> None:
+    with pytest.raises(ModelLoadError, match=r"blk\.0\.x.*F16 has no integer form"):
+        to_quantized(np.zeros(64, dtype=np.float16), Q.F16, (2, 32), "blk.0.x")
+    with pytest.raises(ModelLoadError, match="expected 68"):
+        to_quantized(np.zeros(34, dtype=np.uint8), Q.Q8_0, (2, 32), "short")
+    with pytest.raises(ModelLoadError, match="not a matrix"):
+        to_quantized(np.zeros(34, dtype=np.uint8), Q.Q8_0, (32,), "vector")
