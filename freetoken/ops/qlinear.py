@@ -179,7 +179,7 @@ class PackedWeight:
 
     def _tiled_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """Dequantize TILE_ROWS output rows at a time: no full bf16 copy, each tile read from L2."""
-        out_t = torch.empty(self.out_features, x.shape[0], dtype=x.dtype)  # [N, M]: row tiles contiguous
+        out_t = torch.empty(self.out_features, x.shape[0], dtype=x.dtype, device=x.device)  # [N, M]: tiles contiguous
         for n0 in range(0, self.out_features, TILE_ROWS):
             n1 = min(n0 + TILE_ROWS, self.out_features)
             torch.mm(self.rows_range(n0, n1, x.dtype), x.t(), out=out_t[n0:n1])
