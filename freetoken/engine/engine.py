@@ -147,20 +147,23 @@ class Engine:
         if not items:
             return
         self.steps += 1
+        # Read before any token is appended: `samples` compares against the request's length.
+        samples = [item.samples for item in items]
+        prefill = [item.start < len(item.req.prompt_ids) for item in items]
         logits = self.runner.forward(items)  # one row per item that samples (+ prompt rows)
         sampling: list[ScheduledItem] = []
         rows: list[int] = []
         offset = 0
-        for item in items:
+        for item, samples_now in zip(items, samples):
             item.req.num_computed += item.n
             if item.all_logits:
                 chunk = logits[offset : offset + item.n]
                 offset += item.n
                 self._record_prompt_logprobs(item, chunk)
-                if item.samples:
+                if samples_now:
                     sampling.append(item)
                     rows.append(offset - 1)
-            elif item.samples:
+            elif samples_now:
                 sampling.append(item)
                 rows.append(offset)
                 offset += 1
@@ -193,11 +196,13 @@ class Engine:
                 if reason is not None:
                     self._finish(req, reason)
                     upd.finished, upd.finish_reason = True, reason
-        for item in items:
+        for item, prompt_chunk in zip(items, prefill):
             req = item.req
             if req.finished or req.status is not RequestStatus.RUNNING:
                 continue
-            if not item.samples:  # a prefill chunk: its K/V becomes reusable now
+            # A prompt chunk's K/V becomes reusable now (the last one too: a request sharing the
+            # whole prompt can hit it while this one decodes); decode steps commit at finish.
+            if prompt_chunk:
                 self.kv.commit(req.rid, req.all_ids[: req.num_computed], boundaries=req.boundaries)
             self.kv.release_out_of_window(req.rid, req.num_computed)
 
