@@ -67,17 +67,32 @@ def _chunk_transpose(u: torch.Tensor, inverse: bool) -> torch.Tensor:
     return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
 
+def _compact_tail(k: int) -> bool:
+    """Whether the last chunk holds nb < 16 groups with nb dividing 16 (K = 576, 640, ...): the
+    kernel then reads its 8-bit word stream as contiguous vectors, and bits 4 pack that stream."""
+    nb = (k // GROUP) % 16
+    return nb > 0 and 16 % nb == 0
+
+
 def _pack(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """int8 [N, K] -> the kernel's uint8 rows: bits 8, q + 128 [N, K]; bits 4, [N, K / 2] with the
-    words v = 2u (low nibbles) and 2u + 1 (high nibbles) of every group in vector u."""
+    """int8 [N, K] -> the kernel's uint8 rows (csrc/qlinear.cpp): bits 8, q + 128 [N, K]; bits 4,
+    [N, K / 2]: in a full chunk, vector u holds words v = 2u (low nibbles) and 2u + 1 (high); a
+    compact last chunk packs its 8-bit stream in blocks of B = min(128, bytes): byte i = blk[i] |
+    blk[B / 2 + i] << 4; another last chunk is packed like a full one."""
     if bits == 8:
         return _chunk_transpose(q.view(torch.uint8) ^ 128, inverse=False).contiguous()
     t = _chunk_transpose(q.to(torch.uint8), inverse=False)  # vector-major words v = 0..7
     r, k = t.shape
     out = []
     for lo, n_groups in _chunks(k):
-        words = t[:, lo : lo + n_groups * GROUP].reshape(r, 4, 2, n_groups * 4)  # [R, u, v % 2, bytes]
-        out.append((words[:, :, 0] | (words[:, :, 1] << 4)).reshape(r, -1))
+        words = t[:, lo : lo + n_groups * GROUP]
+        if n_groups < 16 and _compact_tail(k):
+            block = min(128, n_groups * GROUP)
+            halves = words.reshape(r, -1, 2, block // 2)  # [R, blocks, lo/hi, B / 2]
+            out.append((halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(r, -1))
+        else:
+            words = words.reshape(r, 4, 2, n_groups * 4)  # [R, u, v % 2, bytes]
+            out.append((words[:, :, 0] | (words[:, :, 1] << 4)).reshape(r, -1))
     return torch.cat(out, dim=1).contiguous()
 
 
@@ -102,8 +117,13 @@ def _unpack(p: torch.Tensor, bits: int, k: int) -> torch.Tensor:
     r = p.shape[0]
     out = []
     for lo, n_groups in _chunks(k):
-        packed = p[:, lo // 2 : lo // 2 + n_groups * 16].reshape(r, 4, 1, n_groups * 4)  # [R, u, 1, bytes]
-        out.append(torch.cat([packed & 15, packed >> 4], dim=2).reshape(r, -1))  # [R, u, 2, bytes]
+        packed = p[:, lo // 2 : lo // 2 + n_groups * 16]
+        if n_groups < 16 and _compact_tail(k):
+            block = min(128, n_groups * GROUP)
+            packed = packed.reshape(r, -1, 1, block // 2)  # [R, blocks, 1, B / 2]
+        else:
+            packed = packed.reshape(r, 4, 1, n_groups * 4)  # [R, u, 1, bytes]
+        out.append(torch.cat([packed & 15, packed >> 4], dim=2).reshape(r, -1))
     return _chunk_transpose(torch.cat(out, dim=1), inverse=True).view(torch.int8)
 
 

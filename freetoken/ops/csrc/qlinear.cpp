@@ -5,7 +5,8 @@
 // assumes. A row's 32-groups are taken 16 at a time (a chunk; the last may hold nb < 16 groups),
 // and a chunk's bytes are transposed so that int32 lane l of every vector belongs to group l:
 //   bits 8: 8 vectors of nb * 4 bytes; byte [v][4 l + b] = q[group l][4 v + b] + 128 (uint8);
-//   bits 4: 4 vectors of nb * 4 bytes; byte [u][4 l + b] = q[l][8 u + b] | q[l][8 u + 4 + b] << 4;
+//   bits 4: 4 vectors of nb * 4 bytes; byte [u][4 l + b] = q[l][8 u + b] | q[l][8 u + 4 + b] << 4,
+//     except a last chunk whose nb divides 16 (see `compact` in tile_kernel);
 //   a row is K bytes (bits 8) or K / 2 (bits 4), chunks in order, no padding;
 //   scale, minimum: float16 [N, K / 32]; w = q * scale + minimum (minimum absent: 0).
 // Activations are quantized per 32-group to int8 (absmax / 127, round to nearest, as llama.cpp's
@@ -136,14 +137,37 @@ FT_AVX512 void tile_kernel(const uint8_t* wq, const at::Half* ws, const at::Half
       __m512i dot[MT];
       for (int i = 0; i < MT; ++i) dot[i] = _mm512_setzero_si512();
       const int8_t* aq = a.q + m0 * qstride + c * 512;
-      // bits 8, a last chunk of nb groups with nb dividing 16: its nb * 32 bytes are read as
-      // contiguous vectors (no idle lanes); lane j then always holds words of group j % nb.
-      const bool compact = BITS == 8 && nb < 16 && 16 % nb == 0;
+      // A last chunk of nb groups with nb dividing 16 is compact: its words are read as contiguous
+      // vectors (no idle lanes), so lane j always holds words of group j % nb. bits 4 pack that
+      // 8-bit stream in blocks of B = min(128, nb * 32) bytes: byte i = blk[i] | blk[B / 2 + i] << 4.
+      const bool compact = nb < 16 && 16 % nb == 0;
       if (compact) {
-        for (int64_t i = 0; i < (nb * 32 + 63) / 64; ++i) {
-          const __m512i wv = _mm512_loadu_si512(w + i * 64);
+        if constexpr (BITS == 8) {
+          for (int64_t i = 0; i < (nb * 32 + 63) / 64; ++i) {
+            const __m512i wv = _mm512_loadu_si512(w + i * 64);
+            for (int r = 0; r < MT; ++r)
+              dot[r] = _mm512_dpbusd_epi32(dot[r], wv, _mm512_load_si512(aq + r * qstride + i * 64));
+          }
+        } else if (nb >= 4) {
+          for (int64_t j = 0; j < nb / 4; ++j) {
+            const __m512i packed = _mm512_loadu_si512(w + j * 64);
+            const __m512i lo = _mm512_and_si512(packed, low4);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+            for (int r = 0; r < MT; ++r) {
+              dot[r] = _mm512_dpbusd_epi32(dot[r], lo, _mm512_load_si512(aq + r * qstride + (2 * j) * 64));
+              dot[r] = _mm512_dpbusd_epi32(dot[r], hi, _mm512_load_si512(aq + r * qstride + (2 * j + 1) * 64));
+            }
+          }
+        } else {
+          // nb = 2: 32 bytes -> 64 values; nb = 1: 16 bytes -> 32 (lanes past them meet zeros)
+          const __m512i v = nb == 2
+              ? _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)))
+              : _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+          const __m512i shifts = nb == 2 ? _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0)
+                                         : _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0);
+          const __m512i wv = _mm512_and_si512(_mm512_srlv_epi64(v, shifts), low4);
           for (int r = 0; r < MT; ++r)
-            dot[r] = _mm512_dpbusd_epi32(dot[r], wv, _mm512_load_si512(aq + r * qstride + i * 64));
+            dot[r] = _mm512_dpbusd_epi32(dot[r], wv, _mm512_load_si512(aq + r * qstride));
         }
       } else if constexpr (BITS == 8) {
         for (int v = 0; v < 8; ++v) {
@@ -210,7 +234,7 @@ void run(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& ws,
          int64_t N) {
   const int64_t M = x.size(0), K = x.size(1);
   const int64_t tail = (K / kGroup) % 16;
-  const bool compact_tail = BITS == 8 && tail && 16 % tail == 0;
+  const bool compact_tail = tail && 16 % tail == 0;
   const QuantizedActs a = x.scalar_type() == at::kFloat
                               ? quantize_acts(x.data_ptr<float>(), M, K, compact_tail)
                               : quantize_acts(x.data_ptr<at::BFloat16>(), M, K, compact_tail);

@@ -23,7 +23,7 @@ from freetoken.ops import GROUP, PackedWeight, QuantizedWeight, concat, dequanti
 from freetoken.ops import quantize_int4, quantize_int8
 
 ROWS = (1, 2, 3, 7, 16, 17, 64)
-SHAPES = ((1, 32), (5, 64), (300, 576), (5, 640), (1, 2048), (300, 640), (16, 96))  # (N, K)
+SHAPES = ((1, 32), (5, 64), (300, 576), (5, 640), (1, 2048), (300, 640), (16, 96), (3, 768), (2, 416))  # (N, K)
 KINDS = ("int8", "int8+min", "int4")
 
 
