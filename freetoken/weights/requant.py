@@ -90,7 +90,8 @@ def _q6_k(blocks: torch.Tensor, c: _Constants) -> Groups:
     values = torch.empty(blocks.shape[0] * 256, dtype=torch.float32, device=blocks.device)
     _decode_q6_k(blocks, values, c)
     groups = values.view(-1, GROUP)  # [n * 8, 32]
-    scale = groups.abs().amax(dim=1) / 127
+    # Round the scale to its stored float16 first, so the integers are chosen for the scale used.
+    scale = (groups.abs().amax(dim=1) / 127).half().float()
     q = torch.round(groups / scale.clamp(min=1e-30)[:, None]).clamp_(-127, 127).to(torch.int8)
     return q, scale, None
 
