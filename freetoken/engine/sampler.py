@@ -3,15 +3,35 @@
 Owns penalties, temperature, top-k, top-p, min-p, seeded draws and logprobs. The logit
 transformations run batched over the requests of a step; only the random draw with a
 per-request generator walks the rows. It never touches KV memory or request queues.
+
+The filters never sort a whole vocabulary row (262,144 entries for Gemma, tens of ms a row):
+they run on the row's `torch.topk` survivors; a row whose cut may lie past them ranks every token
+above a threshold proven to bound its last kept token instead, so the kept set and its
+probabilities are those of the full-sort filter (`filtered_distribution`). Ties: tokens of equal (temperature-scaled) logit are ranked by
+ascending token id, so a cut through a group of equal logits keeps the lowest ids, whatever order
+`topk` returned them in and whatever else is in the batch.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass
 
 import torch
 
 from freetoken.request import Request, SamplingParams, TokenLogprob
+
+# k of the topk for rows whose top_k is off: Gemma 3's rows keep 1-85 tokens at temperature 0.8,
+# top_p 0.95 (benchmarks/sampler_bench.py --gguf), and topk(256) costs about what topk(40) does.
+START_K = 256
+# topk over a whole row copies it into (value, index) pairs; the k largest all lie in the k
+# blocks of BLOCK entries with the largest maxima, so topk runs on those blocks' maxima and then
+# on the k * BLOCK entries of the winning blocks (3-5x faster at 262k).
+BLOCK = 64
+# `_threshold` buckets the mass of a deep row by logit, below its max
+BUCKETS_PER_LOGIT = 16
+NUM_BUCKETS = 1024
 
 
 @dataclass
@@ -20,45 +40,221 @@ class SampleResult:
     logprobs: list[TokenLogprob | None]
 
 
+def _flat_ids(rows: list[int], id_lists: list[list[int]], vocab: int) -> torch.Tensor:
+    """The keys `row * vocab + id` of every (row, id) pair, one tensor for all rows."""
+    ids = torch.tensor(list(itertools.chain.from_iterable(id_lists)), dtype=torch.long)
+    row = torch.repeat_interleave(torch.tensor(rows, dtype=torch.long), torch.tensor([len(x) for x in id_lists]))
+    return row * vocab + ids
+
+
 def _penalize(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """Repetition (over prompt + output), frequency and presence (over output) penalties."""
-    # logits: [N, V]
-    out = logits
-    for i, req in enumerate(requests):
-        p = req.params
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(req.all_ids)), dtype=torch.long)
-            row = out[i, seen]
-            out[i, seen] = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-        if (p.frequency_penalty or p.presence_penalty) and req.output_ids:
-            ids = torch.tensor(req.output_ids, dtype=torch.long)
-            counts = torch.zeros(out.shape[1], dtype=out.dtype).scatter_add_(0, ids, torch.ones_like(ids, dtype=out.dtype))
-            out[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(out.dtype)
-    return out
+    """Repetition (over prompt + output), frequency and presence (over output) penalties.
 
-
-def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p masks, batched. Greedy rows are left alone."""
-    # logits: [N, V] float32
-    n, vocab = logits.shape
-    if any(p.temperature not in (0.0, 1.0) for p in params):
-        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], dtype=logits.dtype)
-        logits = logits / temps[:, None]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
-    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)
-    min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype)
-    if bool((top_k < vocab).any() or (top_p < 1.0).any() or (min_p > 0).any()):
-        sorted_logits, order = logits.sort(dim=-1, descending=True)  # [N, V]
-        probs = sorted_logits.softmax(dim=-1)
-        rank = torch.arange(vocab)[None, :]
-        drop = rank >= top_k[:, None]
-        # keep the smallest prefix whose mass reaches top_p (the token that crosses it stays)
-        drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
-        drop |= probs < (min_p[:, None] * probs[:, :1])
-        drop[:, 0] = False
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    One gather / scatter over the distinct (row, token) pairs of all penalised rows; the float32
+    arithmetic is the per-row loop's, so the results are bit for bit the same."""
+    # logits: [N, V], edited in place
+    vocab = logits.shape[1]
+    rep = [i for i, r in enumerate(requests) if r.params.repetition_penalty != 1.0 and r.num_tokens]
+    if rep:
+        keys = torch.unique(_flat_ids(rep, [requests[i].prompt_ids + requests[i].output_ids for i in rep], vocab))
+        rows, cols = keys // vocab, keys % vocab  # [P] each: distinct seen tokens per row
+        pen = torch.tensor([r.params.repetition_penalty for r in requests], dtype=logits.dtype)[rows]
+        vals = logits[rows, cols]
+        logits[rows, cols] = torch.where(vals > 0, vals / pen, vals * pen)
+    freq = [i for i, r in enumerate(requests) if (r.params.frequency_penalty or r.params.presence_penalty) and r.output_ids]
+    if freq:
+        keys, counts = torch.unique(_flat_ids(freq, [requests[i].output_ids for i in freq], vocab), return_counts=True)
+        rows, cols = keys // vocab, keys % vocab
+        fp = torch.tensor([r.params.frequency_penalty for r in requests], dtype=logits.dtype)[rows]
+        pp = torch.tensor([r.params.presence_penalty for r in requests], dtype=logits.dtype)[rows]
+        logits[rows, cols] = logits[rows, cols] - (fp * counts.to(logits.dtype) + pp)
     return logits
+
+
+def _has_filter(p: SamplingParams, vocab: int) -> bool:
+    return 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0
+
+
+def _topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x.topk(k)`, through the k blocks with the largest maxima when that is smaller."""
+    # x: [R, V] -> values, ids: [R, k] (which of equal values come back is unspecified, as topk's)
+    rows, vocab = x.shape
+    if vocab % BLOCK or 2 * k * BLOCK > vocab:
+        return x.topk(k, dim=-1)
+    blocks = x.reshape(rows, vocab // BLOCK, BLOCK)  # [R, V / BLOCK, BLOCK]
+    best = blocks.amax(dim=-1).topk(k, dim=-1).indices  # [R, k]
+    candidates = blocks.gather(1, best[:, :, None].expand(rows, k, BLOCK)).reshape(rows, k * BLOCK)
+    vals, pos = candidates.topk(k, dim=-1)  # [R, k]
+    return vals, best.gather(1, pos // BLOCK) * BLOCK + pos % BLOCK
+
+
+def _ranked_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest of each row, descending, equal values by ascending id."""
+    # x: [R, V] -> values, ids: [R, k]
+    vals, ids = _topk(x, k)
+    ids, order = ids.sort(dim=-1)
+    vals, order = vals.gather(1, order).sort(dim=-1, descending=True, stable=True)
+    return vals, ids.gather(1, order)
+
+
+@dataclass(frozen=True)
+class _Filters:
+    """The per-row filter settings of `filtered_distribution`, as tensors."""
+
+    top_k: torch.Tensor  # [R] long, vocab when off
+    top_p: torch.Tensor  # [R] float64
+    min_p: torch.Tensor  # [R] float64
+    row_max: torch.Tensor  # [R] float64, the row's largest logit
+    log_mass: torch.Tensor  # [R] float64, log sum exp(logit - row_max) over the row (top_p rows)
+
+    def rows(self, r: torch.Tensor | slice) -> _Filters:
+        return _Filters(self.top_k[r], self.top_p[r], self.min_p[r], self.row_max[r], self.log_mass[r])
+
+
+def _cut(vals: torch.Tensor, f: _Filters) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """How many of each row's leading candidates the filters keep.
+
+    `vals` are the row's W largest logits in rank order. Returns the kept count m, p / p_max of
+    the candidates, and whether no token past the candidates can be kept (the cut is inside them)."""
+    # vals: [R, W] -> m: [R] long, rel: [R, W] float64, closed: [R] bool
+    v = vals.double()
+    rel = torch.exp(v - v[:, :1])  # p_r / p_max
+    p = torch.exp(v - f.row_max[:, None] - f.log_mass[:, None])  # p_r, for rows with top_p
+    mass = p.cumsum(dim=-1)
+    mass_before = torch.zeros_like(mass)
+    mass_before[:, 1:] = mass[:, :-1]  # exclusive prefix sums (monotone, unlike mass - p)
+    needs_mass = f.top_p < 1.0
+    keep = torch.arange(v.shape[1])[None, :] < f.top_k[:, None]
+    keep &= ~needs_mass[:, None] | (mass_before < f.top_p[:, None])
+    keep &= rel >= f.min_p[:, None]
+    keep[:, 0] = True
+    m = keep.sum(dim=-1)  # keep is a prefix of the ranks
+    closed = (m < v.shape[1]) | (f.top_k <= v.shape[1]) | (rel[:, -1] == 0) | (needs_mass & (mass[:, -1] >= f.top_p))
+    return m, rel, closed
+
+
+def _threshold(row: torch.Tensor, f: _Filters) -> float:
+    """A logit at or below the last kept token's, for a row whose cut lies past its topk: min_p's
+    bound, or top_p's from the mass of 1/16-logit buckets below the max (one pass, no sort)."""
+    # row: [V] float32; f: one row
+    tau = float("-inf")
+    top_max = float(f.row_max[0])
+    if float(f.min_p[0]) > 0.0:
+        tau = top_max + math.log(float(f.min_p[0])) - 1 / BUCKETS_PER_LOGIT
+    if float(f.top_p[0]) < 1.0:
+        bucket = ((top_max - row) * BUCKETS_PER_LOGIT).clamp_(max=NUM_BUCKETS - 1).long()  # [V], 0 = top
+        mass = torch.bincount(bucket, weights=torch.exp(row - top_max), minlength=NUM_BUCKETS).double().cumsum(0)
+        j = int(torch.searchsorted(mass, mass[-1:] * float(f.top_p[0]) * (1 + 1e-5)))
+        if j < NUM_BUCKETS - 2:  # one bucket of slack below the crossing one
+            tau = max(tau, top_max - (j + 2) / BUCKETS_PER_LOGIT)
+    return tau
+
+
+def _cut_below(row: torch.Tensor, tau: float, f: _Filters) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kept ids and their probabilities, ranking only the tokens with logit >= tau: whole groups
+    of equal logits, so ties order exactly. If the cut is not proven inside them, the whole row."""
+    # row: [V] float32; f: one row -> ids, probs: [m]
+    for bound in (tau, float("-inf")):
+        candidates = (row >= bound).nonzero()[:, 0]  # ascending ids
+        vals, order = row[candidates].sort(descending=True, stable=True)
+        m, rel, closed = _cut(vals[None], f)
+        dropped_by_min_p = math.exp(bound - float(f.row_max[0])) < float(f.min_p[0])  # all below bound
+        if bool(closed[0]) or dropped_by_min_p or bound == float("-inf"):
+            kept = int(m[0])
+            return candidates[order[:kept]], rel[0, :kept] / rel[0, :kept].sum()
+    raise AssertionError("unreachable: the whole row always closes the cut")
+
+
+def filtered_distribution(
+    logits: torch.Tensor, params: list[SamplingParams], start_k: int = START_K
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens each row keeps after top-k, top-p and min-p, and their renormalised probabilities.
+
+    Exactly the full-sort filter: rank tokens by logit (ties by ascending id), keep rank r while
+    r < top_k, the mass of the ranks before r is < top_p (the token that crosses top_p stays),
+    and p_r >= min_p * p_max; rank 0 always stays. Mass is normalised by the whole row (one
+    exp-and-sum pass). The ranking sees only the row's topk survivors (k = top_k, else
+    `start_k`); a row whose cut may lie past them (mass still short of top_p, all passing min_p,
+    or a group of equal logits running past the k-th) ranks instead every token at or above a
+    threshold that provably bounds its last kept token (`_threshold`): one more pass and a sort of
+    about the kept set, where doubling k until the cut fits costs more than sorting the row.
+    """
+    # logits: [S, V] float32, temperature applied -> ids: [S, K] long, probs: [S, K] float64
+    # (a row's tokens past those it keeps have probability 0)
+    n, vocab = logits.shape
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64)
+    row_max = logits.amax(dim=-1)  # [S] float32
+    log_mass = torch.zeros(n, dtype=torch.float64)
+    m_rows = (top_p < 1.0).nonzero()[:, 0]
+    if len(m_rows):
+        x = logits if len(m_rows) == n else logits[m_rows]
+        log_mass[m_rows] = (x - row_max[m_rows, None]).exp_().sum(dim=-1).double().log()  # float32 cascade sum
+    f = _Filters(
+        torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params]),
+        top_p,
+        torch.tensor([p.min_p for p in params], dtype=torch.float64),
+        row_max.double(),
+        log_mass,
+    )
+    k = min(vocab, max(max(int(t) if t < vocab else start_k for t in f.top_k), 1))
+    vals, ids = _ranked_topk(logits, k)  # [S, k]
+    m, rel, closed = _cut(vals, f)
+    last = (m - 1)[:, None]
+    group_inside = (vals.gather(1, last)[:, 0] > vals[:, -1]) | (rel.gather(1, last)[:, 0] == 0)
+    done = (closed & group_inside) | (k >= vocab)
+    probs = rel.masked_fill(torch.arange(k)[None, :] >= m[:, None], 0.0)  # [S, k]
+    probs /= probs.sum(dim=-1, keepdim=True)
+    redo = (~done).nonzero()[:, 0].tolist()
+    if not redo:
+        return ids, probs
+    kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for r in redo:  # the k-th's group of equal logits runs past it, or the cut lies past the k-th
+        tau = float(vals[r, -1]) if bool(closed[r]) else _threshold(logits[r], f.rows(slice(r, r + 1)))
+        kept[r] = _cut_below(logits[r], tau, f.rows(slice(r, r + 1)))
+    width = max(k, *(len(i) for i, _ in kept.values()))
+    out_ids = torch.zeros(n, width, dtype=torch.long)
+    out_probs = torch.zeros(n, width, dtype=torch.float64)
+    out_ids[:, :k], out_probs[:, :k] = ids, probs
+    for r, (i, q) in kept.items():
+        out_ids[r], out_probs[r] = 0, 0.0
+        out_ids[r, : len(i)], out_probs[r, : len(q)] = i, q
+    return out_ids, out_probs
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Index drawn from each row of `probs` (unnormalised, >= 0) by its uniform in [0, 1)."""
+    # probs: [S, W], u: [S] -> [S] long
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:].contiguous()
+    # right=True lands on an entry with probability > 0; the rounding of u * total up to total
+    # is caught by the second bound (the first entry whose cdf reaches the total).
+    picks = torch.searchsorted(cdf, u.to(cdf.dtype)[:, None] * total, right=True)
+    return torch.minimum(picks, torch.searchsorted(cdf, total))[:, 0]
+
+
+def _draw(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> list[int]:
+    """One token per sampled row: temperature, then the filters, then an inverse-CDF draw."""
+    # logits: [S, V] float32 (scaled in place), u: [S]
+    n, vocab = logits.shape
+    temps = [p.temperature for p in params]
+    if any(t != 1.0 for t in temps):
+        logits.div_(torch.tensor(temps, dtype=logits.dtype)[:, None])
+    chosen = [0] * n
+    filtered = [i for i, p in enumerate(params) if _has_filter(p, vocab)]
+    whole = [i for i, p in enumerate(params) if not _has_filter(p, vocab)]
+    if filtered:
+        rows = logits if len(filtered) == n else logits[filtered]
+        ids, probs = filtered_distribution(rows, [params[i] for i in filtered])
+        # draw over the kept tokens in token-id order, as a draw over the whole row would
+        ids, order = ids.masked_fill(probs == 0, vocab).sort(dim=-1)
+        picks = _inverse_cdf(probs.gather(1, order), u[filtered])
+        for i, tok in zip(filtered, ids.gather(1, picks[:, None])[:, 0].tolist()):
+            chosen[i] = tok
+    if whole:
+        rows = logits if len(whole) == n else logits[whole]
+        for i, tok in zip(whole, _inverse_cdf(rows.softmax(dim=-1), u[whole]).tolist()):
+            chosen[i] = tok
+    return chosen
 
 
 def _logprob_of(logprobs_row: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
@@ -70,34 +266,35 @@ def _logprob_of(logprobs_row: torch.Tensor, token_id: int, k: int) -> TokenLogpr
 
 
 def sample(logits: torch.Tensor, requests: list[Request]) -> SampleResult:
-    """One token per request; `logits[i]` belongs to `requests[i]` (penalties edit it in place)."""
+    """One token per request; `logits[i]` belongs to `requests[i]`.
+
+    A float32 `logits` is edited in place (penalties, temperature); logprobs are of the raw rows.
+    Greedy rows take the argmax (lowest id among equal maxima) and never see a softmax."""
     # logits: [N, V]
     logits = logits.float()
     params = [r.params for r in requests]
-    raw_logprobs = logits.log_softmax(dim=-1) if any(p.logprobs is not None for p in params) else None
+    with_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
+    raw_logprobs = logits[with_lp].log_softmax(dim=-1) if with_lp else None  # [L, V]
     if any(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty for p in params):
         _penalize(logits, requests)
     chosen = [0] * len(requests)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if greedy:
-        for i, tok in zip(greedy, logits[greedy].argmax(dim=-1).tolist()):
+        rows = logits if len(greedy) == len(requests) else logits[greedy]
+        for i, tok in zip(greedy, rows.argmax(dim=-1).tolist()):
             chosen[i] = tok
     if sampled:
-        probs = _filter(logits[sampled], [params[i] for i in sampled]).softmax(dim=-1)  # [S, V]
-        cdf = probs.cumsum(dim=-1)  # [S, V]
-        # Inverse-CDF draw, one uniform number per request from its own generator (seeded
-        # requests are reproducible whatever else is in the batch).
-        u = torch.stack([torch.rand((), generator=requests[i].generator, dtype=cdf.dtype) for i in sampled])
-        picks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp_(max=logits.shape[1] - 1)
-        for row, i in enumerate(sampled):
-            chosen[i] = int(picks[row, 0])
-    logprobs: list[TokenLogprob | None] = []
-    for i, p in enumerate(params):
-        if p.logprobs is None or raw_logprobs is None:
-            logprobs.append(None)
-        else:
-            logprobs.append(_logprob_of(raw_logprobs[i], chosen[i], p.logprobs))
+        # One uniform number per request from its own generator, in row order (seeded requests
+        # are reproducible whatever else is in the batch).
+        u = torch.stack([torch.rand((), generator=requests[i].generator, dtype=torch.float32) for i in sampled])
+        rows = logits if len(sampled) == len(requests) else logits[sampled]
+        for i, tok in zip(sampled, _draw(rows, [params[i] for i in sampled], u)):
+            chosen[i] = tok
+    logprobs: list[TokenLogprob | None] = [None] * len(requests)
+    for row, i in enumerate(with_lp):
+        assert raw_logprobs is not None
+        logprobs[i] = _logprob_of(raw_logprobs[row], chosen[i], params[i].logprobs or 0)
     return SampleResult(chosen, logprobs)
 
 

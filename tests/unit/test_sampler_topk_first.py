@@ -1,0 +1,211 @@
+"""The top-k-first sampler against the full-sort filter it replaces, on random logits.
+
+A small reference implementation of the old filter (sort the whole row, softmax, cut) lives here,
+in float64 and with a stable sort (equal logits ranked by ascending id, the rule the sampler
+documents). Where a cut sits within a relative 1e-5 of top_p or min_p (float32 rounding decides
+such knife edges, in the old filter as in the new), either side of the edge is accepted.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from freetoken.engine.sampler import _penalize, filtered_distribution, sample
+from freetoken.request import Request, SamplingParams
+
+TOL = 1e-5
+
+
+def reference_cut(row: torch.Tensor, top_k: int, top_p: float, min_p: float) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The full-sort filter: (logits by rank, ids by rank, how many ranks it keeps)."""
+    vals, order = row.double().sort(descending=True, stable=True)
+    probs = vals.softmax(dim=-1)
+    vocab = len(row)
+    mass_before = torch.cat([torch.zeros(1, dtype=torch.float64), probs.cumsum(dim=-1)[:-1]])
+    drop = torch.arange(vocab) >= (top_k if 0 < top_k < vocab else vocab)
+    drop |= mass_before >= top_p
+    drop |= probs < min_p * probs[0]
+    drop[0] = False
+    return vals, order, int((~drop).sum())
+
+
+def support(ids: torch.Tensor, probs: torch.Tensor) -> dict[int, float]:
+    return {int(i): float(q) for i, q in zip(ids, probs) if q > 0}
+
+
+def assert_full_sort_distribution(logits: torch.Tensor, params: list[SamplingParams], start_k: int) -> None:
+    ids, probs = filtered_distribution(logits.clone(), params, start_k=start_k)
+    for r, p in enumerate(params):
+        got = support(ids[r], probs[r])
+        vals, order, lo = reference_cut(logits[r], p.top_k, p.top_p * (1 - TOL), min(1.0, p.min_p * (1 + TOL)))
+        _, _, hi = reference_cut(logits[r], p.top_k, p.top_p * (1 + TOL), p.min_p * (1 - TOL))
+        candidates = [support(order[:m], vals[:m].softmax(dim=-1)) for m in range(lo, hi + 1)]
+        match = [c for c in candidates if c.keys() == got.keys()]
+        assert match, f"row {r} {p}: kept {sorted(got)}, full sort keeps one of {[sorted(c) for c in candidates]}"
+        for t, q in got.items():
+            assert math.isclose(q, match[0][t], rel_tol=1e-9, abs_tol=1e-12), (t, q, match[0][t])
+
+
+def filters(vocab: int) -> st.SearchStrategy[SamplingParams]:
+    return st.builds(
+        SamplingParams,
+        top_k=st.sampled_from([0, -1, 1, 2, 3, 5, max(vocab - 1, 1), vocab, vocab + 7]),
+        top_p=st.one_of(st.just(1.0), st.floats(0.01, 1.0)),
+        min_p=st.one_of(st.just(0.0), st.floats(0.0, 1.0)),
+    )
+
+
+VALUES = {
+    "floats": st.floats(-30.0, 30.0, width=32),
+    "ties": st.integers(-2, 2).map(float),  # many equal logits: the cut runs through tie groups
+    "masked": st.sampled_from([float("-inf"), 0.0, 1.0, 1.0, 2.5]),  # grammar-masked rows
+}
+
+
+@st.composite
+def batches(draw: st.DrawFn) -> tuple[torch.Tensor, list[SamplingParams], int]:
+    # short rows, and rows of 4-16 blocks of 64 (topk through the blocks' maxima for small k)
+    vocab = draw(st.one_of(st.integers(1, 48), st.sampled_from([256, 640, 1024])))
+    kind = draw(st.sampled_from(sorted(VALUES)))
+    rows = draw(st.integers(1, 4))
+    values = draw(st.lists(st.lists(VALUES[kind], min_size=vocab, max_size=vocab), min_size=rows, max_size=rows))
+    assume(all(any(math.isfinite(v) for v in row) for row in values))
+    params = draw(st.lists(filters(vocab), min_size=rows, max_size=rows))
+    return torch.tensor(values, dtype=torch.float32), params, draw(st.sampled_from([1, 2, 3, 256]))
+
+
+@settings(max_examples=400, deadline=None)
+@given(batch=batches())
+def test_top_k_first_is_the_full_sort_filter(batch: tuple[torch.Tensor, list[SamplingParams], int]) -> None:
+    logits, params, start_k = batch
+    assert_full_sort_distribution(logits, params, start_k)
+
+
+def test_deep_cuts_and_tie_groups_past_the_first_topk() -> None:
+    g = torch.Generator().manual_seed(0)
+    vocab = 8192  # 128 blocks of 64
+    flat = torch.randn(3, vocab, generator=g)  # top_p 0.9 keeps thousands of tokens: past any topk
+    ties = (torch.randn(3, vocab, generator=g) * 4).bfloat16().float()  # bf16 rounding: tie groups
+    for logits in (flat, ties):
+        for params in [
+            SamplingParams(top_p=0.9),
+            SamplingParams(top_p=0.999),
+            SamplingParams(min_p=0.05),
+            SamplingParams(min_p=0.3, top_p=0.95),
+            SamplingParams(top_k=40),
+            SamplingParams(top_k=40, top_p=0.5, min_p=0.01),
+            SamplingParams(top_k=vocab * 2, top_p=0.7),
+        ]:
+            for start_k in (4, 256):
+                assert_full_sort_distribution(logits, [params, SamplingParams(top_k=3), params], start_k)
+
+
+def test_a_cut_through_equal_logits_keeps_the_lowest_ids() -> None:
+    logits = torch.tensor([[1.0, 5.0, 3.0, 3.0, 3.0, 3.0, 0.0]])
+    for start_k in (1, 2, 256):
+        ids, probs = filtered_distribution(logits.clone(), [SamplingParams(top_k=3)], start_k=start_k)
+        assert set(support(ids[0], probs[0])) == {1, 2, 3}
+    # uniform over 4 equal tokens, top_p 0.6: the first two reach 0.5 < 0.6, the third crosses it
+    ids, probs = filtered_distribution(torch.zeros(1, 4), [SamplingParams(top_p=0.6)], start_k=1)
+    assert support(ids[0], probs[0]) == {0: 1 / 3, 1: 1 / 3, 2: 1 / 3}
+
+
+def test_top_k_past_the_vocabulary_and_min_p_alone() -> None:
+    logits = torch.tensor([[0.0, 1.0, 3.0, 2.0, -1.0]])
+    ids, probs = filtered_distribution(logits.clone(), [SamplingParams(top_k=100)])
+    kept = support(ids[0], probs[0])
+    assert torch.allclose(torch.tensor([kept[t] for t in range(5)], dtype=torch.float64), logits[0].double().softmax(-1))
+    ids, probs = filtered_distribution(logits.clone(), [SamplingParams(min_p=math.exp(-1.5))])
+    assert set(support(ids[0], probs[0])) == {2, 3}  # p_1 / p_max = e^-2 < e^-1.5 <= e^-1
+
+
+def req(params: SamplingParams, prompt=(1, 2), output=(), seed: int | None = None) -> Request:
+    r = Request("r", list(prompt), params, output_ids=list(output))
+    if seed is not None:
+        r.generator = torch.Generator().manual_seed(seed)
+    return r
+
+
+def test_draws_follow_the_filtered_distribution() -> None:
+    logits = torch.tensor([0.0, 1.0, 3.0, 2.0, -1.0, 2.5])
+    params = SamplingParams(temperature=0.7, top_p=0.95, min_p=0.02)
+    n = 20000
+    r = req(params, seed=7)  # the same request on every row: 20000 draws from one generator
+    tokens = sample(logits.repeat(n, 1), [r] * n).token_ids
+    vals, order, m = reference_cut(logits / 0.7, 0, 0.95, 0.02)
+    expected = support(order[:m], vals[:m].softmax(dim=-1))
+    assert set(tokens) == set(expected)
+    chi2 = sum((tokens.count(t) - n * q) ** 2 / (n * q) for t, q in expected.items())
+    assert chi2 < 25.0, chi2  # df <= 5; 25 is beyond the 0.9999 quantile
+
+
+def test_greedy_rows_ignore_sampled_neighbours() -> None:
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 3000, generator=g) * 3
+    reqs = [
+        req(SamplingParams(temperature=0, logprobs=3)),
+        req(SamplingParams(temperature=0.5, top_p=0.9, repetition_penalty=1.3), prompt=range(50)),
+        req(SamplingParams(temperature=0, presence_penalty=1.0), output=(5, 6)),
+        req(SamplingParams(temperature=2.0, min_p=0.1, top_k=20), seed=3),
+    ]
+    out = sample(logits.clone(), reqs)
+    for i in (0, 2):
+        alone = sample(logits[i : i + 1].clone(), [reqs[i]])
+        assert out.token_ids[i] == alone.token_ids[0]
+    assert out.token_ids[0] == int(logits[0].argmax())
+    lp = out.logprobs[0]
+    assert lp is not None and math.isclose(lp.logprob, float(logits[0].log_softmax(-1).max()), rel_tol=1e-6)
+    assert [t for t, _ in lp.top] == logits[0].topk(3).indices.tolist()
+
+
+def test_seeded_filtered_requests_repeat_whatever_the_batch() -> None:
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50)
+    steps = [torch.randn(3000, generator=torch.Generator().manual_seed(i)) * 2 for i in range(6)]
+    alone, mine = [], req(params, seed=11)
+    for row in steps:
+        alone.append(sample(row[None].clone(), [mine]).token_ids[0])
+    batched, mine = [], req(params, seed=11)
+    for row in steps:
+        neighbours = [req(SamplingParams(top_p=0.99)), req(SamplingParams(temperature=0)), req(SamplingParams(min_p=0.2), seed=1)]
+        logits = torch.stack([torch.randn(3000) * 0.5, row, torch.randn(3000), torch.randn(3000) * 4])
+        batched.append(sample(logits, [neighbours[0], mine, *neighbours[1:]]).token_ids[1])
+    assert batched == alone
+
+
+def old_penalize(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """The per-row loop the batched penalties replace."""
+    out = logits
+    for i, r in enumerate(requests):
+        p = r.params
+        if p.repetition_penalty != 1.0 and r.all_ids:
+            seen = torch.tensor(sorted(set(r.all_ids)), dtype=torch.long)
+            row = out[i, seen]
+            out[i, seen] = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+        if (p.frequency_penalty or p.presence_penalty) and r.output_ids:
+            ids = torch.tensor(r.output_ids, dtype=torch.long)
+            counts = torch.zeros(out.shape[1], dtype=out.dtype).scatter_add_(0, ids, torch.ones_like(ids, dtype=out.dtype))
+            out[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(out.dtype)
+    return out
+
+
+def test_batched_penalties_match_the_per_row_loop() -> None:
+    rng = random.Random(0)
+    for case in range(60):
+        vocab = rng.choice([7, 50, 300])
+        reqs = []
+        for _ in range(rng.randint(1, 6)):
+            params = SamplingParams(
+                repetition_penalty=rng.choice([1.0, 1.0, 0.5, 1.3, 2.0, 10.0]),
+                frequency_penalty=rng.choice([0.0, 0.0, -1.5, 0.3, 2.0]),
+                presence_penalty=rng.choice([0.0, 0.0, -0.7, 0.5, 2.0]),
+            )
+            prompt = [rng.randrange(vocab) for _ in range(rng.randint(0, 40))]
+            output = [rng.randrange(vocab) for _ in range(rng.randint(0, 25))]
+            reqs.append(req(params, prompt=prompt, output=output))
+        logits = torch.randn(len(reqs), vocab, generator=torch.Generator().manual_seed(case)) * 4
+        assert torch.equal(_penalize(logits.clone(), reqs), old_penalize(logits.clone(), reqs)), case
