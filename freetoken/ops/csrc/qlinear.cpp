@@ -36,6 +36,7 @@ constexpr int64_t kGroup = 32;
 #endif
 constexpr int kMaxRows = FT_MAX_ROWS;  // activation rows per pass over a tile (8: 16 accumulators fit the 32 registers)
 constexpr int64_t kReadPad = 64;    // readable bytes the packed weight has past its end
+constexpr int64_t kTaskBytes = 128 * 1024;  // least weight bytes per parallel task
 constexpr int64_t kTileRows = 16; // weight rows per tile (a few KB: stays in L1 across row chunks)
 
 bool cpu_supported() {
@@ -249,8 +250,9 @@ void run(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& ws,
   uint16_t* yb = f32_out ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const auto& table = tile_table<BITS>();
   const int64_t row_bytes = BITS == 8 ? K : K / 2;
-  // Each task reads at least ~64 KB of weights: below that, a thread's wake-up costs more than it saves.
-  const int64_t grain = std::max<int64_t>(kTileRows, (65536 / row_bytes + kTileRows - 1) / kTileRows * kTileRows);
+  // Each task reads at least kTaskBytes of weights (~6 us at 20 GB/s): below that, waking a second
+  // thread costs about what it saves (a guess; not tuned on an idle machine).
+  const int64_t grain = std::max<int64_t>(kTileRows, (kTaskBytes / row_bytes + kTileRows - 1) / kTileRows * kTileRows);
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
     float buf[kMaxRows * kTileRows];
     for (int64_t t0 = begin; t0 < end; t0 += kTileRows) {
