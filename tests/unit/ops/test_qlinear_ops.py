@@ -23,6 +23,7 @@ from freetoken.ops import GROUP, PackedWeight, QuantizedWeight, concat, dequanti
 from freetoken.ops import quantize_int4, quantize_int8
 
 ROWS = (1, 2, 3, 7, 16, 17, 64)
+FALLBACK_ROWS = (1, 17, 64)
 SHAPES = ((1, 32), (5, 64), (300, 576), (5, 640), (1, 2048), (300, 640), (16, 96), (3, 768), (2, 416))  # (N, K)
 KINDS = ("int8", "int8+min", "int4")
 
@@ -95,6 +96,8 @@ def test_every_path_within_its_bound(kind: str, dtype: torch.dtype) -> None:
             bias = torch.randn(n, generator=g).to(dtype) if m % 2 else None
             r = x.double() @ wd.t() + (bias.double() if bias is not None else 0)
             for name, fn in paths.items():
+                if name not in ("kernel", "dispatch") and m not in FALLBACK_ROWS:
+                    continue  # the torch paths do not depend on M; keep the module fast
                 y = fn(x, bias)
                 assert y.shape == (m, n) and y.dtype == dtype, (name, y.shape, y.dtype)
                 kind_of = ("kernel" if kernel_available() else "dequantized") if name == "dispatch" else name
