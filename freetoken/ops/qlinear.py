@@ -147,7 +147,7 @@ class PackedWeight:
             self._small = self._large = self._kernel
         else:
             self._small, self._large = self._dequantized_linear, self._tiled_linear
-            if qw.bits == 4 and n % 16 == 0:
+            if qw.bits == 4 and n % 16 == 0 and hasattr(torch, "_convert_weight_to_int4pack_for_cpu"):
                 self.int4pack = self._torch_int4pack(qw)
                 self._small = self._int4pack_or_dequantized
 
