@@ -13,6 +13,8 @@ Bounds (per output element, r = the float64 reference, |x|·|w| = sum_k |x_k w_k
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -150,3 +152,22 @@ def test_the_kernel_is_used_on_a_cpu_with_the_features() -> None:
     assert kernel_available(), "freetoken.ops._qlinear_cpu did not build or load: run `pip install -e .`"
     p = PackedWeight.from_quantized(quantize_int4(torch.randn(32, 64)))
     assert p._small == p._kernel and "kernel" in repr(p)
+
+
+def test_a_missing_extension_means_the_torch_fallback_and_one_log_line() -> None:
+    code = (
+        "import logging, sys, torch\n"
+        "logging.basicConfig(level=logging.INFO, format='%(name)s: %(message)s')\n"
+        "sys.modules['freetoken.ops._qlinear_cpu'] = None  # as if the compile had failed\n"
+        "from freetoken.ops import PackedWeight, kernel_available, qlinear, quantize_int4, quantize_int8\n"
+        "assert not kernel_available()\n"
+        "for qw in (quantize_int8(torch.randn(32, 64)), quantize_int4(torch.randn(32, 64))):\n"
+        "    p = PackedWeight.from_quantized(qw)\n"
+        "    assert 'torch' in repr(p)\n"
+        "    for m in (1, 64):\n"
+        "        assert qlinear(torch.randn(m, 64).bfloat16(), p).shape == (m, 32)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = [ln for ln in done.stderr.splitlines() if ln.startswith("freetoken.ops")]
+    assert len(lines) == 1 and "torch fallback" in lines[0], done.stderr
