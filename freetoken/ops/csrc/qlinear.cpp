@@ -37,7 +37,11 @@ constexpr int64_t kGroup = 32;
 constexpr int kMaxRows = FT_MAX_ROWS;  // activation rows per pass over a tile (8: 16 accumulators fit the 32 registers)
 constexpr int64_t kReadPad = 64;    // readable bytes the packed weight has past its end
 constexpr int64_t kTaskBytes = 128 * 1024;  // least weight bytes per parallel task
-constexpr int64_t kTileRows = 16; // weight rows per tile (a few KB: stays in L1 across row chunks)
+constexpr int64_t kTileRows = 16;
+#ifndef FT_PAIR_ROWS_FROM
+#define FT_PAIR_ROWS_FROM 1
+#endif
+constexpr int kPairRowsFrom = FT_PAIR_ROWS_FROM;  // MT from which two weight rows share each activation load // weight rows per tile (a few KB: stays in L1 across row chunks)
 
 bool cpu_supported() {
   __builtin_cpu_init();
@@ -111,99 +115,121 @@ FT_AVX512 QuantizedActs quantize_acts(const T* x, int64_t M, int64_t K, bool com
   return a;
 }
 
-// out[i, n] (float32, row stride ldo) for weight rows [n0, n1) and activation rows [m0, m0 + MT).
-template <int MT, int BITS>
-FT_AVX512 void tile_kernel(const uint8_t* wq, const at::Half* ws, const at::Half* wm, int64_t K,
-                           int64_t n0, int64_t n1, const QuantizedActs& a, int64_t m0, float* out,
-                           int64_t ldo) {
+// out[i, n] (float32) for the NR weight rows [n, n + NR) and activation rows [m0, m0 + MT): each
+// activation vector loaded is used by NR weight rows (loads, not dpbusd, bound one row at M >= 4).
+template <int MT, int BITS, int NR>
+FT_AVX512 inline void rows_kernel(const uint8_t* wq, const at::Half* ws, const at::Half* wm, int64_t K,
+                                  int64_t n, const QuantizedActs& a, int64_t m0, float* out, int64_t ldo) {
   const int64_t G = K / kGroup;
   const int64_t row_bytes = BITS == 8 ? K : K / 2;
   const int64_t chunk_bytes = BITS == 8 ? 512 : 256;
   const int64_t qstride = a.chunks * 512, gstride = a.chunks * 16;
   const __m512i low4 = _mm512_set1_epi8(0x0f);
   const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = wq + n * row_bytes;
-    const uint16_t* srow = reinterpret_cast<const uint16_t*>(ws) + n * G;
-    const uint16_t* mrow = wm ? reinterpret_cast<const uint16_t*>(wm) + n * G : nullptr;
-    __m512 acc[MT];
-    for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < a.chunks; ++c) {
-      const int64_t nb = std::min<int64_t>(16, G - c * 16);
-      const uint8_t* w = row + c * chunk_bytes;
-      const int64_t vstep = nb * 4;  // bytes of one vector of this chunk
-      // Plain 64-byte loads even when nb < 16 (masked loads that miss the cache are slow on Zen 4):
-      // lanes past nb hold the next bytes, times activation lanes that are zero. The packed tensor
-      // has kReadPad readable bytes after its last row for this.
-      __m512i dot[MT];
-      for (int i = 0; i < MT; ++i) dot[i] = _mm512_setzero_si512();
-      const int8_t* aq = a.q + m0 * qstride + c * 512;
-      // A last chunk of nb groups with nb dividing 16 is compact: its words are read as contiguous
-      // vectors (no idle lanes), so lane j always holds words of group j % nb. bits 4 pack that
-      // 8-bit stream in blocks of B = min(128, nb * 32) bytes: byte i = blk[i] | blk[B / 2 + i] << 4.
-      const bool compact = nb < 16 && 16 % nb == 0;
-      if (compact) {
-        if constexpr (BITS == 8) {
-          for (int64_t i = 0; i < (nb * 32 + 63) / 64; ++i) {
-            const __m512i wv = _mm512_loadu_si512(w + i * 64);
-            for (int r = 0; r < MT; ++r)
-              dot[r] = _mm512_dpbusd_epi32(dot[r], wv, _mm512_load_si512(aq + r * qstride + i * 64));
+  __m512 acc[NR][MT];
+  for (int q = 0; q < NR; ++q)
+    for (int i = 0; i < MT; ++i) acc[q][i] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < a.chunks; ++c) {
+    const int64_t nb = std::min<int64_t>(16, G - c * 16);
+    const uint8_t* w = wq + n * row_bytes + c * chunk_bytes;  // row n + q at w + q * row_bytes
+    const int64_t vstep = nb * 4;  // bytes of one vector of this chunk
+    // Plain 64-byte loads even when nb < 16 (masked loads that miss the cache are slow on Zen 4):
+    // lanes past nb hold the next bytes, times activation lanes that are zero. The packed tensor
+    // has kReadPad readable bytes after its last row for this.
+    __m512i dot[NR][MT];
+    for (int q = 0; q < NR; ++q)
+      for (int i = 0; i < MT; ++i) dot[q][i] = _mm512_setzero_si512();
+    const int8_t* aq = a.q + m0 * qstride + c * 512;
+    // A last chunk of nb groups with nb dividing 16 is compact: its words are read as contiguous
+    // vectors (no idle lanes), so lane j always holds words of group j % nb. bits 4 pack that
+    // 8-bit stream in blocks of B = min(128, nb * 32) bytes: byte i = blk[i] | blk[B / 2 + i] << 4.
+    const bool compact = nb < 16 && 16 % nb == 0;
+    if (compact && (BITS == 8 || nb < 4)) {
+      // bits 8: nb / 2 vectors (nb = 1: half of one); bits 4, nb = 2: 32 bytes -> 64 values,
+      // nb = 1: 16 bytes -> 32 (lanes past them meet zeros).
+      const int64_t nv = BITS == 8 ? (nb * 32 + 63) / 64 : 1;
+      for (int64_t j = 0; j < nv; ++j) {
+        __m512i wv[NR];
+        for (int q = 0; q < NR; ++q) {
+          const uint8_t* src = w + q * row_bytes + j * 64;
+          if constexpr (BITS == 8) {
+            wv[q] = _mm512_loadu_si512(src);
+          } else {
+            const __m512i v = nb == 2
+                ? _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)))
+                : _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+            const __m512i shifts = nb == 2 ? _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0)
+                                           : _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0);
+            wv[q] = _mm512_and_si512(_mm512_srlv_epi64(v, shifts), low4);
           }
-        } else if (nb >= 4) {
-          for (int64_t j = 0; j < nb / 4; ++j) {
-            const __m512i packed = _mm512_loadu_si512(w + j * 64);
-            const __m512i lo = _mm512_and_si512(packed, low4);
-            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
-            for (int r = 0; r < MT; ++r) {
-              dot[r] = _mm512_dpbusd_epi32(dot[r], lo, _mm512_load_si512(aq + r * qstride + (2 * j) * 64));
-              dot[r] = _mm512_dpbusd_epi32(dot[r], hi, _mm512_load_si512(aq + r * qstride + (2 * j + 1) * 64));
-            }
-          }
-        } else {
-          // nb = 2: 32 bytes -> 64 values; nb = 1: 16 bytes -> 32 (lanes past them meet zeros)
-          const __m512i v = nb == 2
-              ? _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)))
-              : _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
-          const __m512i shifts = nb == 2 ? _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0)
-                                         : _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0);
-          const __m512i wv = _mm512_and_si512(_mm512_srlv_epi64(v, shifts), low4);
-          for (int r = 0; r < MT; ++r)
-            dot[r] = _mm512_dpbusd_epi32(dot[r], wv, _mm512_load_si512(aq + r * qstride));
         }
-      } else if constexpr (BITS == 8) {
-        for (int v = 0; v < 8; ++v) {
-          const __m512i wv = _mm512_loadu_si512(w + v * vstep);
-          for (int i = 0; i < MT; ++i)
-            dot[i] = _mm512_dpbusd_epi32(dot[i], wv, _mm512_load_si512(aq + i * qstride + v * 64));
+        for (int i = 0; i < MT; ++i) {
+          const __m512i av = _mm512_load_si512(aq + i * qstride + j * 64);
+          for (int q = 0; q < NR; ++q) dot[q][i] = _mm512_dpbusd_epi32(dot[q][i], wv[q], av);
         }
-      } else {
-        for (int u = 0; u < 4; ++u) {
-          const __m512i packed = _mm512_loadu_si512(w + u * vstep);
-          const __m512i lo = _mm512_and_si512(packed, low4);
-          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
-          for (int i = 0; i < MT; ++i) {
-            dot[i] = _mm512_dpbusd_epi32(dot[i], lo, _mm512_load_si512(aq + i * qstride + (2 * u) * 64));
-            dot[i] = _mm512_dpbusd_epi32(dot[i], hi, _mm512_load_si512(aq + i * qstride + (2 * u + 1) * 64));
+      }
+    } else if (BITS == 8) {
+      for (int v = 0; v < 8; ++v) {
+        __m512i wv[NR];
+        for (int q = 0; q < NR; ++q) wv[q] = _mm512_loadu_si512(w + q * row_bytes + v * vstep);
+        for (int i = 0; i < MT; ++i) {
+          const __m512i av = _mm512_load_si512(aq + i * qstride + v * 64);
+          for (int q = 0; q < NR; ++q) dot[q][i] = _mm512_dpbusd_epi32(dot[q][i], wv[q], av);
+        }
+      }
+    } else {
+      // bits 4: full chunk (u = 4 vectors, stride vstep) or compact nb >= 4 (nb / 4 vectors of 64)
+      const int64_t nu = compact ? nb / 4 : 4;
+      const int64_t ustep = compact ? 64 : vstep;
+      for (int64_t u = 0; u < nu; ++u) {
+        __m512i lo[NR], hi[NR];
+        for (int q = 0; q < NR; ++q) {
+          const __m512i packed = _mm512_loadu_si512(w + q * row_bytes + u * ustep);
+          lo[q] = _mm512_and_si512(packed, low4);
+          hi[q] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+        }
+        for (int i = 0; i < MT; ++i) {
+          const __m512i alo = _mm512_load_si512(aq + i * qstride + (2 * u) * 64);
+          const __m512i ahi = _mm512_load_si512(aq + i * qstride + (2 * u + 1) * 64);
+          for (int q = 0; q < NR; ++q) {
+            dot[q][i] = _mm512_dpbusd_epi32(dot[q][i], lo[q], alo);
+            dot[q][i] = _mm512_dpbusd_epi32(dot[q][i], hi[q], ahi);
           }
         }
       }
-      const __mmask16 gmask = __mmask16((1u << nb) - 1u);
-      const __m512 S = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gmask, srow + c * 16));
-      __m512 Mn = mrow ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gmask, mrow + c * 16))
-                       : _mm512_setzero_ps();
+    }
+    const __mmask16 gmask = __mmask16((1u << nb) - 1u);
+    const __m512i lane_group = _mm512_and_si512(iota, _mm512_set1_epi32(int(nb - 1)));
+    for (int q = 0; q < NR; ++q) {
+      const uint16_t* srow = reinterpret_cast<const uint16_t*>(ws) + (n + q) * G + c * 16;
+      const __m512 S = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gmask, srow));
+      __m512 Mn = wm ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(
+                           gmask, reinterpret_cast<const uint16_t*>(wm) + (n + q) * G + c * 16))
+                     : _mm512_setzero_ps();
       if constexpr (BITS == 8) Mn = _mm512_fmadd_ps(_mm512_set1_ps(-128.0f), S, Mn);
-      const __m512 S_dot =
-          compact ? _mm512_permutexvar_ps(_mm512_and_si512(iota, _mm512_set1_epi32(int(nb - 1))), S) : S;
+      const __m512 S_dot = compact ? _mm512_permutexvar_ps(lane_group, S) : S;
       for (int i = 0; i < MT; ++i) {
         const int64_t o = (m0 + i) * gstride + c * 16;
         const __m512 sa = _mm512_mul_ps(S_dot, _mm512_load_ps(a.group_scale + o));
-        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), sa, acc[i]);
+        acc[q][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[q][i]), sa, acc[q][i]);
         // Group offsets (minimum, and the -128 of the 8-bit weights) times each group's sum.
-        acc[i] = _mm512_fmadd_ps(Mn, _mm512_load_ps(a.group_sum + o), acc[i]);
+        acc[q][i] = _mm512_fmadd_ps(Mn, _mm512_load_ps(a.group_sum + o), acc[q][i]);
       }
     }
-    for (int i = 0; i < MT; ++i) out[i * ldo + n] = _mm512_reduce_add_ps(acc[i]);
   }
+  for (int q = 0; q < NR; ++q)
+    for (int i = 0; i < MT; ++i) out[i * ldo + n + q] = _mm512_reduce_add_ps(acc[q][i]);
+}
+
+// out[i, n] (float32, row stride ldo) for weight rows [n0, n1) and activation rows [m0, m0 + MT).
+template <int MT, int BITS>
+FT_AVX512 void tile_kernel(const uint8_t* wq, const at::Half* ws, const at::Half* wm, int64_t K,
+                           int64_t n0, int64_t n1, const QuantizedActs& a, int64_t m0, float* out,
+                           int64_t ldo) {
+  constexpr int NR = MT >= kPairRowsFrom && MT <= 4 ? 2 : 1;  // MT > 4: 4 MT accumulators would spill
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) rows_kernel<MT, BITS, NR>(wq, ws, wm, K, n, a, m0, out, ldo);
+  for (; n < n1; ++n) rows_kernel<MT, BITS, 1>(wq, ws, wm, K, n, a, m0, out, ldo);
 }
 
 template <int BITS>
