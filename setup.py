@@ -1,4 +1,5 @@
-"""Build of FreeToken's optional C++ kernel (freetoken.ops._qlinear_cpu); everything else is pyproject.toml.
+"""Build of FreeToken's optional C++ kernels (freetoken.ops._qlinear_cpu, freetoken.ops._layers_cpu);
+everything else is pyproject.toml.
 
 The extension is optional: a compiler error is reported and the install goes on without it, and at
 run time freetoken.ops.qlinear falls back to torch's ops. No -march: the AVX-512 code carries
@@ -26,7 +27,13 @@ def _extensions() -> list:
             sources=["freetoken/ops/csrc/qlinear.cpp"],
             extra_compile_args=["-O3", "-fopenmp"],
             extra_link_args=["-fopenmp"],
-        )
+        ),
+        CppExtension(
+            name="freetoken.ops._layers_cpu",
+            sources=["freetoken/ops/csrc/layers.cpp"],
+            extra_compile_args=["-O3", "-fopenmp"],
+            extra_link_args=["-fopenmp"],
+        ),
     ]
 
 

@@ -7,7 +7,8 @@ key slots of the table columns the batch needs (the window's columns on sliding 
 or past a request's length read slot 0 of the NULL page and NULL table entries point into it; the
 KV pool keeps that page all zeros, so stale or unwritten slots never reach the fused kernel.
 Grouped-query attention uses SDPA's `enable_gqa`, so K/V are never copied per query head. Cases
-SDPA cannot do exactly (attention sinks, logit soft-capping) go to the reference. The slots and
+SDPA cannot do exactly (attention sinks, logit soft-capping) go to the reference; a decode batch
+(one query per request) takes two plain matmuls instead of the fused kernel. The slots and
 the mask depend only on the batch and the layer kind, so they are built once per step and kept in
 the batch's memo. It does not write K/V and holds no state of its own.
 """
@@ -75,6 +76,8 @@ def paged_attention(
     k = k_pages.view(-1, n_kv, D).index_select(0, flat).view(B, S, n_kv, D).transpose(1, 2)  # [B, n_kv, S, D]
     v = v_pages.view(-1, n_kv, D).index_select(0, flat).view(B, S, n_kv, D).transpose(1, 2)  # [B, n_kv, S, D]
 
+    if Lq == 1:  # a decode batch: one query per request
+        return _decode(q, k, v, visible, scale)
     unpadded = T == B * Lq  # every request has Lq new tokens (all decodes, or one prefill)
     if unpadded:
         q_pad = q.view(B, Lq, H, D)
@@ -88,6 +91,19 @@ def paged_attention(
     if unpadded:
         return out.reshape(T, H, D)
     return out[batch.token_request, batch.token_offset]  # [T, H, D]
+
+
+def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per request, by plain matmuls in at least float32: q [B, H, D], k and v
+    [B, n_kv, S, D], visible [B, 1, 1, S] -> [B, H, D]. torch's fused CPU kernel costs 5-10x more
+    per call at this shape (setup and tiling for long query blocks)."""
+    B, H, D = q.shape
+    n_kv = k.shape[1]
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    qg = q.view(B, n_kv, H // n_kv, D).to(dtype)  # [B, n_kv, G, D]: the query heads of each kv head
+    scores = torch.matmul(qg, k.to(dtype).transpose(-1, -2)).mul_(scale)  # [B, n_kv, G, S]
+    probs = scores.masked_fill_(~visible, float("-inf")).softmax(dim=-1)
+    return torch.matmul(probs, v.to(dtype)).to(q.dtype).view(B, H, D)  # [B, H, D]
 
 
 def _plan(

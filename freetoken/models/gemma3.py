@@ -100,8 +100,8 @@ class Gemma3ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv: KVTensors) -> torch.Tensor:
         """input_ids [T] -> logits [N, vocab] for the rows batch.logits_indices."""
         x = self.embed_tokens(input_ids) * self.embed_scale.to(input_ids.device)  # [T, hidden]
-        rope_full = self.rotary_full.cos_sin(batch.positions, x.dtype)  # ([T, 1, D], [T, 1, D])
-        rope_sliding = self.rotary_sliding.cos_sin(batch.positions, x.dtype)
+        rope_full = self.rotary_full.cos_sin(batch.positions)  # ([T, D / 2], [T, D / 2]) float32
+        rope_sliding = self.rotary_sliding.cos_sin(batch.positions)
         for i, layer in enumerate(self.layers):
             cos, sin = rope_sliding if self.config.is_sliding(i) else rope_full
             x = layer(x, cos, sin, i, batch, kv)

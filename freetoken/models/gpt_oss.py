@@ -124,7 +124,7 @@ class GptOssForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv: KVTensors) -> torch.Tensor:
         """input_ids [T] -> logits [N, vocab] for the rows batch.logits_indices."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)  # [T, 1, D] each
+        cos, sin = self.rotary.cos_sin(batch.positions)  # [T, D / 2] each, float32
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, i, batch, kv)
         return output_logits(x, batch, self.norm, self.embed_tokens, self.lm_head)  # [N, vocab]

@@ -21,6 +21,7 @@ from freetoken.errors import ModelLoadError
 from freetoken.kv.tensors import KVTensors
 from freetoken.models.config import ModelConfig, RopeConfig
 from freetoken.models.linear import Embedding, Linear, QuantizableWeight, Weight, apply_policy, check_policy
+from freetoken.ops.layers import rms_norm, rope_
 from freetoken.ops.quantized import QuantizedWeight, concat, dequantize
 
 
@@ -67,11 +68,9 @@ class RMSNorm(nn.Module):
         return self._cached[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.to(compute_dtype(x.dtype))
-        dims = (x.shape[-1],)
-        if self.scale_in_float or self.unit_offset:
-            return F.rms_norm(xf, dims, self._float_weight(xf.dtype), self.eps).to(x.dtype)
-        return self.weight * F.rms_norm(xf, dims, None, self.eps).to(x.dtype)
+        """x [..., D] -> the same shape and dtype (one fused op on CPU: `ops.layers.rms_norm`)."""
+        after_cast = not (self.scale_in_float or self.unit_offset)
+        return rms_norm(x, self._float_weight(compute_dtype(x.dtype)), self.eps, weight_after_cast=after_cast)
 
 
 def _yarn_inv_freq(rope: RopeConfig, dim: int, pos_freqs: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -135,22 +134,19 @@ class Rotary:
             inv_freq, self.attention_scaling = _yarn_inv_freq(rope, head_dim, pos_freqs)
         self.inv_freq = inv_freq.to(device)  # [D / 2] float32
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> the tables `apply_rope` takes, each [T, 1, D] in `dtype`: (cos, cos)
-        and (-sin, sin) over the two halves. Made once per step and shared by every layer."""
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> cos, sin [T, D / 2] in float32, made once per step for every layer."""
         freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D / 2]
         cos = freqs.cos() * self.attention_scaling
         sin = freqs.sin() * self.attention_scaling
-        cos2 = torch.cat([cos, cos], dim=-1).to(dtype)  # [T, D]
-        sin2 = torch.cat([-sin, sin], dim=-1).to(dtype)  # [T, D]
-        return cos2[:, None, :], sin2[:, None, :]
+        return cos.contiguous(), sin.contiguous()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the two halves (x1, x2) of x [T, heads, D] into (x1 c - x2 s, x2 c + x1 s), with
-    cos = (c, c) and sin = (-s, s) [T, 1, D] from `Rotary.cos_sin`."""
-    x1, x2 = x.chunk(2, dim=-1)  # each [T, heads, D / 2]
-    return x * cos + torch.cat([x2, x1], dim=-1) * sin
+    """Rotate the two halves (x1, x2) of each head of x [T, heads, D] into (x1 c - x2 s,
+    x2 c + x1 s) by cos, sin [T, D / 2] from `Rotary.cos_sin`, in place (x is a fresh
+    projection output); returns x."""
+    return rope_(x, cos, sin)
 
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {

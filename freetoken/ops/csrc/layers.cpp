@@ -1,0 +1,125 @@
+// The small per-layer ops of a decode step, each one call instead of five to ten torch ops:
+// RMSNorm (computed in float32, as transformers does) and rotary embedding applied in place.
+//
+// Owns the arithmetic only; freetoken/ops/layers.py chooses between these and the torch
+// reference (float64, other devices) and documents the rounding. Rows (every dimension but the
+// last) may be strided; the last dimension must be contiguous. Plain C++ loops: at decode sizes
+// (a few hundred values per row) a call costs about a microsecond, so no SIMD of our own.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+constexpr int64_t kGrainRows = 64;  // rows per parallel task: decode (1-16 rows) runs inline
+
+// Row r of a tensor viewed as [rows, D]: its first element.
+template <typename T>
+struct Rows {
+  T* base;
+  int64_t inner;      // size of the second-to-last dimension (1 for a 2-D tensor)
+  int64_t stride0;    // element stride of the first dimension
+  int64_t stride1;    // element stride of the second-to-last dimension (3-D only)
+  T* row(int64_t r) const { return base + (r / inner) * stride0 + (r % inner) * stride1; }
+};
+
+template <typename T>
+Rows<T> rows_of(const at::Tensor& x) {
+  if (x.dim() == 2) return {x.data_ptr<T>(), 1, x.stride(0), 0};
+  return {x.data_ptr<T>(), x.size(1), x.stride(0), x.stride(1)};
+}
+
+void check_rows(const at::Tensor& x, const char* what) {
+  TORCH_CHECK(x.device().is_cpu(), what, ": CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 || x.dim() == 3, what, ": expected [T, D] or [T, H, D]");
+  TORCH_CHECK(x.stride(-1) == 1, what, ": the last dimension must be contiguous");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, what,
+              ": bfloat16 or float32 only");
+}
+
+template <typename T>
+void rms_norm_rows(const at::Tensor& x, const float* w, float eps, bool weight_after_cast, at::Tensor& out) {
+  const int64_t D = x.size(-1);
+  const int64_t n = x.numel() / D;
+  const Rows<T> in = rows_of<T>(x);
+  T* dst = out.data_ptr<T>();
+  at::parallel_for(0, n, kGrainRows, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* src = in.row(r);
+      float ss = 0.f;
+      for (int64_t i = 0; i < D; ++i) {
+        const float v = static_cast<float>(src[i]);
+        ss += v * v;
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
+      T* o = dst + r * D;
+      if (weight_after_cast) {  // Llama: w * round(x / rms), the product rounded again
+        for (int64_t i = 0; i < D; ++i) o[i] = T(static_cast<float>(T(static_cast<float>(src[i]) * inv)) * w[i]);
+      } else {  // Gemma, gpt-oss: round(x / rms * w)
+        for (int64_t i = 0; i < D; ++i) o[i] = T(static_cast<float>(src[i]) * inv * w[i]);
+      }
+    }
+  });
+}
+
+// y = x / rms(x) * w over the last dimension; a new contiguous tensor of x's shape and dtype.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool weight_after_cast) {
+  check_rows(x, "rms_norm");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == x.size(-1),
+              "rms_norm: weight must be float32 [D]");
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  const float* w = weight.data_ptr<float>();
+  if (x.scalar_type() == at::kBFloat16) {
+    rms_norm_rows<at::BFloat16>(x, w, static_cast<float>(eps), weight_after_cast, out);
+  } else {
+    rms_norm_rows<float>(x, w, static_cast<float>(eps), weight_after_cast, out);
+  }
+  return out;
+}
+
+template <typename T>
+void rope_rows(at::Tensor& x, const float* cos, const float* sin) {
+  const int64_t D = x.size(-1), half = D / 2, heads = x.size(1);
+  const int64_t n = x.size(0) * heads;
+  const Rows<T> rows = rows_of<T>(x);
+  at::parallel_for(0, n, kGrainRows, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* v = rows.row(r);
+      const float* c = cos + (r / heads) * half;
+      const float* s = sin + (r / heads) * half;
+      for (int64_t j = 0; j < half; ++j) {
+        const float a = static_cast<float>(v[j]), b = static_cast<float>(v[j + half]);
+        v[j] = T(a * c[j] - b * s[j]);
+        v[j + half] = T(b * c[j] + a * s[j]);
+      }
+    }
+  });
+}
+
+// Rotate the halves (x1, x2) of each head of x [T, H, D] in place into
+// (x1 c - x2 s, x2 c + x1 s), with cos, sin float32 [T, D / 2].
+void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
+  check_rows(x, "rope_");
+  TORCH_CHECK(x.dim() == 3 && x.size(-1) % 2 == 0, "rope_: expected [T, H, D] with D even");
+  for (const at::Tensor* t : {&cos, &sin}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 &&
+                    t->size(0) == x.size(0) && t->size(1) == x.size(-1) / 2,
+                "rope_: cos and sin must be float32 [T, D / 2]");
+  }
+  if (x.scalar_type() == at::kBFloat16) {
+    rope_rows<at::BFloat16>(x, cos.data_ptr<float>(), sin.data_ptr<float>());
+  } else {
+    rope_rows<float>(x, cos.data_ptr<float>(), sin.data_ptr<float>());
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "FreeToken's fused RMSNorm and in-place rotary embedding (see layers.cpp)";
+  m.def("rms_norm", &rms_norm, "x / rms(x) * w in float32", py::arg("x"), py::arg("weight"), py::arg("eps"),
+        py::arg("weight_after_cast"));
+  m.def("rope_", &rope_, "rotary embedding in place", py::arg("x"), py::arg("cos"), py::arg("sin"));
+}

@@ -1,0 +1,65 @@
+"""RMSNorm and rotary embedding as single ops: the C++ kernels of csrc/layers.cpp on CPU for
+bfloat16 / float32, torch's ops elsewhere (float64, other devices, no extension built).
+
+Owns the choice and the exact arithmetic both paths share. Both compute in float32 (float64 for
+float64 inputs) and round once to the input dtype:
+
+- `rms_norm(x, w, eps)`: round(x / rms(x) * w); with `weight_after_cast` (Llama's form)
+  round(round(x / rms(x)) * w), the weight then being the model-dtype values held in float32.
+- `rope_(x, cos, sin)`: each head's halves (x1, x2) become (x1 c - x2 s, x2 c + x1 s), in place.
+
+transformers rounds the rotary tables to bfloat16 before multiplying in a bfloat16 model; here
+the rotation is done in float32 and rounded once (a little closer to the float32 model). No
+model or file knowledge here.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+_FAST_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _load() -> ModuleType | None:
+    try:
+        from freetoken.ops import _layers_cpu  # built by `pip install -e .` (setup.py)
+    except ImportError as err:
+        log.info("freetoken.ops: C++ norm/rope kernels not built (%s); using torch", err)
+        return None
+    return _layers_cpu
+
+
+_KERNEL: ModuleType | None = _load()  # decided once at import
+
+
+def _fast(x: torch.Tensor) -> bool:
+    return _KERNEL is not None and x.device.type == "cpu" and x.dtype in _FAST_DTYPES and x.stride(-1) == 1
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_after_cast: bool = False) -> torch.Tensor:
+    """x [T, D] or [T, H, D] -> the same shape and dtype; `weight` [D] in x's compute dtype
+    (float32 for bfloat16 / float32 inputs)."""
+    if _fast(x) and x.dim() in (2, 3) and weight.dtype == torch.float32:
+        return _KERNEL.rms_norm(x, weight, eps, weight_after_cast)  # type: ignore[union-attr]
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    normed = F.rms_norm(xf, (x.shape[-1],), None, eps)
+    if weight_after_cast:
+        return (normed.to(x.dtype) * weight.to(x.dtype)).to(x.dtype)
+    return (normed * weight.to(normed.dtype)).to(x.dtype)
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D] in place by cos, sin [T, D / 2] (float32) and return it."""
+    if _fast(x) and x.dim() == 3:
+        _KERNEL.rope_(x, cos, sin)  # type: ignore[union-attr]
+        return x
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    x1, x2 = x.to(dtype).chunk(2, dim=-1)  # each [T, H, D / 2]
+    c, s = cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]  # [T, 1, D / 2]
+    x.copy_(torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1))
+    return x
