@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import importlib.util
 import json
 import os
 import shlex
@@ -35,8 +36,22 @@ from typing import Any
 import httpx
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import serving  # noqa: E402  (a sibling script, not a package)
+
+
+def _sibling(name: str) -> Any:
+    """A sibling script loaded by path as `bench_<name>` (a plain `import serving` could pick up
+    another module of that name, e.g. the server tests' helper, when both run in one process)."""
+    key = f"bench_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, Path(__file__).resolve().parent / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        spec.loader.exec_module(module)
+    return sys.modules[key]
+
+
+serving = _sibling("serving")
 
 DEFAULT_CACHE = Path.home() / ".cache" / "freetoken" / "llama.cpp"
 

@@ -18,7 +18,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import peer  # noqa: E402
-import serving  # noqa: E402
+
+# peer loads its sibling by path under this name (tests/server has a `serving` module of its own)
+serving = sys.modules["bench_serving"]
 
 
 def test_percentile_interpolates_between_ranks() -> None:
