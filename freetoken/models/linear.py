@@ -69,7 +69,8 @@ class QuantizableWeight(nn.Module):
         self.packed: PackedWeight | None = None
 
     def load_quantized(self, qw: QuantizedWeight) -> None:
-        assert self.weight is not None  # loaded once
+        if self.weight is None:
+            raise ModelLoadError("a quantized weight was loaded twice into one layer")
         if tuple(qw.q.shape) != tuple(self.weight.shape):
             raise ModelLoadError(f"quantized weight {tuple(qw.q.shape)} where {tuple(self.weight.shape)} is expected")
         device = self.weight.device
