@@ -1,0 +1,74 @@
+"""One decode forward in-process: how much of it is the linear layers and how much the rest.
+
+    python benchmarks/decode_step_bench.py [--model gemma3-270m] [--batch 1] [--context 100] [--threads 2]
+
+Times `model(ids, batch, kv)` for `--batch` requests decoding one token each after `--context`
+cached tokens (median of 40 after a warm-up), with the model loaded as `ft serve` loads it
+(`--weights auto`), then again with every linear layer replaced by an empty output of the right
+shape: the difference is what the weights cost, the remainder the step's other ops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+from freetoken.attention.metadata import ForwardBatch
+from freetoken.kv.tensors import KVTensors
+from freetoken.models.linear import QuantizableWeight
+from freetoken.models.load import load_model
+
+
+def median_ms(run, reps: int = 40) -> float:  # type: ignore[no-untyped-def]
+    for _ in range(5):
+        run()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[reps // 2] * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="gemma3-270m")
+    ap.add_argument("--weights", default="auto")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=100)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    loaded = load_model(args.model, torch.bfloat16, torch.device("cpu"), args.weights)
+    model, c = loaded.model, loaded.config
+    P = 16
+    pages = -(-(args.context + 1) // P)
+    kv = KVTensors(c.kv_layout(), pages * args.batch, pages * args.batch, P, torch.bfloat16, "cpu")
+    specs = []
+    for b in range(args.batch):
+        table = np.arange(1 + b * pages, 1 + (b + 1) * pages, dtype=np.int32)
+        specs.append((args.context, 1, table, table if c.has_swa else None))
+    ids = torch.full((args.batch,), 5)
+    window = c.sliding_window if c.has_swa else None
+
+    def run() -> None:
+        with torch.inference_mode():
+            model(ids, ForwardBatch.build(specs, P, sliding_window=window), kv)
+
+    full = median_ms(run)
+
+    def empty(self: QuantizableWeight, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        n = self.packed.out_features if self.packed is not None else self.weight.shape[0]  # type: ignore[union-attr]
+        return torch.empty(x.shape[0], n, dtype=x.dtype)
+
+    QuantizableWeight.project = empty  # type: ignore[method-assign]
+    rest = median_ms(run)
+    print(f"{args.model} --weights {args.weights}, batch {args.batch}, context {args.context}, "
+          f"{args.threads} threads: forward {full:.2f} ms, linear layers {full - rest:.2f} ms, the rest {rest:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
