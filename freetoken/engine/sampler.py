@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from freetoken.request import Request, SamplingParams, TokenLogprob
 
@@ -232,6 +233,29 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.minimum(picks, torch.searchsorted(cdf, total))[:, 0]
 
 
+# Tokens per block of the two-level draw over whole rows: one pass sums the blocks, the cumulative
+# sum runs over the block sums and over one block only (a cumsum over 262,144 values is slow).
+_DRAW_BLOCK = 1024
+
+
+def _inverse_cdf_blocked(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """`_inverse_cdf` over long rows, in two levels: the block the draw falls in, then the token
+    within it. The same distribution (up to float32 rounding of the partial sums)."""
+    # weights: [S, V] unnormalised, >= 0; u: [S] -> [S] long
+    n, vocab = weights.shape
+    blocks_n = -(-vocab // _DRAW_BLOCK)
+    padded = F.pad(weights, (0, blocks_n * _DRAW_BLOCK - vocab)) if vocab % _DRAW_BLOCK else weights
+    blocks = padded.view(n, blocks_n, _DRAW_BLOCK)
+    sums = blocks.sum(dim=-1)  # [S, blocks]
+    block = _inverse_cdf(sums, u)  # [S], a block of positive mass
+    rows = torch.arange(n)
+    cdf = sums.cumsum(dim=-1)
+    before = torch.where(block > 0, cdf[rows, (block - 1).clamp(min=0)], torch.zeros((), dtype=cdf.dtype))
+    # where the draw lands inside its block, as a fraction of the block's mass
+    inner_u = ((u.to(cdf.dtype) * cdf[:, -1] - before) / sums[rows, block]).clamp_(0.0, 1.0 - 2**-24)
+    return block * _DRAW_BLOCK + _inverse_cdf(blocks[rows, block], inner_u)
+
+
 def _draw(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> list[int]:
     """One token per sampled row: temperature, then the filters, then an inverse-CDF draw."""
     # logits: [S, V] float32 (scaled in place), u: [S]
@@ -252,7 +276,8 @@ def _draw(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -
             chosen[i] = tok
     if whole:
         rows = logits if len(whole) == n else logits[whole]
-        for i, tok in zip(whole, _inverse_cdf(rows.softmax(dim=-1), u[whole]).tolist()):
+        weights = rows.sub_(rows.amax(dim=-1, keepdim=True)).exp_()  # [W, V], max 1 (in place: no 16 MB temporary)
+        for i, tok in zip(whole, _inverse_cdf_blocked(weights, u[whole]).tolist()):
             chosen[i] = tok
     return chosen
 

@@ -209,3 +209,25 @@ def test_batched_penalties_match_the_per_row_loop() -> None:
             reqs.append(req(params, prompt=prompt, output=output))
         logits = torch.randn(len(reqs), vocab, generator=torch.Generator().manual_seed(case)) * 4
         assert torch.equal(_penalize(logits.clone(), reqs), old_penalize(logits.clone(), reqs)), case
+
+
+def test_two_level_draw_picks_what_the_whole_row_cdf_picks() -> None:
+    """The blocked inverse CDF over whole rows (temperature-only requests) lands on the token a
+    single cumulative sum over the row would, for the same uniform number: the same
+    distribution. Rows span several blocks, with a padded last block and zero-mass blocks."""
+    from freetoken.engine.sampler import _DRAW_BLOCK, _inverse_cdf, _inverse_cdf_blocked
+
+    gen = torch.Generator().manual_seed(7)
+    vocab = 3 * _DRAW_BLOCK + 123
+    logits = torch.randn(4, vocab, generator=gen) * 3
+    logits[1, _DRAW_BLOCK : 2 * _DRAW_BLOCK] = float("-inf")  # a block with no mass
+    logits[2, :-5] = float("-inf")  # all mass in the padded last block
+    weights = (logits - logits.amax(dim=-1, keepdim=True)).exp()
+    u = torch.rand(4, 2000, generator=gen)
+    mismatches = 0
+    for j in range(u.shape[1]):
+        got = _inverse_cdf_blocked(weights, u[:, j])
+        want = _inverse_cdf(weights.double(), u[:, j].double())
+        assert bool((weights[torch.arange(4), got] > 0).all())  # never a zero-probability token
+        mismatches += int((got != want).sum())
+    assert mismatches <= 8  # float32 partial sums may move a draw that falls on a boundary
