@@ -16,6 +16,7 @@ import torch
 
 from freetoken.errors import ModelLoadError
 from freetoken.weights.dequant import SUPPORTED_TYPES, dequantize
+from block_data import F16_FIELDS, block_bytes
 
 Q = gguf.GGMLQuantizationType
 
@@ -80,24 +81,9 @@ def test_synthetic_quantized_tensors(qtype: Q) -> None:
     assert torch.allclose(want, torch.from_numpy(values), atol=0.5 * float(np.abs(values).max()))
 
 
-F16_FIELDS: dict[Q, list[int]] = {
-    # byte offsets of the f16 scale fields in each block; the rest of the block is quant data
-    Q.Q8_0: [0], Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2],
-    Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208],
-}
-
-
 @pytest.mark.parametrize("qtype", sorted(F16_FIELDS, key=int))
 def test_random_block_bytes(qtype: Q) -> None:
-    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    rng = np.random.default_rng(100 + int(qtype))
-    n_blocks = 64
-    raw = rng.integers(0, 256, (n_blocks, type_size), dtype=np.uint8)
-    for offset in F16_FIELDS[qtype]:
-        scales = rng.uniform(-2.0, 2.0, n_blocks).astype(np.float16)
-        raw[:, offset : offset + 2] = scales.view(np.uint8).reshape(n_blocks, 2)
-    shape = (4, n_blocks * block_size // 4)
-    raw = raw.reshape(4, -1)
+    raw, shape = block_bytes(qtype, seed=100 + int(qtype))
     assert torch.equal(dequantize(raw, qtype, shape, "random"), reference(raw, qtype, shape))
 
 

@@ -19,14 +19,11 @@ from freetoken.errors import ModelLoadError
 from freetoken.ops.quantized import GROUP, dequantize as dequantize_groups
 from freetoken.weights.dequant import dequantize
 from freetoken.weights.requant import INTEGER_TYPES, to_quantized
+from block_data import block_bytes
 
 Q = gguf.GGMLQuantizationType
 EXACT = {Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q4_0, Q.Q4_1}
 BITS = {Q.Q8_0: 8, Q.Q5_0: 8, Q.Q5_1: 8, Q.Q5_K: 8, Q.Q6_K: 8, Q.Q4_0: 4, Q.Q4_1: 4, Q.Q4_K: 4}
-F16_FIELDS: dict[Q, list[int]] = {
-    Q.Q8_0: [0], Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2],
-    Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208],
-}
 
 
 def check(raw: np.ndarray, qtype: Q, shape: tuple[int, int], name: str) -> None:
@@ -51,15 +48,8 @@ def check(raw: np.ndarray, qtype: Q, shape: tuple[int, int], name: str) -> None:
 
 @pytest.mark.parametrize("qtype", sorted(INTEGER_TYPES, key=int))
 def test_random_block_bytes(qtype: Q) -> None:
-    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    rng = np.random.default_rng(200 + int(qtype))
-    n_blocks = 64
-    raw = rng.integers(0, 256, (n_blocks, type_size), dtype=np.uint8)
-    for offset in F16_FIELDS[qtype]:
-        scales = rng.uniform(-2.0, 2.0, n_blocks).astype(np.float16)
-        raw[:, offset : offset + 2] = scales.view(np.uint8).reshape(n_blocks, 2)
-    shape = (4, n_blocks * block_size // 4)
-    check(raw.reshape(4, -1), qtype, shape, f"random {qtype.name}")
+    raw, shape = block_bytes(qtype, seed=200 + int(qtype))
+    check(raw, qtype, shape, f"random {qtype.name}")
 
 
 @pytest.mark.real_model
