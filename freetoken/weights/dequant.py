@@ -70,10 +70,20 @@ def _f16(b: torch.Tensor) -> torch.Tensor:
     return b.view(torch.float16).to(torch.float32)
 
 
+def _words(b: torch.Tensor) -> torch.Tensor:
+    """[..., 8k] bytes -> [..., k] int64 words. A slice of a single block row counts as
+    contiguous but may start at any byte and keep the block's row stride (block sizes like
+    Q6_K's 210 are not multiples of 8): it is copied then."""
+    b = b.contiguous()
+    if b.storage_offset() % 8 or any(stride % 8 for stride in b.stride()[:-1]):
+        b = b.clone(memory_format=torch.contiguous_format)
+    return b.view(torch.int64)
+
+
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     """[..., k] bytes, k a multiple of 8 -> [..., 2k] uint8: the k low nibbles, then the k high
     nibbles. Unpacked eight bytes at a time in int64 words (byte-wide shifts are slow on CPU)."""
-    w = qs.contiguous().view(torch.int64)  # [..., k / 8]
+    w = _words(qs)  # [..., k / 8]
     q = torch.stack((w, w >> 4), dim=-2)  # [..., 2, k / 8]
     q &= _LOW4
     return q.view(torch.uint8).flatten(-2)
@@ -173,7 +183,7 @@ def _q6_k(blocks: torch.Tensor, out: torch.Tensor, c: _Constants) -> None:
     # values) takes nibble k // 2 of ql[l + 32 (k % 2)] and bits 2k..2k+1 of qh[l].
     n = blocks.shape[0]
     q = _nibbles(blocks[:, 0:128].view(n, 2, 64)).view(n, 2, 4, 32)  # [n, half, quarter k, l]
-    qh = blocks[:, 128:192].contiguous().view(torch.int64).view(n, 2, 1, 4)  # [n, half, 1, words]
+    qh = _words(blocks[:, 128:192]).view(n, 2, 1, 4)  # [n, half, 1, words]
     high = (qh >> c.pair_shifts) & _LOW2  # [n, half, quarter k, words]: bits 2k..2k+1 of each byte
     high <<= 4
     q.view(torch.int64).view(n, 2, 4, 4).bitwise_or_(high)

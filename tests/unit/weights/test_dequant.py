@@ -185,3 +185,17 @@ def test_chunks_threads_and_read_only_input_do_not_change_the_result(qtype: Q, m
         for threads in (1, 3):
             assert torch.equal(dq.dequantize(data, qtype, shape, "chunked", threads=threads), want)
     assert np.array_equal(read_only, raw)  # never written
+
+
+@pytest.mark.parametrize("qtype", sorted(F16_FIELDS, key=int))
+def test_a_chunk_of_one_block_at_an_odd_offset(qtype: Q, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks of 3 blocks over 7: the last chunk is one block, which starts at a byte offset that
+    is not a multiple of 8 for most types (Q6_K's blocks are 210 bytes)."""
+    import freetoken.weights.dequant as dq
+
+    block_size, _ = gguf.GGML_QUANT_SIZES[qtype]
+    monkeypatch.setattr(dq, "CHUNK_ELEMENTS", 3 * block_size)
+    raw, _ = block_bytes(qtype, seed=500 + int(qtype), n_blocks=8)
+    raw = raw.reshape(-1)[: 7 * gguf.GGML_QUANT_SIZES[qtype][1]]
+    shape = (7, block_size)
+    assert torch.equal(dq.dequantize(raw, qtype, shape, "odd", threads=1), reference(raw, qtype, shape))
