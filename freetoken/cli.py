@@ -72,6 +72,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--swa-pool-tokens", type=_swa_pool_tokens, default=None, metavar="N|floor", help="SWA pool size in tokens, or 'floor'")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="auto = bfloat16 where the hardware is fast at it, else float32")
     p.add_argument("--threads", type=int, default=None, help="the engine process's torch threads (default: the physical cores it may use)")
+    p.add_argument("--prefill-weights", default="bf16", choices=["bf16", "quantized"],
+                   help="bf16 = quantized linear layers also keep a --dtype copy for prefill batches (about 2x faster prefill, ~2 bytes per layer weight more memory); quantized = no copy (default bf16)")
     p.add_argument("--weights", default="auto", choices=["auto", "bf16", "int8", "int4"],
                    help="what matrices run as: auto = the file's precision class (4-bit types int4, 5/6/8-bit int8, float bf16), bf16 = the --dtype, int8/int4 = quantized (default auto)")
     p.add_argument("--debug-kv", action="store_true", help="audit the KV cache after every step; a violation is fatal (for tests)")
@@ -120,6 +122,7 @@ def _serve(args: argparse.Namespace) -> None:
         model=args.model,
         dtype=args.dtype,
         weights=args.weights,
+        prefill_weights=args.prefill_weights,
         cache_type=args.cache_type,
         page_size=args.page_size,
         max_running_requests=args.max_running_requests,

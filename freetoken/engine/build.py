@@ -68,7 +68,7 @@ def load_for(config: EngineConfig) -> LoadedModel:
         torch.set_num_threads(threads)
     device = torch.device(config.device) if config.device else default_device()
     dtype = resolve_dtype(config.dtype, device)
-    return load_model(config.model, dtype, device, config.weights)
+    return load_model(config.model, dtype, device, config.weights, config.prefill_weights)
 
 
 def build_engine(config: EngineConfig) -> tuple[Engine, LoadedModel]:

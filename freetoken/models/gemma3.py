@@ -92,9 +92,9 @@ class Gemma3ForCausalLM(nn.Module):
             return None
         return strip_prefix(name, _PREFIXES)
 
-    def load_weights(self, tensors: Mapping[str, Weight], weights: str = "auto") -> None:
+    def load_weights(self, tensors: Mapping[str, Weight], weights: str = "auto", prefill_dense: bool = False) -> None:
         """Load HF-named tensors (text-only or multimodal Gemma 3 checkpoints) under the `--weights` policy."""
-        load_named(self, tensors, self._rename, weights)
+        load_named(self, tensors, self._rename, weights, prefill_dense)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv: KVTensors) -> torch.Tensor:

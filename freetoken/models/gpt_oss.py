@@ -115,10 +115,10 @@ class GptOssForCausalLM(nn.Module):
             return None
         return strip_prefix(name, ("model.",))
 
-    def load_weights(self, tensors: Mapping[str, Weight], weights: str = "auto") -> None:
+    def load_weights(self, tensors: Mapping[str, Weight], weights: str = "auto", prefill_dense: bool = False) -> None:
         """Load HF-named tensors (`model.layers.0.mlp.experts.gate_up_proj`, ...); `weights` is the
         `--weights` policy for the attention projections and embeddings (experts and router stay float)."""
-        load_named(self, tensors, self._rename, weights)
+        load_named(self, tensors, self._rename, weights, prefill_dense)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv: KVTensors) -> torch.Tensor:

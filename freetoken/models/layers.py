@@ -257,11 +257,13 @@ def fuse_projections(tensors: Mapping[str, Weight], fused_names: set[str]) -> di
 
 def load_named(
     module: nn.Module, tensors: Mapping[str, Weight], rename: Callable[[str], str | None], weights: str = "auto",
+    prefill_dense: bool = False,
 ) -> None:
     """Copy checkpoint tensors into `module`'s parameters, each HF name mapped by `rename`
     (None: a tensor the model knowingly ignores), q/k/v and gate/up parts stacked into the
     model's fused projections, and each quantizable matrix loaded as the `weights` policy says
-    (`models.linear.apply_policy`). Raises ModelLoadError naming the missing, unexpected or
+    (`models.linear.apply_policy`); with `prefill_dense` each quantized linear layer also keeps a
+    dequantized copy for prefill. Raises ModelLoadError naming the missing, unexpected or
     mis-shaped tensors."""
     check_policy(weights)
     params = dict(module.named_parameters())
@@ -291,6 +293,8 @@ def load_named(
                 tensor = apply_policy(tensor, weights)
                 if isinstance(tensor, QuantizedWeight):
                     owner.load_quantized(tensor)
+                    if prefill_dense and isinstance(owner, Linear):
+                        owner.keep_dense_copy()
                     loaded.add(local)
                     continue
             if isinstance(tensor, QuantizedWeight):

@@ -41,10 +41,13 @@ def load_tokenizer(source: ModelSource, metadata: dict[str, object] | None) -> T
     return Tokenizer.from_pretrained_dir(source.path)
 
 
-def load_model(spec: str | None, dtype: torch.dtype, device: torch.device, weights: str = "bf16") -> LoadedModel:
+def load_model(
+    spec: str | None, dtype: torch.dtype, device: torch.device, weights: str = "bf16", prefill_weights: str = "quantized",
+) -> LoadedModel:
     """Resolve `spec`, read its weights, build the model on `device` with activations in `dtype`
     and each matrix as the `weights` policy says (`models.linear.apply_policy`; `bf16`, the
-    default here, is every weight in `dtype`; the serving default is `auto`)."""
+    default here, is every weight in `dtype`; the serving default is `auto`). `prefill_weights`
+    `bf16` also keeps each quantized linear layer dequantized to `dtype` for prefill batches."""
     check_policy(weights)
     t0 = time.perf_counter()
     source = resolve_model(spec)
@@ -53,7 +56,7 @@ def load_model(spec: str | None, dtype: torch.dtype, device: torch.device, weigh
     config = ModelConfig.from_hf(ckpt.hf_config)
     model = build_model(config, dtype, device)
     try:
-        model.load_weights(ckpt.tensors, weights)
+        model.load_weights(ckpt.tensors, weights, prefill_weights == "bf16")
     except (KeyError, ValueError, RuntimeError) as err:
         raise ModelLoadError(f"{source.path}: weights do not fit the {config.architecture} model ({err})") from None
     model.eval()

@@ -24,9 +24,9 @@ from freetoken.models.llama import LlamaForCausalLM
 class CausalLM(Protocol):
     config: ModelConfig
 
-    def load_weights(self, tensors: Mapping[str, Weight], weights: str = "auto") -> None:
-        """Copy HF-named tensors into the model under the `--weights` policy; ModelLoadError
-        names missing/unexpected ones."""
+    def load_weights(self, tensors: Mapping[str, Weight], weights: str = "auto", prefill_dense: bool = False) -> None:
+        """Copy HF-named tensors into the model under the `--weights` policy (and with a dense
+        prefill copy of each quantized linear layer); ModelLoadError names missing/unexpected ones."""
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv: KVTensors) -> torch.Tensor:
         """input_ids [T] -> logits [N, vocab] (float32, float64 for a float64 model)."""

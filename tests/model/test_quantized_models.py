@@ -138,3 +138,26 @@ def test_quantized_weight_of_the_wrong_shape_is_a_load_error() -> None:
     layer = Linear(64, 8, False, torch.float32, "cpu")
     with pytest.raises(ModelLoadError, match=r"quantized weight \(8, 32\)"):
         layer.load_quantized(quantize_int8(torch.randn(8, 32)))
+
+
+def test_prefill_dense_copy_runs_prefill_sized_batches(checkpoint: tuple[str, Path]) -> None:
+    """With a dense prefill copy (`--prefill-weights bf16`), batches of PREFILL_ROWS rows or more
+    multiply by the dequantized matrix; smaller ones keep the kernel; embeddings keep none."""
+    from freetoken.ops.qlinear import PREFILL_ROWS
+
+    family, directory = checkpoint
+    config = ModelConfig.from_hf(json.loads((directory / "config.json").read_text()))
+    dense = build_model(config, torch.float32, "cpu")
+    dense.load_weights(load_safetensors_dir(directory, dtype=torch.float32), "int8", prefill_dense=True)
+    plain = load(directory, "int8")
+    linears = [m for m in dense.modules() if isinstance(m, Linear) and m.packed is not None]
+    assert linears and all(m.dense is not None for m in linears)
+    assert dense.embed_tokens.dense is None
+    ids = [(i * 37) % 290 + 3 for i in range(PREFILL_ROWS + 8)]
+    got = PagedRunner(dense, 4, torch.float32).step([(Seq(), ids)])[0][-1].double()
+    want = PagedRunner(plain, 4, torch.float32).step([(Seq(), ids)])[0][-1].double()
+    err = float((got - want).norm() / want.norm())
+    assert 0 < err < TWIN_TOLERANCE, f"{family}: dense prefill {err:.4f} from the kernel's"
+    short = ids[: PREFILL_ROWS // 2]  # below the threshold: the kernel, bit for bit the same
+    assert torch.equal(PagedRunner(dense, 4, torch.float32).step([(Seq(), short)])[0],
+                       PagedRunner(plain, 4, torch.float32).step([(Seq(), short)])[0])
