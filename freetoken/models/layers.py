@@ -139,7 +139,7 @@ class Rotary:
         freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D / 2]
         cos = freqs.cos() * self.attention_scaling
         sin = freqs.sin() * self.attention_scaling
-        return cos.contiguous(), sin.contiguous()
+        return cos, sin
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -283,7 +283,7 @@ def load_named(
             if param is None:
                 unexpected.append(checkpoint_name.get(local, local))
                 continue
-            shape = tuple(tensor.q.shape if isinstance(tensor, QuantizedWeight) else tensor.shape)
+            shape = tuple(tensor.shape)  # a QuantizedWeight's shape is its matrix's
             if tuple(param.shape) != shape:
                 name = checkpoint_name.get(local, local)
                 raise ModelLoadError(f"tensor {name} has shape {shape}, the model expects {tuple(param.shape)}")
