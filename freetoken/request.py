@@ -57,6 +57,13 @@ class SamplingParams:
     # Constrained decoding: (kind, text) with kind in GRAMMAR_KINDS, enforced by the engine (its
     # `grammar` module); the request finishes ("stop") once the grammar is complete.
     grammar: tuple[str, str] | None = None
+    # (token id, bias) pairs added to the logits before any other transformation (OpenAI's
+    # `logit_bias`); the API process checks the ids against the vocabulary.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        # The wire form (msgpack) turns the pairs into lists; the params stay hashable tuples.
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
 
     def validate(self) -> None:
         """Raise ValueError naming the first parameter that is out of range."""
@@ -72,6 +79,7 @@ class SamplingParams:
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
             ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "must be in [0, 20]"),
             ("grammar", _valid_grammar(self.grammar), f"must be None or (kind, text) with kind in {GRAMMAR_KINDS}"),
+            ("logit_bias", all(t >= 0 and -100.0 <= b <= 100.0 for t, b in self.logit_bias), "must be (id >= 0, bias in [-100, 100]) pairs"),
         ]
         for name, ok, why in checks:
             if not ok:
@@ -114,6 +122,8 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
     cached_tokens: int = 0  # prefix-cache hit at (first) admission
+    matched_tokens: int = 0  # whole pages of the prompt the prefix cache held at (first) admission
+    miss_reason: str | None = None  # why the hit stopped there (kv/miss.py); None: no prefix cache used
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     error: str | None = None

@@ -72,6 +72,19 @@ def _penalize(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     return logits
 
 
+def _add_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    """Each row's `logit_bias` added in one scatter over the batch (a repeated id adds up)."""
+    # logits: [N, V], edited in place
+    biased = [i for i, p in enumerate(params) if p.logit_bias]
+    if not biased:
+        return
+    pairs = [params[i].logit_bias for i in biased]
+    rows = torch.repeat_interleave(torch.tensor(biased, dtype=torch.long), torch.tensor([len(b) for b in pairs]))
+    cols = torch.tensor([t for b in pairs for t, _ in b], dtype=torch.long)
+    vals = torch.tensor([v for b in pairs for _, v in b], dtype=logits.dtype)
+    logits.index_put_((rows, cols), vals, accumulate=True)
+
+
 def _has_filter(p: SamplingParams, vocab: int) -> bool:
     return 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0
 
@@ -293,13 +306,15 @@ def _logprob_of(logprobs_row: torch.Tensor, token_id: int, k: int) -> TokenLogpr
 def sample(logits: torch.Tensor, requests: list[Request]) -> SampleResult:
     """One token per request; `logits[i]` belongs to `requests[i]`.
 
-    A float32 `logits` is edited in place (penalties, temperature); logprobs are of the raw rows.
+    A float32 `logits` is edited in place (logit bias, penalties, temperature); logprobs are of the
+    raw rows.
     Greedy rows take the argmax (lowest id among equal maxima) and never see a softmax."""
     # logits: [N, V]
     logits = logits.float()
     params = [r.params for r in requests]
     with_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
     raw_logprobs = logits[with_lp].log_softmax(dim=-1) if with_lp else None  # [L, V]
+    _add_logit_bias(logits, params)
     if any(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty for p in params):
         _penalize(logits, requests)
     chosen = [0] * len(requests)
