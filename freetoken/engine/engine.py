@@ -48,7 +48,16 @@ class RequestUpdate:
     finish_reason: FinishReason | None = None
     error: str | None = None
     cached_tokens: int = 0  # prefix-cache hit of the request's (first) admission
+    matched_tokens: int = 0  # whole prompt pages the cache held then (kv/miss.py)
+    miss_reason: str | None = None  # why the hit stopped there
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first update, when asked
+
+
+def _update_of(req: Request) -> RequestUpdate:
+    """A new update of `req`, carrying its admission's cache report."""
+    return RequestUpdate(
+        req.rid, cached_tokens=req.cached_tokens, matched_tokens=req.matched_tokens, miss_reason=req.miss_reason
+    )
 
 
 class Engine:
@@ -182,7 +191,7 @@ class Engine:
                 req.output_ids.append(tok)
                 if lp is not None:
                     req.logprobs.append(lp)
-                upd = updates.setdefault(req.rid, RequestUpdate(req.rid, cached_tokens=req.cached_tokens))
+                upd = updates.setdefault(req.rid, _update_of(req))
                 if len(req.output_ids) == 1 and req.params.prompt_logprobs is not None:
                     upd.prompt_logprobs = req.prompt_logprobs
                 upd.new_token_ids.append(tok)
@@ -226,7 +235,7 @@ class Engine:
 
     def _end_with_error(self, req: Request, error: str, updates: dict[str, RequestUpdate]) -> None:
         self._finish(req, FinishReason.ERROR, error)
-        upd = updates.setdefault(req.rid, RequestUpdate(req.rid, cached_tokens=req.cached_tokens))
+        upd = updates.setdefault(req.rid, _update_of(req))
         upd.finished, upd.finish_reason, upd.error = True, FinishReason.ERROR, error
 
     def _finish(self, req: Request, reason: FinishReason, error: str | None = None) -> None:

@@ -91,12 +91,16 @@ class Scheduler:
     def _admit(self, req: Request, budget: int) -> ScheduledItem | None:
         use_cache = req.params.prompt_logprobs is None
         cached = self.kv.admit(req.rid, req.all_ids, use_cache=use_cache)
+        # Explained before `extend`, whose eviction would change what the tree held.
+        miss = self.kv.explain_miss(req.rid, req.all_ids) if use_cache and not req.admitted_once else None
         n = min(req.num_tokens - cached, budget)
         if not self.kv.extend(req.rid, cached + n):
             self.kv.release(req.rid)  # the lease goes back in the same step
             return None
         if not req.admitted_once:
             req.cached_tokens = cached
+            if miss is not None:
+                req.matched_tokens, req.miss_reason = miss.matched, miss.reason
             req.admitted_once = True
         req.num_computed = cached
         return ScheduledItem(req, cached, n)

@@ -31,6 +31,7 @@ import numpy as np
 from freetoken.errors import ConfigError
 from freetoken.kv.audit import AuditReport, holders_of, run_audit
 from freetoken.kv.errors import KVIntegrityError
+from freetoken.kv.miss import CacheMiss, explain
 from freetoken.kv.pool import PagePool
 from freetoken.kv.table import RequestTables
 from freetoken.kv.tree import RadixTree
@@ -132,6 +133,15 @@ class KVManager:
             req.cached_len = req.next_pos = hit.length
         self._requests[rid] = req
         return req.cached_len
+
+    def explain_miss(self, rid: str, tokens: Sequence[int]) -> CacheMiss | None:
+        """Why `rid`'s admission hit stopped where it did; call it right after `admit`, before
+        `extend` (which may evict), and only for an admission that used the cache. None without
+        a prefix cache."""
+        req = self._req(rid)
+        if self.tree is None:
+            return None
+        return explain(self.tree, self.tree.evicted, tokens, req.cached_len)
 
     def pages_needed(self, rid: str, num_tokens: int) -> int:
         """New pages (in each pool) that `extend(rid, num_tokens)` would take."""

@@ -21,6 +21,7 @@ import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+from freetoken.kv.miss import EvictedPaths, page_hashes, path_tokens
 from freetoken.kv.pool import PagePool
 from freetoken.kv.window import first_window_page, floor_to_page, hit_length
 
@@ -79,6 +80,7 @@ class RadixTree:
         self._swa_nodes: dict[Node, None] = {}  # nodes with a live SWA entry
         self._full_at: dict[int, Node] = {}
         self._swa_at: dict[int, Node] = {}
+        self.evicted = EvictedPaths(4 * full_pool.capacity)  # for the cache report's miss reason
 
     # -- bookkeeping ------------------------------------------------------------------------
 
@@ -348,6 +350,7 @@ class RadixTree:
                 continue
             parent = node.parent
             whole = k == node.npages
+            self.evicted.add(page_hashes(path_tokens(node), self.page_size)[-k:])
             freed += self._trim_tail(node, k)
             if whole and parent is not self.root and not parent.children:
                 heapq.heappush(heap, (parent.last_access, parent.uid, parent))

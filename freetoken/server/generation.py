@@ -54,6 +54,8 @@ class Piece:
     cached_tokens: int = 0
     prompt_logprobs: list[Any] | None = None
     stop_string: str | None = None  # the stop string that ended the choice (finish_reason "stop")
+    matched_tokens: int = 0  # the cache report: prompt pages the cache held at admission
+    miss_reason: str | None = None  # and why the hit stopped there (kv/miss.py)
 
 
 @dataclass
@@ -67,12 +69,16 @@ class ChoiceResult:
     cached_tokens: int = 0
     prompt_logprobs: list[Any] | None = None
     stop_string: str | None = None
+    matched_tokens: int = 0
+    miss_reason: str | None = None
 
     def add(self, piece: Piece) -> None:
         self.text += piece.text
         self.token_ids += piece.token_ids
         self.logprobs += piece.logprobs
         self.cached_tokens = max(self.cached_tokens, piece.cached_tokens)
+        if piece.miss_reason is not None:
+            self.matched_tokens, self.miss_reason = piece.matched_tokens, piece.miss_reason
         if piece.prompt_logprobs is not None:
             self.prompt_logprobs = piece.prompt_logprobs
         if piece.finish_reason is not None:
@@ -100,7 +106,10 @@ async def run_choice(client: EngineClient, spec: ChoiceSpec, tokenizer: Tokenize
     finished = False
     try:
         async for upd in stream:
-            piece = Piece(spec.index, cached_tokens=upd.cached_tokens, prompt_logprobs=upd.prompt_logprobs)
+            piece = Piece(
+                spec.index, cached_tokens=upd.cached_tokens, prompt_logprobs=upd.prompt_logprobs,
+                matched_tokens=upd.matched_tokens, miss_reason=upd.miss_reason,
+            )
             if not detok.stopped:
                 piece.text = detok.add_many(upd.token_ids).text
                 piece.token_ids = list(upd.token_ids)

@@ -80,6 +80,8 @@ class TokenUpdate:
     error: str | None = None
     cached_tokens: int = 0
     prompt_logprobs: list[Any] | None = None
+    matched_tokens: int = 0  # the cache report (kv/miss.py)
+    miss_reason: str | None = None
 
 
 @dataclass

@@ -9,6 +9,7 @@ the status document in.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -28,6 +29,10 @@ class Metrics:
         self.prompt_tokens = Counter("freetoken_prompt_tokens", "Prompt tokens of served requests", registry=r)
         self.generation_tokens = Counter("freetoken_generation_tokens", "Tokens generated", registry=r)
         self.cache_hit_tokens = Counter("freetoken_cache_hit_tokens", "Prompt tokens served from the prefix cache", registry=r)
+        self.cache_misses = Counter(
+            "freetoken_cache_misses", "Prompts by why their prefix-cache hit stopped (kv/miss.py; diverged_at_token N counts as diverged)",
+            ["reason"], registry=r,
+        )
         self.ttft = Histogram("freetoken_time_to_first_token_seconds", "Time to the first generated token", registry=r, buckets=_LATENCY_BUCKETS)
         self.latency = Histogram("freetoken_request_latency_seconds", "Time from request to its last token", registry=r, buckets=_LATENCY_BUCKETS)
         self.in_flight = Gauge("freetoken_requests_in_flight", "Requests the engine client holds", registry=r)
@@ -47,6 +52,7 @@ class Metrics:
         prompt_tokens: int = 0,
         completion_tokens: int = 0,
         cached_tokens: int = 0,
+        miss_reasons: Sequence[str] = (),
         ttft_s: float | None = None,
         latency_s: float | None = None,
     ) -> None:
@@ -54,6 +60,8 @@ class Metrics:
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(completion_tokens)
         self.cache_hit_tokens.inc(cached_tokens)
+        for reason in miss_reasons:
+            self.cache_misses.labels(reason=reason.split("_at_token", 1)[0]).inc()
         if ttft_s is not None:
             self.ttft.observe(ttft_s)
         if latency_s is not None:

@@ -32,19 +32,24 @@ class Tally:
     choice_prompt: list[int]
     completion: list[int] = field(default_factory=list)
     cached: list[int] = field(default_factory=list)
+    misses: list[tuple[int, str | None]] = field(default_factory=list)  # per choice: (matched, reason)
 
     def __post_init__(self) -> None:
         self.completion = [0] * len(self.choice_prompt)
         self.cached = [0] * len(self.choice_prompt)
+        self.misses = [(0, None)] * len(self.choice_prompt)
 
     def add(self, piece: Piece) -> None:
         self.completion[piece.index] += len(piece.token_ids)
         self.cached[piece.index] = max(self.cached[piece.index], piece.cached_tokens)
+        if piece.miss_reason is not None:
+            self.misses[piece.index] = (piece.matched_tokens, piece.miss_reason)
 
     def add_results(self, results: list[ChoiceResult]) -> None:
         for i, res in enumerate(results):
             self.completion[i] = len(res.token_ids)
             self.cached[i] = res.cached_tokens
+            self.misses[i] = (res.matched_tokens, res.miss_reason)
 
     @property
     def prompt_tokens(self) -> int:
@@ -62,6 +67,15 @@ class Tally:
             best[p] = max(best[p], self.cached[i])
         return sum(best)
 
+    def prompt_misses(self) -> list[tuple[int, str | None]]:
+        """Per prompt, the cache report of its best-hit choice: (matched tokens, miss reason)."""
+        best: list[int | None] = [None] * len(self.prompt_lens)
+        for i, p in enumerate(self.choice_prompt):
+            j = best[p]
+            if j is None or self.cached[i] > self.cached[j]:
+                best[p] = i
+        return [(0, None) if j is None else self.misses[j] for j in best]
+
     def usage(self, cache_report: bool) -> dict[str, Any]:
         out: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
@@ -69,7 +83,13 @@ class Tally:
             "total_tokens": self.prompt_tokens + self.completion_tokens,
         }
         if cache_report:
-            out["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+            misses = self.prompt_misses()
+            reasons = [r for _, r in misses]
+            out["prompt_tokens_details"] = {
+                "cached_tokens": self.cached_tokens,
+                "matched_tokens": sum(m for m, _ in misses),
+                "miss_reason": reasons[0] if len(reasons) == 1 else reasons,
+            }
         return out
 
 
@@ -81,6 +101,7 @@ def record(ctx: ServingContext, endpoint: str, status: int, tally: Tally, clock:
         prompt_tokens=tally.prompt_tokens if status == 200 else 0,
         completion_tokens=tally.completion_tokens,
         cached_tokens=tally.cached_tokens,
+        miss_reasons=[r for _, r in tally.prompt_misses() if r is not None] if status == 200 else [],
         ttft_s=None if clock.first_token is None else clock.first_token - clock.start,
         latency_s=now - clock.start if status == 200 else None,
     )

@@ -60,6 +60,8 @@ def token_update(u: RequestUpdate) -> TokenUpdate:
         cached_tokens=u.cached_tokens,
         prompt_logprobs=None if u.prompt_logprobs is None else [flat_logprob(lp) for lp in u.prompt_logprobs],
     )
+        matched_tokens=u.matched_tokens,
+        miss_reason=u.miss_reason,
 
 
 def sampling_params(fields: dict[str, object]) -> SamplingParams:
