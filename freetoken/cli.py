@@ -1,7 +1,7 @@
 """`ft`: the command line (`ft serve | generate | inspect`). Argparse to config objects, then one call; no logic of its own.
 
 Errors meant for the user (`FreeTokenError`) are printed as one line on stderr with a non-zero
-exit code, never as a traceback. `ft generate` prints the completion alone on stdout.
+exit code (2 for a configuration that cannot work, `ConfigError`; else 1), never as a traceback. `ft generate` prints the completion alone on stdout.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import logging
 import sys
 
 from freetoken import __version__
-from freetoken.errors import FreeTokenError
+from freetoken.errors import ConfigError, FreeTokenError
 
 MODEL_HELP = "a .gguf file, a directory with config.json + safetensors + tokenizer.json, or gemma3-270m (default) / smollm2-135m-instruct"
 
@@ -58,8 +58,23 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--enable-cache-report", action="store_true", help="report prefix-cache hits in usage.prompt_tokens_details.cached_tokens")
     p.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                    help="end a generation request running longer than this with an error and free its pages (default: no limit)")
+    p.add_argument("--responses-store-size", type=int, default=1024, metavar="N",
+                   help="finished /v1/responses kept for GET and previous_response_id, least recently used dropped first (default 1024; 0 = none)")
+    p.add_argument("--responses-store-ttl", type=float, default=3600.0, metavar="SECONDS",
+                   help="how long a stored response is kept (default 3600)")
     p.add_argument("--tool-call-parser", default=None, choices=["hermes", "gemma", "llama3_json", "harmony"],
                    help="the tool-call format to parse (default: from the model's chat template and architecture)")
+    p.add_argument("--reasoning-parser", default=None, choices=["think", "none"],
+                   help="split <think>...</think> reasoning off the output (default: think when the model's template or vocabulary has </think>)")
+    p.add_argument("--allowed-origins", default="", metavar="ORIGINS",
+                   help="comma-separated origins browsers may call from (CORS), or '*' (default: none, no CORS headers)")
+    p.add_argument("--unprefixed-routes", action="store_true",
+                   help="the OpenAI routes also answer without the /v1 prefix (/chat/completions, /completions, /models, ...)")
+    p.add_argument("--engine-hang-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="no engine heartbeat for this long = hung: /health 503, in-flight requests end with an error, "
+                        "the engine is killed and restarted (default 30; docs/operations.md)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM or POST /admin/drain, how long in-flight requests may finish before they are aborted (default 30)")
     p.add_argument("--max-running-requests", type=int, default=16, help="requests decoded together (default 16)")
     p.add_argument("--max-waiting-requests", type=int, default=256, help="requests queued beyond the running ones; more get 429 (default 256)")
     p.add_argument("--max-prefill-length", type=int, default=1024, help="prompt tokens prefilled per step (default 1024)")
@@ -77,6 +92,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--weights", default="auto", choices=["auto", "bf16", "int8", "int4"],
                    help="what matrices run as: auto = the file's precision class (4-bit types int4, 5/6/8-bit int8, float bf16), bf16 = the --dtype, int8/int4 = quantized (default auto)")
     p.add_argument("--debug-kv", action="store_true", help="audit the KV cache after every step; a violation is fatal (for tests)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="engine processes, one per rank, each holding 1/N of every layer (gloo on CPU, nccl on CUDA; default 1)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -115,6 +132,7 @@ def _inspect(args: argparse.Namespace) -> None:
 
 def _serve(args: argparse.Namespace) -> None:
     from freetoken.config import EngineConfig
+    from freetoken.distributed.checks import check_model_heads
     from freetoken.server.serve import run_server
     from freetoken.server.settings import ServerConfig
 
@@ -135,7 +153,10 @@ def _serve(args: argparse.Namespace) -> None:
         swa_pool_tokens=args.swa_pool_tokens,
         debug_kv=args.debug_kv,
         threads=args.threads,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
+    engine.validate()
+    check_model_heads(engine.model, engine.tensor_parallel_size)  # before listening: one line
     server = ServerConfig(
         host=args.host,
         port=args.port,
@@ -145,6 +166,13 @@ def _serve(args: argparse.Namespace) -> None:
         enable_cache_report=args.enable_cache_report,
         tool_call_parser=args.tool_call_parser,
         request_timeout_s=args.request_timeout,
+        responses_store_size=args.responses_store_size,
+        responses_store_ttl_s=args.responses_store_ttl,
+        reasoning_parser=args.reasoning_parser,
+        allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",")) if args.allowed_origins else (),
+        unprefixed_routes=args.unprefixed_routes,
+        engine_hang_timeout_s=args.engine_hang_timeout,
+        shutdown_timeout_s=args.shutdown_timeout,
         max_running_requests=args.max_running_requests,
         max_waiting_requests=args.max_waiting_requests,
     )
@@ -165,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         handlers[args.command](args)
     except FreeTokenError as err:
         print(f"ft {args.command}: error: {err}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(err, ConfigError) else 1
     except KeyboardInterrupt:
         return 130
     return 0

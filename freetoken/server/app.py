@@ -2,9 +2,13 @@
 
 Owns the HTTP surface of DESIGN.md §4: `/v1/completions`, `/v1/chat/completions`, `/v1/messages`
 (+ `/count_tokens`, Anthropic error bodies), `/v1/tokenize`, `/v1/detokenize`, `/v1/models`,
-`/health`, `/v1/cache/status`, `/metrics`. Bodies are parsed here (malformed JSON, a body that is
+`/v1/responses` (+ `GET`/`DELETE /v1/responses/{id}`, with the app's response store), `/health`,
+`/v1/cache/status`, `/metrics`, and `POST /admin/drain` (docs/operations.md). The API
+key guards every path under `KEYED_PREFIXES` (an `/admin/...` route added later is covered
+without code of its own). Bodies are parsed here (malformed JSON, a body that is
 not an object and schema errors are 400s naming the field), then handed to the route modules;
-generation runs under `--request-timeout` and every response carries `x-request-id`.
+generation passes the drain gate (503 while shutting down), runs under `--request-timeout` and
+is cancelled when its client disconnects; every response carries `x-request-id`.
 The app reaches the engine only through its `EngineClient`; it never imports torch.
 """
 
@@ -20,7 +24,10 @@ from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import BaseModel, ValidationError
 
 from freetoken import __version__
@@ -29,18 +36,23 @@ from freetoken.server.anthropic_errors import anthropic_error_response, error_ev
 from freetoken.server.anthropic_messages import count_message_tokens, create_message
 from freetoken.server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from freetoken.server.context import DEFAULT_MODEL_ALIAS, ServingContext
-from freetoken.server.errors import APIError, bad_request, from_pydantic, install_error_handlers
+from freetoken.server.errors import APIError, bad_request, from_pydantic, http_error, install_error_handlers
 from freetoken.server.openai_chat import create_chat_completion
 from freetoken.server.openai_completions import create_completion
+from freetoken.server.openai_responses import create_response, delete_response, get_response
 from freetoken.server.generation import sse
 from freetoken.server.protocol import ChatCompletionRequest, CompletionRequest
-from freetoken.server.request_hygiene import Deadline, RequestIdMiddleware, request_id_of
+from freetoken.server.responses_protocol import ResponsesRequest
+from freetoken.server.responses_store import ResponseStore
+from freetoken.server.request_hygiene import CLIENT_CLOSED, Deadline, RequestIdMiddleware, cancel_on_disconnect, request_id_of
 from freetoken.server.tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 
 log = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=BaseModel)
 STATUS_TIMEOUT_S = 10.0
+UNPREFIXED_EXCLUDED = ("/v1/messages", "/v1/cache", "/v1/tokenize", "/v1/detokenize")  # not OpenAI routes
+KEYED_PREFIXES = ("/v1", "/admin")  # paths that need the API key (when one is set)
 
 
 async def parse_body(request: Request, model: type[M]) -> M:
@@ -54,7 +66,7 @@ async def parse_body(request: Request, model: type[M]) -> M:
     try:
         return model.model_validate(obj)
     except ValidationError as err:
-        raise from_pydantic(err) from None
+        raise from_pydantic(err, obj) from None
 
 
 def _authorized(request: Request, key: str) -> bool:
@@ -72,6 +84,7 @@ async def engine_status(ctx: ServingContext) -> dict[str, Any]:
     info = ctx.client.info
     doc.setdefault("model", ctx.served_name)
     doc["engine"] = {
+        **(doc.get("engine") or {}),  # the engine's own counters (running, waiting, steps, ...)
         "state": ctx.client.state,
         "pid": None if info is None else info.pid,
         "restarts": ctx.client.restarts,
@@ -96,11 +109,21 @@ def build_app(ctx: ServingContext, *, manage_client: bool = True) -> FastAPI:
 
     app = FastAPI(title="FreeToken", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
+    unprefixed: set[str] = set()  # the OpenAI routes' paths without /v1 (--unprefixed-routes), keyed too
+
+    async def on_http(request: Request, exc: Exception) -> Response:
+        err = http_error(request, exc)
+        if request.url.path.startswith("/v1/messages"):
+            return anthropic_error_response(err, request_id_of(request))
+        return err.response()
+
+    app.add_exception_handler(StarletteHTTPException, on_http)
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
         key = ctx.config.api_key
-        if key is not None and request.url.path.startswith("/v1") and not _authorized(request, key):
+        if key is not None and request.url.path.startswith(KEYED_PREFIXES) or request.url.path in unprefixed
+        if key is not None and keyed and not _authorized(request, key):
             err = APIError(
                 401, "a valid API key is required: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'", code="invalid_api_key"
             )
@@ -109,7 +132,12 @@ def build_app(ctx: ServingContext, *, manage_client: bool = True) -> FastAPI:
             return err.response()
         return await call_next(request)
 
-    app.add_middleware(RequestIdMiddleware)  # outermost: every response carries x-request-id
+    app.add_middleware(RequestIdMiddleware)  # every response carries x-request-id
+    if ctx.config.allowed_origins:  # outermost: preflight requests are answered before the key check
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(ctx.config.allowed_origins), allow_methods=["*"], allow_headers=["*"],
+            expose_headers=["x-request-id"],
+        )
 
     async def generation_route(
         endpoint: str,
@@ -123,7 +151,9 @@ def build_app(ctx: ServingContext, *, manage_client: bool = True) -> FastAPI:
         request_id = request_id_of(request)
         deadline = Deadline.after(ctx.config.request_timeout_s)
         try:
-            response = await deadline.run(handler(ctx, await parse_body(request, model), request_id))
+            with ctx.drain.admitted():
+                body = await parse_body(request, model)
+                response = await deadline.run(cancel_on_disconnect(request, handler(ctx, body, request_id)))
         except APIError as err:
             ctx.metrics.record_request(endpoint, err.status)
             if anthropic:
@@ -141,6 +171,9 @@ def build_app(ctx: ServingContext, *, manage_client: bool = True) -> FastAPI:
             log.exception("unhandled error in %s request %s", endpoint, request_id)
             ctx.metrics.record_request(endpoint, 500)
             return anthropic_error_response(APIError(500, f"internal server error: {type(exc).__name__}: {exc}"), request_id)
+        if response.status_code == CLIENT_CLOSED:
+            ctx.metrics.record_request(endpoint, CLIENT_CLOSED)
+            log.info("%s request %s: the client disconnected; the request was aborted", endpoint, request_id)
         if anthropic:
             return deadline.bound_stream(response, lambda e: error_event(e, request_id))
         return deadline.bound_stream(response, lambda e: sse(e.body()))
@@ -152,6 +185,20 @@ def build_app(ctx: ServingContext, *, manage_client: bool = True) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await generation_route("chat", request, ChatCompletionRequest, create_chat_completion)
+
+    responses = ResponseStore(ctx.config.responses_store_size, ctx.config.responses_store_ttl_s)
+
+    @app.post("/v1/responses")
+    async def create_response_route(request: Request) -> Response:
+        return await generation_route("responses", request, ResponsesRequest, lambda c, r, rid: create_response(c, responses, r, rid))
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response_route(response_id: str) -> Response:
+        return get_response(responses, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response_route(response_id: str) -> Response:
+        return delete_response(responses, response_id)
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
@@ -190,10 +237,25 @@ def build_app(ctx: ServingContext, *, manage_client: bool = True) -> FastAPI:
         ctx.check_model(model_id)
         return model_card()
 
+    @app.post("/admin/drain")
+    async def admin_drain() -> Response:
+        started = ctx.begin_drain("POST /admin/drain")
+        return JSONResponse(
+            {"status": "draining", "started": started, "in_flight": ctx.client.num_in_flight,
+             "shutdown_timeout_s": ctx.config.shutdown_timeout_s},
+            status_code=202,
+        )
+
     @app.get("/health")
     async def health() -> Response:
         client = ctx.client
         info = client.info
+        if ctx.drain.draining:
+            return JSONResponse(
+                {"status": "error", "message": "the server is shutting down (draining)", "state": "draining",
+                 "restarts": client.restarts, "in_flight": client.num_in_flight},
+                status_code=503, headers={"Retry-After": "30"},
+            )
         if client.state != "ready" or info is None:
             reason = client.reason or ("the engine is loading" if client.state == "loading" else "the engine is down")
             return JSONResponse({"status": "error", "message": reason, "state": client.state, "restarts": client.restarts}, status_code=503)
@@ -226,10 +288,17 @@ def build_app(ctx: ServingContext, *, manage_client: bool = True) -> FastAPI:
             except (FreeTokenError, TimeoutError):
                 status = None
         ctx.metrics.update_engine(
-            up=ctx.client.state == "ready", restarts=ctx.client.restarts, in_flight=ctx.client.num_in_flight, status=status
+            up=ctx.client.state == "ready", restarts=ctx.client.restarts, in_flight=ctx.client.num_in_flight, status=status,
+            hangs=ctx.client.hangs, heartbeat_max_gap_s=ctx.client.heartbeat.max_gap_s,
         )
         return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    if ctx.config.unprefixed_routes:
+        for route in list(app.routes):
+            if isinstance(route, APIRoute) and route.path.startswith("/v1/") and not route.path.startswith(UNPREFIXED_EXCLUDED):
+                path = route.path.removeprefix("/v1")
+                app.add_api_route(path, route.endpoint, methods=list(route.methods), include_in_schema=False)
+                unprefixed.add(path)
     app.state.serving = ctx
     log.debug("app built for %s (alias %r)", ctx.served_name, DEFAULT_MODEL_ALIAS)
     return app

@@ -4,8 +4,11 @@ Owns the API side of the wire (ZMQ over `ipc://` in a private temp directory, a 
 endpoints per engine incarnation), the routing of engine messages to the request streams that
 wait for them, the engine's state as the API sees it ("loading", "ready", "down" and why), and
 the promise that no stream hangs: when the engine process dies, every in-flight stream gets a
-terminal error update at once. It runs on the API process's asyncio loop, imports no torch, and
-knows nothing of HTTP (the app maps `EngineUnavailable` to 503 and `EngineRefused` to 400).
+terminal error update at once. It also judges the engine's heartbeat: no beat for
+`hang_timeout_s` turns the state "down", ends every in-flight stream with an error and has the
+supervisor kill the process (then restarted like a death). It runs on the API process's asyncio
+loop, imports no torch, and knows nothing of HTTP (the app maps `EngineUnavailable` to 503 and
+`EngineRefused` to 400).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import itertools
 import logging
 import shutil
 import tempfile
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import zmq
 import zmq.asyncio
@@ -24,8 +27,9 @@ import zmq.asyncio
 from freetoken.config import EngineConfig
 from freetoken.errors import FreeTokenError
 from freetoken.request import SamplingParams
+from freetoken.server.heartbeat import INTERVAL_S as HEARTBEAT_INTERVAL_S, HeartbeatWatch
 from freetoken.server.messages import (
-    AbortRequest, AddRequest, EngineError, FinishRequest, Ready, Refused, Shutdown, StatusQuery, StatusReply,
+    AbortRequest, AddRequest, EngineError, FinishRequest, Heartbeat, Ready, Refused, Shutdown, StatusQuery, StatusReply,
     TokenUpdate, decode, encode,
 )
 from freetoken.server.supervisor import ExitReport, RestartPolicy, Supervisor, WorkerEndpoints
@@ -33,6 +37,7 @@ from freetoken.server.supervisor import ExitReport, RestartPolicy, Supervisor, W
 log = logging.getLogger("freetoken.server")
 
 STATUS_TIMEOUT_S = 30.0  # a status query waits for the current step to end
+DEFAULT_HANG_TIMEOUT_S = 30.0  # --engine-hang-timeout (docs/operations.md says why this value)
 
 
 class EngineUnavailable(FreeTokenError):
@@ -52,9 +57,22 @@ class EngineRefused(FreeTokenError):
 class EngineClient:
     """Starts, supervises and talks to one engine process."""
 
-    def __init__(self, config: EngineConfig, *, served_name: str, policy: RestartPolicy | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        served_name: str,
+        policy: RestartPolicy | None = None,
+        hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
+        on_give_up: Callable[[str], None] | None = None,
+    ) -> None:
         self.config = config
         self.served_name = served_name
+        self.hang_timeout_s = hang_timeout_s
+        self.heartbeat = HeartbeatWatch(hang_timeout_s)  # of the current incarnation
+        self.hangs = 0  # engine processes killed for missing their heartbeat
+        self._on_give_up = on_give_up
+        self._watchdog: asyncio.Task[None] | None = None
         self.state = "down"
         self.reason: str | None = "the engine has not been started"
         self.info: Ready | None = None
@@ -100,6 +118,7 @@ class EngineClient:
         )
         self._set_state("loading", "the engine is loading the model")
         self._supervisor.start()
+        self._watchdog = asyncio.get_running_loop().create_task(self._watch_heartbeat(), name="freetoken-heartbeat-watch")
 
     async def wait_ready(self, timeout: float) -> bool:
         """Wait until the engine serves; False after `timeout` or once the supervisor gave up."""
@@ -128,6 +147,9 @@ class EngineClient:
             return
         self._stopped = True
         self._set_state("down", "the engine was stopped")
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            await asyncio.gather(self._watchdog, return_exceptions=True)
         self._send_now(Shutdown())
         if self._supervisor is not None:
             await self._supervisor.stop(timeout)
@@ -139,6 +161,12 @@ class EngineClient:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
+
+    def kill_engine(self) -> None:
+        """SIGKILL the engine process, no restart (a second SIGTERM: exit at once)."""
+        self._set_state("down", "the server is exiting")
+        if self._supervisor is not None:
+            self._supervisor.kill_now()
 
     def _set_state(self, state: str, reason: str | None) -> None:
         self.state = state
@@ -188,6 +216,15 @@ class EngineClient:
                 del self._streams[rid]
             if not done:  # the consumer went away (aclose, cancellation): free the engine's pages
                 self._send_now(AbortRequest(rid))
+
+    def abort_all(self, why: str) -> int:
+        """End every in-flight stream now with error `why` and abort its request in the engine
+        (a drain that ran out of time). Returns how many there were."""
+        rids = list(self._streams)
+        for rid in rids:
+            self._send_now(AbortRequest(rid))
+        self._fail_in_flight(why)
+        return len(rids)
 
     async def abort(self, rid: str) -> None:
         """End `rid` now (its stream gets a finished update with reason "abort")."""
@@ -245,6 +282,7 @@ class EngineClient:
         pull.bind(endpoints.api)
         self._push, self._pull = push, pull
         self._last_engine_error = None
+        self.heartbeat = HeartbeatWatch(self.hang_timeout_s)
         self._receiver = asyncio.get_running_loop().create_task(self._receive(pull), name="freetoken-engine-receiver")
         if incarnation > 0:
             self._set_state("loading", f"the engine is restarting (restart {incarnation}): loading the model")
@@ -264,6 +302,38 @@ class EngineClient:
             self._given_up = True
         self._set_state("down", reason)
         self._fail_in_flight(how)
+        if self._given_up and self._on_give_up is not None:
+            self._on_give_up(reason)
+
+    async def _watch_heartbeat(self) -> None:
+        """Every half interval: has the current engine missed its deadline? Before judging, let
+        the receiver run (beats may be waiting in the socket after a busy spell of this loop)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S / 2)
+            if self._supervisor is None or self.state == "down" or not self.heartbeat.overdue(loop.time()):
+                continue
+            for _ in range(3):
+                await asyncio.sleep(0.01)
+            silence = self.heartbeat.silence_s(loop.time())
+            if silence is None or silence <= self.hang_timeout_s or self.state == "down":
+                continue
+            self._hung(silence)
+
+    def _hung(self, silence: float) -> None:
+        pid = self.pid
+        last = self.heartbeat.last
+        where = "" if last is None else f" (last beat: {last.phase}, {last.steps} steps done)"
+        why = (
+            f"the engine process {pid} stopped answering: no heartbeat for {silence:.1f} s "
+            f"(--engine-hang-timeout {self.hang_timeout_s:g} s){where}"
+        )
+        log.error("%s; killing it", why)
+        self.hangs += 1
+        self._set_state("down", f"{why}; killing it")
+        self._fail_in_flight(why)
+        if self._supervisor is not None:
+            self._supervisor.kill(why)
 
     async def _close_channel(self, drain: bool = False) -> None:
         if self._receiver is not None:
@@ -305,6 +375,8 @@ class EngineClient:
             queue = self._streams.get(msg.rid)
             if queue is not None:  # else: the stream was closed early; the abort is on its way
                 queue.put_nowait(msg)
+        elif isinstance(msg, Heartbeat):
+            self.heartbeat.saw(msg, asyncio.get_running_loop().time())
         elif isinstance(msg, StatusReply):
             future = self._status_waiters.get(msg.query_id)
             if future is not None and not future.done():

@@ -1,15 +1,17 @@
 """What every route needs: the engine client, the tokenizer, the settings and the metrics.
 
 Owns `ServingContext` and the checks that come before any generation: the model name (404), the
-engine's readiness (503) and the admission limit (429 with Retry-After). It holds no per-request
-state and never imports torch.
+engine's readiness (503), the drain gate (503 while shutting down) and the admission limit (429
+with Retry-After). It holds no per-request state and never imports torch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from freetoken.server.drain import DrainGate
 from freetoken.server.errors import APIError
 from freetoken.server.messages import Ready
 from freetoken.server.metrics import Metrics
@@ -29,6 +31,12 @@ class ServingContext:
     config: ServerConfig
     metrics: Metrics
     served_name: str
+    drain: DrainGate = field(default_factory=DrainGate)
+    on_drained: Callable[[], None] | None = None  # serve.py: stop the HTTP server once drained
+
+    def begin_drain(self, why: str) -> bool:
+        """Stop admitting and drain (SIGTERM, POST /admin/drain); False if already draining."""
+        return self.drain.begin(self.client, self.config.shutdown_timeout_s, self.on_drained or (lambda: None), why)
 
     def check_model(self, name: str) -> None:
         if name not in (self.served_name, DEFAULT_MODEL_ALIAS):

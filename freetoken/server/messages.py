@@ -101,6 +101,16 @@ class StatusReply:
 
 
 @dataclass
+class Heartbeat:
+    """The engine process is alive (server/heartbeat.py): sent every interval by its own thread."""
+
+    pid: int
+    phase: str  # loading | serving
+    steps: int  # engine steps completed
+    step_running_s: float = 0.0  # how long the step now running has run (0 between steps)
+
+
+@dataclass
 class EngineError:
     """A fatal error in the engine process, sent before it exits when it can."""
 
@@ -111,7 +121,7 @@ MESSAGES: dict[str, type] = {
     cls.__name__: cls
     for cls in (
         AddRequest, AbortRequest, FinishRequest, StatusQuery, Shutdown,
-        Ready, TokenUpdate, Refused, StatusReply, EngineError,
+        Ready, TokenUpdate, Refused, StatusReply, Heartbeat, EngineError,
     )
 }
 

@@ -8,6 +8,9 @@ known by in the engine, which contains the request id so engine logs can be matc
 it becomes a 504, a stream that already started gets one error event; either way the request's
 iterators are closed, which aborts it in the engine and releases its pages). It builds no
 response bodies of its own beyond the timeout error and knows nothing of the engine.
+Also `cancel_on_disconnect`: a route's work (a non-streaming generation, or a stream before its
+headers) is cancelled the moment its client disconnects, which closes the request's iterators
+and so aborts it in the engine within one step.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from freetoken.server.errors import APIError
 
 REQUEST_ID_HEADER = "x-request-id"
+CLIENT_CLOSED = 499  # nginx's status for "the client closed the connection": logged and counted, never sent
 _SANE_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 _STATE_KEY = "request_id"
 
@@ -76,6 +80,31 @@ def request_id_of(request: Request) -> str:
     state = request.scope.get("state") or {}
     value = state.get(_STATE_KEY)
     return value if isinstance(value, str) else new_request_id()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone away (the body was read already: only `http.disconnect`
+    can come; uvicorn also sends it once the response is complete, when nobody waits any more)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[Response]) -> Response:
+    """Await `work` (after the body was read); if the client disconnects first, cancel it --
+    its `finally` blocks abort the engine request -- and answer CLIENT_CLOSED."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this coroutine itself is cancelled (--request-timeout)
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(task, watcher, return_exceptions=True)
+    if task.cancelled():
+        return Response(status_code=CLIENT_CLOSED)
+    return task.result()
 
 
 def engine_rid(request_id: str, response_id: str, index: int) -> str:

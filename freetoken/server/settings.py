@@ -1,8 +1,8 @@
 """The HTTP server's own settings: one frozen `ServerConfig` built from `ft serve` flags.
 
 Owns what the API process needs beyond the engine's `EngineConfig`: where to listen, the API key,
-the served model name, the chat template override, the cache report switch and the admission
-limit. It reads no environment variables and holds no state.
+the served model name, the chat template override, the cache report switch, the admission
+limit, and the operations timeouts (engine hang, shutdown drain). It reads no environment variables and holds no state.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from freetoken.errors import ConfigError
+from freetoken.tokenizer.reasoning import REASONING_PARSERS
+from freetoken.server.heartbeat import MIN_HANG_TIMEOUT_S
 from freetoken.tokenizer.tool_parsers import TOOL_PARSERS
 
 
@@ -29,6 +31,13 @@ class ServerConfig:
     startup_timeout_s: float = 900.0  # how long `run_server` waits for the first engine start
     tool_call_parser: str | None = None  # --tool-call-parser: hermes|gemma|llama3_json|harmony (None: from the model)
     request_timeout_s: float | None = None  # --request-timeout: a generation request running longer ends with a 504
+    responses_store_size: int = 1024  # --responses-store-size: responses kept for previous_response_id (LRU)
+    responses_store_ttl_s: float = 3600.0  # --responses-store-ttl: and for how long
+    reasoning_parser: str | None = None  # --reasoning-parser: think|none (None: from the model)
+    allowed_origins: tuple[str, ...] = ()  # --allowed-origins: CORS origins ("*": any); empty = no CORS headers
+    unprefixed_routes: bool = False  # --unprefixed-routes: the OpenAI routes also answer without /v1
+    engine_hang_timeout_s: float = 30.0  # --engine-hang-timeout: no engine heartbeat for this long = hung
+    shutdown_timeout_s: float = 30.0  # --shutdown-timeout: how long a drain waits for in-flight requests
 
     def validate(self) -> None:
         """Raise ConfigError naming the flag that cannot work."""
@@ -42,10 +51,24 @@ class ServerConfig:
             raise ConfigError(f"--max-running-requests must be at least 1, got {self.max_running_requests}")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
             raise ConfigError(f"--tool-call-parser must be one of {', '.join(TOOL_PARSERS)}, got {self.tool_call_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ConfigError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
+        if any(not o.strip() for o in self.allowed_origins):
+            raise ConfigError("--allowed-origins: an origin must not be empty")
         if self.max_waiting_requests < 0:
             raise ConfigError(f"--max-waiting-requests must be >= 0, got {self.max_waiting_requests}")
         if self.request_timeout_s is not None and not 0 < self.request_timeout_s < float("inf"):
             raise ConfigError(f"--request-timeout must be a positive number of seconds, got {self.request_timeout_s}")
+        if self.responses_store_size < 0:
+            raise ConfigError(f"--responses-store-size must be >= 0, got {self.responses_store_size}")
+        if not 0 < self.responses_store_ttl_s < float("inf"):
+            raise ConfigError(f"--responses-store-ttl must be a positive number of seconds, got {self.responses_store_ttl_s}")
+        if not MIN_HANG_TIMEOUT_S <= self.engine_hang_timeout_s < float("inf"):
+            raise ConfigError(
+                f"--engine-hang-timeout must be at least {MIN_HANG_TIMEOUT_S:g} s (4 heartbeats), got {self.engine_hang_timeout_s}"
+            )
+        if not 0 <= self.shutdown_timeout_s < float("inf"):
+            raise ConfigError(f"--shutdown-timeout must be a number of seconds >= 0, got {self.shutdown_timeout_s}")
 
     @property
     def max_in_flight(self) -> int:

@@ -4,7 +4,8 @@ Owns the engine process's life: a `spawn` start (the API process never forks its
 engine), watching the process sentinel on the asyncio loop so that a death is seen the moment it
 happens, the restart policy (exponential backoff, a bounded number of restarts within a window,
 no restart at all when the engine reported that its model or configuration cannot work), the
-restart count, and the stop sequence (wait, terminate, kill). It does not talk to the engine:
+restart count, killing a hung engine on request (`kill`, then it is handled like a death), and
+the stop sequence (wait, terminate, kill). It does not talk to the engine:
 the client owns the sockets and is told through two callbacks, `on_spawn` (a new incarnation
 is about to start: give it its endpoints) and `on_exit` (it is gone, and what happens next).
 It never imports torch: the engine process imports its main module itself.
@@ -134,6 +135,7 @@ class Supervisor:
         self._exit_times: deque[float] = deque(maxlen=self.policy.max_restarts + 2)
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        self._killed_because: str | None = None  # set by kill(): why the current process was killed
 
     @property
     def pid(self) -> int | None:
@@ -171,7 +173,11 @@ class Supervisor:
                 process.join(1.0)  # the process is gone: this only reaps it
                 if self._stopping:
                     return
-                report = self._plan(process.pid, process.exitcode, describe_exit(process.exitcode))
+                how = describe_exit(process.exitcode)
+                if self._killed_because is not None:
+                    how = f"{self._killed_because}; it {how}"
+                    self._killed_because = None
+                report = self._plan(process.pid, process.exitcode, how)
             log.error(
                 "engine process %s %s; %s", report.pid, report.how,
                 f"restarting in {report.restart_in:.1f} s" if report.restart_in is not None else f"giving up: {report.why_not}",
@@ -193,6 +199,22 @@ class Supervisor:
         if delay is None:
             why_not = f"it died more than {self.policy.max_restarts} times within {self.policy.window_s:.0f} s"
         return ExitReport(pid, code, how, delay, why_not)
+
+    def kill(self, why: str) -> None:
+        """SIGKILL the current engine process (it hung): the watch loop then sees a death and
+        restarts it by the policy, with `why` in the exit report."""
+        process = self.process
+        if process is None or process.exitcode is not None or self._stopping:
+            return
+        self._killed_because = why
+        process.kill()  # SIGKILL ends a stopped (SIGSTOP) process too
+
+    def kill_now(self) -> None:
+        """Stop watching and SIGKILL the engine process (the server exits at once)."""
+        self._stopping = True
+        process = self.process
+        if process is not None and process.exitcode is None:
+            process.kill()
 
     async def stop(self, timeout: float = 10.0) -> None:
         """Stop watching and end the engine process: wait up to `timeout` for it to exit (the

@@ -24,6 +24,7 @@ from freetoken.engine.engine import Engine, RequestRefused, RequestUpdate
 from freetoken.errors import FreeTokenError
 from freetoken.kv.errors import KVIntegrityError
 from freetoken.request import FinishReason, Request, SamplingParams, TokenLogprob
+from freetoken.server.heartbeat import HeartbeatSender, Progress
 from freetoken.server.messages import (
     AbortRequest, AddRequest, EngineError, FinishRequest, Ready, Refused, Shutdown, StatusQuery, StatusReply,
     TokenUpdate, decode, encode,
@@ -78,9 +79,11 @@ def _param_of(err: Exception) -> str | None:
 class WorkerLoop:
     """Applies messages to an engine and steps it; `send` puts a message on the wire."""
 
-    def __init__(self, engine: Engine, send: Callable[[object], None]) -> None:
+    def __init__(self, engine: Engine, send: Callable[[object], None], progress: Progress | None = None) -> None:
         self.engine = engine
         self.send = send
+        self.progress = progress or Progress()
+        self.progress.phase = "serving"
         self.requests_added = 0
         self.requests_finished = 0
         self.requests_refused = 0
@@ -163,6 +166,7 @@ class WorkerLoop:
         if not self.engine.has_work():
             self._next_audit = time.monotonic() + AUDIT_INTERVAL_S  # idle steps audit already
             return
+        self.progress.step_started = time.monotonic()
         try:
             updates = self.engine.step()
         except KVIntegrityError:
@@ -170,6 +174,9 @@ class WorkerLoop:
         except Exception as err:  # noqa: BLE001 - any failure of a step is reported, never silent
             self._recover(err)
             return
+        finally:
+            self.progress.step_started = None
+            self.progress.steps = self.engine.steps
         self._publish(updates)
         if time.monotonic() >= self._next_audit:
             self._next_audit = time.monotonic() + AUDIT_INTERVAL_S
@@ -225,8 +232,8 @@ def serve(loop: WorkerLoop, pull: zmq.Socket, parent_pid: int) -> int:  # type: 
 
 
 def run_worker(config: EngineConfig, *, engine_endpoint: str, api_endpoint: str, served_name: str) -> int:
-    """The engine process: bind `engine_endpoint` (PULL), connect `api_endpoint` (PUSH), build
-    the engine, send Ready, serve. Returns the process's exit code."""
+    """The engine process: bind `engine_endpoint` (PULL), connect `api_endpoint` (PUSH), start
+    the heartbeat, build the engine, send Ready, serve. Returns the process's exit code."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine[%(process)d] %(levelname)s %(message)s")
     # Ctrl-C and a SIGTERM to the process group reach the API process, which sends Shutdown
     # (and escalates to SIGKILL if that is not obeyed).
@@ -245,6 +252,9 @@ def run_worker(config: EngineConfig, *, engine_endpoint: str, api_endpoint: str,
     def send(msg: object) -> None:
         push.send(encode(msg))
 
+    progress = Progress()
+    heartbeat = HeartbeatSender(ctx, api_endpoint, progress, os.getpid())
+    heartbeat.start()  # from now on, through the model load and every step
     try:
         try:
             engine, loaded = build_engine(config)  # sets torch's threads (--threads or the physical cores)
@@ -261,12 +271,13 @@ def run_worker(config: EngineConfig, *, engine_endpoint: str, api_endpoint: str,
             page_size=config.page_size,
             pid=os.getpid(),
         ))
-        return serve(WorkerLoop(engine, send), pull, parent_pid)
+        return serve(WorkerLoop(engine, send, progress), pull, parent_pid)
     except Exception as err:  # noqa: BLE001 - report it to the API process before dying
         log.exception("the engine process failed")
         send(EngineError(f"{type(err).__name__}: {err}"))
         return EXIT_FAILED
     finally:
+        heartbeat.stop()
         pull.close(linger=0)
         push.close()
         ctx.term()
