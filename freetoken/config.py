@@ -45,6 +45,7 @@ class EngineConfig:
     swa_pool_tokens: int | str | None = None  # N tokens or "floor"
     debug_kv: bool = False
     threads: int | None = None
+    tensor_parallel_size: int = 1  # engine processes, one per rank (freetoken.distributed)
 
     def validate(self) -> None:
         """Raise ConfigError on flags that cannot work, naming the flag."""
@@ -52,6 +53,8 @@ class EngineConfig:
             raise ConfigError(f"--weights must be one of {', '.join(WEIGHT_POLICIES)}, got {self.weights!r}")
         if self.prefill_weights not in ("bf16", "quantized"):
             raise ConfigError(f"--prefill-weights must be bf16 or quantized, got {self.prefill_weights!r}")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"--tensor-parallel-size must be at least 1, got {self.tensor_parallel_size}")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"--threads must be at least 1, got {self.threads}")
         if self.cache_type not in CACHE_TYPES:

@@ -2,7 +2,8 @@
 
 Owns start-up: dtype and device choice, torch threads, pool sizing from memory (via
 `EngineConfig.resolve`, which refuses an SWA pool below its floor) and allocating the K/V
-tensors. Nothing here runs per step.
+tensors. Under `--tensor-parallel-size N` it also starts ranks 1..N-1 (`distributed.launch`)
+before loading this rank's (rank 0's) shard, and sends them the pool sizes. Nothing here runs per step.
 """
 
 from __future__ import annotations
@@ -13,14 +14,18 @@ import psutil
 import torch
 
 from freetoken.config import EngineConfig, ResolvedConfig
+from freetoken.distributed.checks import check_world_fits
+from freetoken.distributed.group import rank_threads
+from freetoken.distributed.launch import Peers, start_peers
 from freetoken.engine.engine import Engine
 from freetoken.engine.grammar import GrammarCompiler
 from freetoken.engine.runner import Runner
+from freetoken.errors import ConfigError
 from freetoken.kv.manager import KVManager
 from freetoken.kv.tensors import KVTensors
 from freetoken.models.config import ModelConfig
 from freetoken.models.load import LoadedModel, load_model
-from freetoken.utils.hardware import default_device, default_threads, resolve_dtype
+from freetoken.utils.hardware import default_device, resolve_dtype
 
 log = logging.getLogger("freetoken.engine")
 
@@ -40,8 +45,9 @@ def resolve_for_model(config: EngineConfig, model_config: ModelConfig, dtype: to
     )
 
 
-def build_engine_for(config: EngineConfig, loaded: LoadedModel) -> Engine:
-    """An engine over an already loaded model (tests reuse one model across engines)."""
+def build_engine_for(config: EngineConfig, loaded: LoadedModel, peers: Peers | None = None) -> Engine:
+    """An engine over an already loaded model (tests reuse one model across engines); `peers`:
+    the other tensor-parallel ranks, told the pool sizes here and sent every step by the runner."""
     resolved = resolve_for_model(config, loaded.config, loaded.dtype, loaded.device)
     window = loaded.config.sliding_window if loaded.config.has_swa else None
     kv = KVManager(
@@ -51,26 +57,37 @@ def build_engine_for(config: EngineConfig, loaded: LoadedModel) -> Engine:
         window=window,
         cache_type=resolved.cache_type,
     )
-    tensors = KVTensors(
-        loaded.config.kv_layout(), resolved.full_pages, resolved.swa_pages or 0, config.page_size, loaded.dtype, loaded.device
+    tensors = KVTensors(  # this rank's KV heads: the model's own config (a shard's under TP)
+        loaded.model.config.kv_layout(), resolved.full_pages, resolved.swa_pages or 0, config.page_size, loaded.dtype, loaded.device
     )
     log.info(
         "KV pools: full %d pages, swa %s pages of %d tokens; cache %s; context %d",
         resolved.full_pages, resolved.swa_pages, config.page_size, resolved.cache_type, resolved.context_length,
     )
-    return Engine(resolved, Runner(loaded.model, loaded.config, tensors, kv), kv, GrammarCompiler(loaded.tokenizer))
+    if peers is not None:
+        peers.sender.send_pools(resolved.full_pages, resolved.swa_pages or 0, config.page_size)
+    runner = Runner(loaded.model, loaded.config, tensors, kv, None if peers is None else peers.sender)
+    return Engine(resolved, runner, kv, GrammarCompiler(loaded.tokenizer))
 
 
 def load_for(config: EngineConfig) -> LoadedModel:
     config.validate()
-    threads = config.threads or default_threads()
+    if config.tensor_parallel_size > 1 and not torch.distributed.is_initialized():
+        raise ConfigError("--tensor-parallel-size above 1 needs build_engine (ft serve), which starts the other ranks")
+    threads = rank_threads(config)
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     device = torch.device(config.device) if config.device else default_device()
     dtype = resolve_dtype(config.dtype, device)
-    return load_model(config.model, dtype, device, config.weights, config.prefill_weights)
+    return load_model(config.model, dtype, device, config.weights, config.prefill_weights, world=config.tensor_parallel_size)
 
 
 def build_engine(config: EngineConfig) -> tuple[Engine, LoadedModel]:
+    peers = None
+    if config.tensor_parallel_size > 1:
+        config.validate()
+        device = torch.device(config.device) if config.device else default_device()
+        check_world_fits(config.tensor_parallel_size, device.type == "cuda", torch.cuda.device_count())
+        peers = start_peers(config, device)
     loaded = load_for(config)
-    return build_engine_for(config, loaded), loaded
+    return build_engine_for(config, loaded, peers), loaded

@@ -2,7 +2,9 @@
 
 Owns the model, the physical K/V tensors and the translation of scheduled items into one
 `ForwardBatch` — one forward over the whole batch, never a Python loop over requests. It reads
-page tables from the KV manager and never changes ownership of a page.
+page tables from the KV manager and never changes ownership of a page. Under tensor parallelism
+(rank 0 only) it first broadcasts the step to the other ranks, which run the same `build_batch` and
+`run_model` on it.
 """
 
 from __future__ import annotations
@@ -11,20 +13,44 @@ from collections.abc import Sequence
 
 import torch
 
-from freetoken.attention.metadata import ForwardBatch
+from freetoken.attention.metadata import ForwardBatch, RequestSpec
+from freetoken.distributed.step import StepSender
 from freetoken.engine.scheduler import ScheduledItem
 from freetoken.kv.manager import KVManager
 from freetoken.kv.tensors import KVTensors
 from freetoken.models.config import ModelConfig
 
 
+def build_batch(
+    config: ModelConfig, kv_tensors: KVTensors, specs: Sequence[RequestSpec], logit_rows: Sequence[int]
+) -> ForwardBatch:
+    """The ForwardBatch of the requests `specs` (raises ValueError on a malformed table)."""
+    return ForwardBatch.build(
+        specs,
+        page_size=kv_tensors.page_size,
+        logits_indices=logit_rows,
+        device=kv_tensors.device,
+        sliding_window=config.sliding_window if config.has_swa else None,
+    )
+
+
+def run_model(model: torch.nn.Module, kv_tensors: KVTensors, ids: Sequence[int], batch: ForwardBatch) -> torch.Tensor:
+    """input ids -> logits [N, vocab] in the model's compute dtype, for `batch.logits_indices`."""
+    input_ids = torch.tensor(ids, dtype=torch.long, device=kv_tensors.device)
+    return model(input_ids, batch, kv_tensors)
+
+
 class Runner:
-    def __init__(self, model: torch.nn.Module, config: ModelConfig, kv_tensors: KVTensors, kv: KVManager) -> None:
+    def __init__(
+        self, model: torch.nn.Module, config: ModelConfig, kv_tensors: KVTensors, kv: KVManager,
+        peers: StepSender | None = None,
+    ) -> None:
         self.model = model
         self.config = config
         self.kv_tensors = kv_tensors
         self.kv = kv
         self.device = kv_tensors.device
+        self.peers = peers  # the other tensor-parallel ranks (None: this process is the whole model)
 
     @property
     def vocab_size(self) -> int:
@@ -47,12 +73,16 @@ class Runner:
             elif item.samples:
                 logit_rows.append(offset + item.n - 1)
             offset += item.n
-        batch = ForwardBatch.build(
-            specs,
-            page_size=self.kv_tensors.page_size,
-            logits_indices=logit_rows,
-            device=self.device,
-            sliding_window=self.config.sliding_window if self.config.has_swa else None,
-        )
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        return self.model(input_ids, batch, self.kv_tensors).float().cpu()
+        batch = build_batch(self.config, self.kv_tensors, specs, logit_rows)
+        if self.peers is not None:  # only a batch that builds is sent: the ranks fail alike or not at all
+            self.peers.send(ids, specs, logit_rows)
+        return run_model(self.model, self.kv_tensors, ids, batch).float().cpu()
+
+    @property
+    def resizable(self) -> bool:
+        """Whether the pools may be resized at run time (not yet across tensor-parallel ranks)."""
+        return self.peers is None
+
+    def resize_kv(self, kind: str, pages: int) -> None:
+        """Reallocate the K/V tensors of pool `kind` ("full" / "swa") to `pages` pages."""
+        self.kv_tensors.resize(kind == "swa", pages)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from freetoken.errors import ModelLoadError
+from freetoken.models import shard
 from freetoken.models.config import ModelConfig
 from freetoken.models.linear import check_policy
 from freetoken.models.registry import build_model
@@ -43,22 +44,33 @@ def load_tokenizer(source: ModelSource, metadata: dict[str, object] | None) -> T
 
 def load_model(
     spec: str | None, dtype: torch.dtype, device: torch.device, weights: str = "bf16", prefill_weights: str = "quantized",
+    rank: int = 0, world: int = 1,
 ) -> LoadedModel:
     """Resolve `spec`, read its weights, build the model on `device` with activations in `dtype`
     and each matrix as the `weights` policy says (`models.linear.apply_policy`; `bf16`, the
     default here, is every weight in `dtype`; the serving default is `auto`). `prefill_weights`
-    `bf16` also keeps each quantized linear layer dequantized to `dtype` for prefill batches."""
+    `bf16` also keeps each quantized linear layer dequantized to `dtype` for prefill batches.
+    With `world` > 1 the model is rank `rank`'s tensor-parallel shard (`models.shard`; the
+    process group must be joined): `config` stays the whole model's, `model.config` is the shard's."""
     check_policy(weights)
     t0 = time.perf_counter()
     source = resolve_model(spec)
     log.info("loading %s from %s", source.name, source.path)
     ckpt = load_checkpoint(source, dtype, keep_quantized=weights != "bf16")
     config = ModelConfig.from_hf(ckpt.hf_config)
-    model = build_model(config, dtype, device)
+    tensors = ckpt.tensors
+    plan = None
+    if world > 1:
+        shard.check_shardable(config, world)
+        plan = shard.ShardPlan(rank, world, config)
+        tensors = shard.shard_tensors(tensors, plan)
+    model = build_model(config if plan is None else plan.local_config(), dtype, device)
     try:
-        model.load_weights(ckpt.tensors, weights, prefill_weights == "bf16")
+        model.load_weights(tensors, weights, prefill_weights == "bf16")
     except (KeyError, ValueError, RuntimeError) as err:
         raise ModelLoadError(f"{source.path}: weights do not fit the {config.architecture} model ({err})") from None
+    if plan is not None:
+        shard.install_collectives(model, plan)
     model.eval()
     tokenizer = load_tokenizer(source, ckpt.metadata)
     log.info("loaded %s (%s, %s, weights %s) in %.1f s", source.name, config.architecture, dtype, weights,

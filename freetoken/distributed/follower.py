@@ -1,0 +1,73 @@
+"""The main of a tensor-parallel rank other than 0: load its shard, then run every step rank 0 sends.
+
+Owns a follower rank's life: join the group, load the model's shard, allocate its own K/V
+tensors (its KV heads, the pool sizes rank 0 broadcasts), then forward each step it receives
+until STOP. It keeps no page accounting: the page tables come with each step. It exits when its
+parent (rank 0) is gone, and a failure ends the process, which ends the engine (`launch`).
+
+    python -m freetoken.distributed.follower '<EngineConfig as JSON>' RANK PORT
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+
+import torch
+
+from freetoken.config import EngineConfig
+from freetoken.distributed.group import (
+    join_group,
+    leave_group,
+    rank_device,
+    rank_threads,
+)
+from freetoken.distributed.step import receive_pools, receive_step
+from freetoken.engine.runner import build_batch, run_model
+from freetoken.errors import FreeTokenError
+from freetoken.kv.tensors import KVTensors
+from freetoken.models.load import load_model
+from freetoken.utils.hardware import default_device, resolve_dtype
+
+log = logging.getLogger("freetoken.engine")
+
+EXIT_STARTUP = 3  # the supervisor's: the model or configuration cannot work
+PARENT_POLL_S = 0.5
+
+
+def _exit_with_parent(parent: int) -> None:
+    while True:
+        time.sleep(PARENT_POLL_S)
+        if os.getppid() != parent:
+            os._exit(1)
+
+
+def run_follower(config: EngineConfig, rank: int, port: int) -> int:
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank}[%(process)d] %(levelname)s %(message)s")
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    torch.set_num_threads(rank_threads(config))
+    device = rank_device(torch.device(config.device) if config.device else default_device(), rank)
+    dtype = resolve_dtype(config.dtype, device)
+    join_group(rank, config.tensor_parallel_size, port, device)
+    try:
+        loaded = load_model(config.model, dtype, device, config.weights, config.prefill_weights,
+                            rank=rank, world=config.tensor_parallel_size)
+    except FreeTokenError as err:
+        log.error("rank %d cannot load the model: %s", rank, err)
+        return EXIT_STARTUP
+    full, swa, page_size = receive_pools(device)
+    kv = KVTensors(loaded.model.config.kv_layout(), full, swa, page_size, dtype, device)
+    with torch.inference_mode():
+        while (step := receive_step(device)) is not None:
+            run_model(loaded.model, kv, step.ids, build_batch(loaded.config, kv, step.specs, step.logit_rows))
+    leave_group()
+    return 0
+
+
+if __name__ == "__main__":
+    fields = json.loads(sys.argv[1])
+    sys.exit(run_follower(EngineConfig(**fields), int(sys.argv[2]), int(sys.argv[3])))

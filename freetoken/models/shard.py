@@ -1,0 +1,226 @@
+"""Megatron-style tensor-parallel sharding of a model: which slice of each weight a rank holds,
+and the collectives that put the ranks' partial results back together.
+
+Owns the shard plan (heads, KV heads, MLP columns and vocabulary rows of one rank), slicing the
+checkpoint's HF-named tensors (float or `QuantizedWeight`, before they are fused or packed) and
+the collectives installed on a loaded model: a sum (all-reduce) after each attention and MLP
+block, whose last projection is row-parallel, and a vocab-parallel embedding and output head
+(all-gather of the logits). Column-parallel: q/k/v, gate/up, the experts' gate_up; row-parallel:
+o_proj, down, the experts' down (a row-parallel bias is kept by rank 0 only, so the sum adds it
+once). KV heads split across ranks, or are replicated when there are fewer KV heads than ranks.
+Nothing here runs at world size 1: the model code has no parallel branch of its own.
+It does not start processes or choose a backend (`freetoken.distributed` does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from freetoken.errors import ConfigError
+from freetoken.models.config import ModelConfig
+from freetoken.models.linear import Weight
+from freetoken.ops.quantized import GROUP, QuantizedWeight, dequantize
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """What rank `rank` of `world` holds of a model with `config` (the whole model's)."""
+
+    rank: int
+    world: int
+    config: ModelConfig
+
+    @property
+    def heads(self) -> int:
+        return self.config.num_heads // self.world
+
+    @property
+    def kv_heads(self) -> int:
+        """KV heads held here: a share, or one replicated head when ranks outnumber them."""
+        return max(self.config.num_kv_heads // self.world, 1)
+
+    @property
+    def first_kv_head(self) -> int:
+        # The KV head of this rank's first query head (with replication every query head of
+        # the rank shares it: check_shardable requires world % num_kv_heads == 0).
+        group = self.config.num_heads // self.config.num_kv_heads
+        return (self.rank * self.heads) // group
+
+    @property
+    def intermediate(self) -> int:
+        return self.config.intermediate_size // self.world
+
+    @property
+    def vocab_rows(self) -> int:
+        """Rows of the embedding / head per rank; the last rank's tail past the vocabulary is zero."""
+        return math.ceil(self.config.vocab_size / self.world)
+
+    def local_config(self) -> ModelConfig:
+        """The config one rank's modules are built from (its heads, MLP width and vocab rows)."""
+        return dataclasses.replace(
+            self.config, num_heads=self.heads, num_kv_heads=self.kv_heads,
+            intermediate_size=self.intermediate, vocab_size=self.vocab_rows,
+        )
+
+
+def check_shardable(config: ModelConfig, world: int) -> None:
+    """Raise ConfigError (one line naming the flag) when `world` ranks cannot split `config`."""
+    c, flag = config, f"--tensor-parallel-size {world}"
+    if world < 1:
+        raise ConfigError(f"--tensor-parallel-size must be at least 1, got {world}")
+    if c.num_heads % world:
+        raise ConfigError(f"{flag} does not divide the model's {c.num_heads} attention heads")
+    if c.num_kv_heads % world and world % c.num_kv_heads:
+        raise ConfigError(f"{flag} neither divides nor is a multiple of the model's {c.num_kv_heads} KV heads")
+    if c.intermediate_size % world:
+        raise ConfigError(f"{flag} does not divide the model's MLP width {c.intermediate_size}")
+
+
+# -- slicing checkpoint tensors ---------------------------------------------------------------
+
+def _rows(w: Weight, start: int, stop: int) -> Weight:
+    if isinstance(w, QuantizedWeight):
+        minimum = None if w.minimum is None else w.minimum[start:stop]
+        return QuantizedWeight(w.bits, w.q[start:stop].contiguous(), w.scale[start:stop].contiguous(),
+                               None if minimum is None else minimum.contiguous())
+    return w[start:stop].contiguous()
+
+
+def _cols(w: Weight, start: int, stop: int) -> Weight:
+    """Columns [start, stop) of a matrix; a quantized one keeps whole 32-groups, else it is
+    dequantized first (a slice that cuts a group cannot stay in the group-32 form)."""
+    if isinstance(w, QuantizedWeight):
+        if start % GROUP or stop % GROUP:
+            return dequantize(w, torch.float32)[:, start:stop].contiguous()
+        g0, g1 = start // GROUP, stop // GROUP
+        minimum = None if w.minimum is None else w.minimum[:, g0:g1].contiguous()
+        return QuantizedWeight(w.bits, w.q[:, start:stop].contiguous(), w.scale[:, g0:g1].contiguous(), minimum)
+    return w[:, start:stop].contiguous()
+
+
+def _padded_rows(w: Weight, start: int, rows: int) -> Weight:
+    """Rows [start, start + rows) of a vocab table, zero past its end (so every rank's shard,
+    and so every all-gathered piece, has the same size)."""
+    part = _rows(w, start, min(start + rows, w.shape[0]))
+    missing = rows - part.shape[0]
+    if missing == 0:
+        return part
+    if isinstance(part, QuantizedWeight):
+        pad = lambda t: torch.cat([t, t.new_zeros(missing, t.shape[1])])
+        return QuantizedWeight(part.bits, pad(part.q), pad(part.scale), None if part.minimum is None else pad(part.minimum))
+    return torch.cat([part, part.new_zeros(missing, *part.shape[1:])])
+
+
+def _zero(w: Weight) -> Weight:
+    return torch.zeros_like(dequantize(w, torch.float32) if isinstance(w, QuantizedWeight) else w)
+
+
+def shard_tensor(name: str, w: Weight, plan: ShardPlan) -> Weight:
+    """This rank's part of the checkpoint tensor `name` (HF naming); replicated tensors pass as they are."""
+    c, r = plan.config, plan.rank
+    D = c.head_dim
+    module, _, leaf = name.rpartition(".")
+    proj = module.rpartition(".")[2]
+    heads = slice(r * plan.heads, (r + 1) * plan.heads)
+    inter = slice(r * plan.intermediate, (r + 1) * plan.intermediate)
+    if proj == "q_proj":
+        return _rows(w, heads.start * D, heads.stop * D)
+    if proj in ("k_proj", "v_proj"):
+        first = plan.first_kv_head
+        return _rows(w, first * D, (first + plan.kv_heads) * D)
+    if proj in ("gate_proj", "up_proj"):
+        return _rows(w, inter.start, inter.stop)
+    if proj in ("o_proj", "down_proj") and leaf == "weight":
+        span = heads if proj == "o_proj" else inter
+        scale = D if proj == "o_proj" else 1
+        return _cols(w, span.start * scale, span.stop * scale)
+    if proj in ("o_proj", "down_proj") and leaf == "bias":
+        return w if r == 0 else _zero(w)  # added once, by rank 0, before the sum
+    if leaf == "sinks":
+        return w[heads].contiguous()
+    if proj == "experts":  # gpt-oss: [E, h, 2i] gate/up interleaved, [E, i, h] down
+        if leaf in ("gate_up_proj", "gate_up_proj_bias"):
+            return w[..., 2 * inter.start:2 * inter.stop].contiguous()  # pairs (gate, up) stay together
+        if leaf == "down_proj":
+            return w[:, inter].contiguous()
+        if leaf == "down_proj_bias":
+            return w if r == 0 else _zero(w)
+    if proj in ("embed_tokens", "lm_head"):
+        return _padded_rows(w, r * plan.vocab_rows, plan.vocab_rows)
+    return w
+
+
+def shard_tensors(tensors: Mapping[str, Weight], plan: ShardPlan) -> dict[str, Weight]:
+    return {name: shard_tensor(name, w, plan) for name, w in tensors.items()}
+
+
+# -- collectives on a loaded model ------------------------------------------------------------
+
+def _sum_output(_module: nn.Module, _args: object, out: torch.Tensor) -> torch.Tensor:
+    """Forward hook of a block whose last projection is row-parallel: the ranks' partial sums."""
+    dist.all_reduce(out)
+    return out
+
+
+def _all_gather_columns(local: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[N, V / world] per rank -> [N, vocab] on every rank, shards in rank order."""
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, local.contiguous())
+    return torch.cat(parts, dim=-1)[:, :vocab]  # [N, vocab]
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [first, first + rows) of the token table on this rank: tokens outside them read zero,
+    and the sum over ranks is the full lookup. `project` is the tied, vocab-parallel output head."""
+
+    def __init__(self, local: nn.Module, plan: ShardPlan) -> None:
+        super().__init__()
+        self.local = local
+        self.first = plan.rank * plan.vocab_rows
+        self.rows = plan.vocab_rows
+        self.vocab = plan.config.vocab_size
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T] -> [T, hidden], summed over ranks."""
+        mine = (ids >= self.first) & (ids < self.first + self.rows)  # [T]
+        x = self.local((ids - self.first).clamp(0, self.rows - 1))  # [T, hidden]
+        x = x * mine[:, None].to(x.dtype)
+        dist.all_reduce(x)
+        return x
+
+    def project(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [N, hidden] -> logits [N, vocab], each rank's columns gathered."""
+        return _all_gather_columns(self.local.project(x, bias), self.vocab)
+
+
+class VocabParallelHead(nn.Module):
+    """An untied output head over this rank's vocab rows; logits gathered across ranks."""
+
+    def __init__(self, local: nn.Module, plan: ShardPlan) -> None:
+        super().__init__()
+        self.local = local
+        self.vocab = plan.config.vocab_size
+
+    def project(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return _all_gather_columns(self.local.project(x, bias), self.vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.project(x)
+
+
+def install_collectives(model: nn.Module, plan: ShardPlan) -> None:
+    """Make a model built from `plan.local_config()` and loaded with `shard_tensors` compute the
+    whole model's function: a sum after every attention and MLP block, vocab-parallel ends."""
+    for layer in model.layers:  # type: ignore[attr-defined]
+        layer.self_attn.register_forward_hook(_sum_output)
+        layer.mlp.register_forward_hook(_sum_output)
+    model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, plan)  # type: ignore[assignment]
+    if model.lm_head is not None:  # type: ignore[attr-defined]
+        model.lm_head = VocabParallelHead(model.lm_head, plan)  # type: ignore[assignment]
