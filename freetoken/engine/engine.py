@@ -17,6 +17,7 @@ import torch
 
 from freetoken.config import ResolvedConfig
 from freetoken.engine.grammar import GrammarCompiler, GrammarError, GrammarSet
+from freetoken.engine.resize import ResizeRefused, resize_pools, settle
 from freetoken.engine.runner import Runner
 from freetoken.engine.sampler import prompt_logprobs, sample
 from freetoken.engine.scheduler import ScheduledItem, Scheduler
@@ -91,10 +92,10 @@ class Engine:
                 code="context_length_exceeded",
                 param="max_tokens",
             )
-        if math.ceil(total / self.config.engine.page_size) > self.config.full_pages:
+        if math.ceil(total / self.config.engine.page_size) > self.kv.capacity("full"):
             raise RequestRefused(
                 f"this request needs {total} tokens of KV memory; the pool holds "
-                f"{self.config.full_pages * self.config.engine.page_size}",
+                f"{self.kv.capacity('full') * self.config.engine.page_size}",
                 code="context_length_exceeded",
                 param="max_tokens",
             )
@@ -134,6 +135,7 @@ class Engine:
             self.kv.record_error(err)
             self._integrity_failure(err, updates)
             return list(updates.values())
+        settle(self.kv, self.runner.resize_kv)  # a shrink completes once its pages are released
         idle = not self.scheduler.has_work()
         if idle or self.config.engine.debug_kv:
             self._audit(idle, updates)
@@ -267,6 +269,15 @@ class Engine:
             if req is not None:
                 self._finish(req, FinishReason.ERROR, message)
                 updates[rid] = RequestUpdate(rid, finished=True, finish_reason=FinishReason.ERROR, error=message)
+
+    def resize(self, full_tokens: int | None = None, swa_tokens: int | None = None) -> dict[str, dict[str, int]]:
+        """Resize the KV pools now (engine/resize.py); raises ResizeRefused."""
+        if not self.runner.resizable:
+            raise ResizeRefused("resizing the KV pools is not supported with tensor parallelism", "full_tokens")
+        return resize_pools(
+            self.kv, self.runner.resize_kv, self.requests.values(), full_tokens=full_tokens,
+            swa_tokens=swa_tokens, page_size=self.config.engine.page_size, swa_floor=self.config.swa_floor,
+        )
 
     def status(self) -> dict[str, object]:
         """The `/v1/cache/status` document: the KV manager's pools and integrity, plus the floor."""

@@ -10,7 +10,10 @@ reference count and every holder, so the report alone says where a page went.
   empty node;
 - A4 each running request: no hole in its FULL table, in-window SWA entries live, SWA entries
   out of the window NULL;
-- A5 at idle: free + tree pages == capacity (less quarantined pages) per pool.
+- A5 at idle: free + tree pages == capacity (less quarantined and retired pages) per pool.
+
+Retired pages (released above a shrink target, kv/pool.py) are left out like quarantined ones,
+and A3 also checks that the tree holds none of them.
 """
 
 from __future__ import annotations
@@ -106,7 +109,8 @@ def _audit_pool(
         pages = np.fromiter((p for p in refs if 0 < p <= pool.capacity), dtype=np.int64)
         expected[pages] += np.fromiter((refs[int(p)] for p in pages), dtype=np.int64)
     skip = np.zeros(pool.capacity + 1, dtype=bool)
-    skip[list(quarantined)] = True
+    retired = set(pool.retired_pages())
+    skip[list(quarantined | retired)] = True
     skip[0] = True
     for page in np.flatnonzero((pool.rc != expected) & ~skip):
         page = int(page)
@@ -121,6 +125,8 @@ def _audit_pool(
             add("A2", page, "NULL page on the free list")
         elif page in quarantined:
             add("A2", page, "quarantined page on the free list")
+        elif page in retired or page > pool.target:
+            add("A2", page, "page above the shrink target on the free list")
         elif page > pool.capacity or pool.rc[page] != 0:
             add("A2", page, "held page on the free list")
     on_free = np.zeros(pool.capacity + 1, dtype=bool)
@@ -131,14 +137,16 @@ def _audit_pool(
     for page, c in tree_refs.items():
         if c > 1:
             add("A3", page, f"page in {c} tree entries")
+        if page in retired:
+            add("A3", page, "retired page in the tree")
     # A5
     if idle:
         tree_pages = sum(1 for p in tree_refs if p not in quarantined)
-        if len(free) + tree_pages != pool.capacity - len(quarantined):
+        if len(free) + tree_pages != pool.capacity - len(quarantined) - len(retired):
             add(
                 "A5", 0,
                 f"free({len(free)}) + tree({tree_pages}) != capacity({pool.capacity}) "
-                f"- quarantined({len(quarantined)})",
+                f"- quarantined({len(quarantined)}) - retired({len(retired)})",
             )
 
 

@@ -257,6 +257,51 @@ class KVManager:
             return self.tree.evict_full(num_pages_wanted)
         return self.tree.evict_swa(num_pages_wanted)
 
+    # -- resizing ---------------------------------------------------------------------------
+
+    def capacity(self, kind: str) -> int:
+        """Pages of pool `kind` new admissions see (the shrink target while one is in progress)."""
+        return self._pool(kind).target
+
+    def held_pages(self, kind: str) -> int:
+        """Distinct pages of pool `kind` that requests hold."""
+        return len({p for r in self._requests.values() for p in r.held(kind)})
+
+    def resize(self, kind: str, pages: int) -> int:
+        """Grow or shrink pool `kind` to `pages`; returns the pages still held above the new
+        size (0: done). Shrinking first drops the tree's references to every page above it
+        (FULL: with the subtree beneath, useless without it; SWA: tombstones), so tree-only
+        pages there are freed at once and retire; pages a request holds retire when it
+        releases them (`finish_shrinks` completes it). The caller grows the K/V tensors before
+        a grow and shrinks them after `finish_shrinks`. Raises ValueError while a shrink of
+        this pool is in progress or below the pages requests hold."""
+        pool = self._pool(kind)
+        if pool.target != pool.capacity:
+            raise ValueError(
+                f"the {kind} pool is still shrinking to {pool.target} pages "
+                f"({pool.pending_release()} pages above it are held by running requests)"
+            )
+        if pages > pool.capacity:
+            pool.grow(pages - pool.capacity)
+            return 0
+        held = self.held_pages(kind)
+        if pages < held:
+            raise ValueError(f"running requests hold {held} pages of the {kind} pool, more than {pages}")
+        if pages == pool.capacity:
+            return 0
+        if self.tree is not None:
+            above = self.tree.pages_above(kind, pages)
+            self.tree.drop(kind, above)
+        return pool.shrink(pages)
+
+    def finish_shrinks(self) -> list[str]:
+        """Complete every shrink whose pages above the target are all released; returns the
+        pools whose capacity changed (their K/V tensors can shrink now)."""
+        return [pool.kind for pool in (self.full_pool, self.swa_pool) if pool is not None and pool.finish_shrink()]
+
+    def shrinking(self) -> bool:
+        return any(p is not None and p.target != p.capacity for p in (self.full_pool, self.swa_pool))
+
     # -- integrity --------------------------------------------------------------------------
 
     def audit(self, idle: bool) -> AuditReport:
@@ -302,11 +347,13 @@ class KVManager:
                     p for n in self.tree.nodes() for p in (n.full if pool.kind == "full" else n.swa)
                 } - q - {0}
             pools[pool.kind] = {
-                "capacity": pool.capacity,
+                "capacity": pool.capacity - pool.num_retired,  # converges to `target` while shrinking
                 "free": pool.num_free,
                 "cached": len(tree_pages - held),
                 "in_use": len(held),
                 "quarantined": len(q),
+                "target": pool.target,
+                "pending_release": pool.pending_release(),
             }
             quarantined_total += len(q)
         return {

@@ -12,6 +12,12 @@ Invariants kept here, each checked on every call and reported as `KVIntegrityErr
 - bulk operations require unique page indices (checked before anything changes);
 - the free list holds each free page once and never a quarantined page.
 Running out is not an error: `alloc` returns None and changes nothing.
+
+Resizing (`grow`, `shrink`, `finish_shrink`): growing appends free pages; shrinking to a target
+takes the free pages above it off the free list at once (new allocations see the new size) and
+*retires* each page above it when its last holder releases it (decref 1 -> 0), so a page above
+the target is never handed out again; once none is held, `finish_shrink` drops them. Retired
+pages, like quarantined ones, are neither free nor held.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ class PagePool:
         self.rc = np.zeros(capacity + 1, dtype=np.int64)  # [capacity + 1], index 0 = NULL
         self._is_free = np.zeros(capacity + 1, dtype=bool)
         self._quarantined = np.zeros(capacity + 1, dtype=bool)
+        self._retired = np.zeros(capacity + 1, dtype=bool)  # above the shrink target, released
+        self._target = capacity  # pages 1..target may be handed out; < capacity while shrinking
         # Stack: alloc pops from the end. Reversed so that page 1 goes out first.
         self._free: list[int] = list(range(capacity, 0, -1))
         self._is_free[1:] = True
@@ -90,6 +98,28 @@ class PagePool:
     def num_quarantined(self) -> int:
         return int(self._quarantined.sum())
 
+    @property
+    def target(self) -> int:
+        """The capacity new allocations see (== capacity unless a shrink is in progress)."""
+        return self._target
+
+    @property
+    def num_retired(self) -> int:
+        return int(self._retired.sum())
+
+    def retired_pages(self) -> list[int]:
+        return [int(p) for p in np.flatnonzero(self._retired)]
+
+    def usable(self, page: int) -> bool:
+        """False for a quarantined page and for a page above a shrink target: no new holder
+        (the tree) may take it."""
+        return page <= self._target and not self._quarantined[page]
+
+    def pending_release(self) -> int:
+        """Pages above the shrink target that a holder still holds."""
+        above = slice(self._target + 1, self.capacity + 1)
+        return int((~self._retired[above] & ~self._quarantined[above]).sum())
+
     # -- transfers --------------------------------------------------------------------------
 
     def alloc(self, n: int) -> list[int] | None:
@@ -141,8 +171,10 @@ class PagePool:
         self.rc[live] -= 1
         qi = idx[q]
         self.rc[qi] = np.maximum(self.rc[qi] - 1, 0)
-        self._is_free[zero] = True
-        self._free.extend(int(p) for p in zero)
+        back = zero[zero <= self._target]
+        self._retired[zero[zero > self._target]] = True
+        self._is_free[back] = True
+        self._free.extend(int(p) for p in back)
         return int(zero.size)
 
     def quarantine(self, pages: Sequence[int]) -> list[int]:
@@ -157,3 +189,42 @@ class PagePool:
             self._free = [p for p in self._free if p not in gone]
             self._is_free[list(gone)] = False
         return new
+
+    # -- resizing ---------------------------------------------------------------------------
+
+    def grow(self, n: int) -> None:
+        """Add n free pages (capacity + 1 .. capacity + n); not while a shrink is in progress."""
+        if n < 1 or self._target != self.capacity:
+            raise ValueError(f"grow by {n} pages of a pool at {self._target}/{self.capacity}")
+        old = self.capacity
+        new = old + n
+        self.rc = np.concatenate([self.rc, np.zeros(n, dtype=np.int64)])
+        for name in ("_is_free", "_quarantined", "_retired"):
+            setattr(self, name, np.concatenate([getattr(self, name), np.zeros(n, dtype=bool)]))
+        self._is_free[old + 1 :] = True
+        self._free[:0] = range(new, old, -1)  # below the stack's top: pages in use stay compact
+        self.capacity = self._target = new
+
+    def shrink(self, target: int) -> int:
+        """Hand out no page above `target` from now on: free ones leave the free list at once,
+        held ones retire when released. Returns the pages still held above it."""
+        if not 1 <= target <= self.capacity:
+            raise ValueError(f"shrink of a {self.capacity}-page pool to {target}")
+        self._target = target
+        gone = [p for p in self._free if p > target]
+        if gone:
+            self._free = [p for p in self._free if p <= target]
+            self._is_free[gone] = False
+            self._retired[gone] = True
+        return self.pending_release()
+
+    def finish_shrink(self) -> bool:
+        """Drop the pages above the target once none is held; True when the capacity changed."""
+        if self._target == self.capacity or self.pending_release():
+            return False
+        n = self._target + 1
+        self.rc = self.rc[:n].copy()
+        for name in ("_is_free", "_quarantined", "_retired"):
+            setattr(self, name, getattr(self, name)[:n].copy())
+        self.capacity = self._target
+        return True

@@ -82,6 +82,26 @@ class KVTensors:
         v = self.v[layer][idx]  # [B, C, P, n_kv, D]
         return k.view(b, c * self.page_size, *k.shape[3:]), v.view(b, c * self.page_size, *v.shape[3:])
 
+    def resize(self, sliding: bool, pages: int) -> None:
+        """Give every layer of one pool (SWA when `sliding`) `pages` pages: pages 1..min(old,
+        new) keep their K/V, new pages are zero. Run between steps only (a run-time resize)."""
+        if pages < 1:
+            raise ValueError(f"a pool needs at least one page, got {pages}")
+        for i, s in enumerate(self.sliding):
+            if s != sliding:
+                continue
+            for kv in (self.k, self.v):
+                old = kv[i]
+                if pages + 1 <= old.shape[0]:
+                    kv[i] = old[: pages + 1].clone()  # a copy, so the old memory is freed
+                else:
+                    extra = torch.zeros((pages + 1 - old.shape[0], *old.shape[1:]), dtype=old.dtype, device=old.device)
+                    kv[i] = torch.cat([old, extra])
+        if sliding:
+            self.num_swa_pages = pages
+        else:
+            self.num_full_pages = pages
+
     def null_pages_are_zero(self) -> bool:
         """True while page 0 of every layer is still all zeros (a check for tests and audits)."""
         return all(bool((t[0] == 0).all()) for t in (*self.k, *self.v))

@@ -213,8 +213,8 @@ class RadixTree:
             if page == 0 or page in self._full_at:
                 what = "NULL" if page == 0 else "already in the tree"
                 raise self.full_pool.integrity_error("tree", page, f"commit of a page {what}")
-            if self.full_pool.is_quarantined(page):
-                break  # never give the tree a quarantined page; the path stops before it
+            if not self.full_pool.usable(page):
+                break  # never give the tree a quarantined or retiring page; the path stops before it
             pages.append(page)
         if not pages:
             return
@@ -297,7 +297,7 @@ class RadixTree:
             if keep[i]:
                 nd.pri[j] = True
             page = int(swa[i])
-            if nd.swa[j] or page == 0 or self.swa_pool.is_quarantined(page):
+            if nd.swa[j] or page == 0 or not self.swa_pool.usable(page):
                 continue
             if page in self._swa_at:
                 raise self.swa_pool.integrity_error("tree", page, "heal with a page already in the tree")
@@ -405,6 +405,10 @@ class RadixTree:
             return 0
         rc = self.swa_pool.rc
         return sum(1 for n in self._swa_nodes for s in n.swa if s and rc[s] == 1)
+
+    def pages_above(self, kind: str, limit: int) -> list[int]:
+        """The tree's pages of pool `kind` with an index above `limit` (a shrink drops them)."""
+        return sorted(p for p in (self._full_at if kind == "full" else self._swa_at) if p > limit)
 
     def drop(self, kind: str, pages: Sequence[int]) -> None:
         """Quarantine support: drop every tree entry on `pages` (a FULL entry takes the rest of

@@ -35,9 +35,14 @@ class NullRunner:
     """The engine's Runner interface without a model: shadow writes + reads, one-hot logits."""
 
     vocab_size = VOCAB
+    resizable = True
 
     def __init__(self, kv: CheckedKV) -> None:
         self.kv = kv
+
+    def resize_kv(self, kind: str, pages: int) -> None:
+        """No tensors to reallocate; the pool must already allow what the tensors would hold."""
+        self.kv.tensor_pages[kind] = pages
 
     def forward(self, items: list[ScheduledItem]) -> torch.Tensor:
         rows: list[int] = []
@@ -107,6 +112,7 @@ def drain(engine: Engine, limit: int = 10_000) -> None:
         step(engine)
     assert not engine.has_work(), "the engine did not drain"
     kv: CheckedKV = engine.kv  # type: ignore[assignment]
+    assert not kv.shrinking(), "a shrink is still pending with no request holding pages"
     kv.verify("drain (idle)")
     report = kv.audit(idle=True)
     assert report.ok, str(report)

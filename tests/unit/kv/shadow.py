@@ -194,6 +194,9 @@ class CheckedKV(KVManager):
         self.checks = 0
         self.prompt_len: dict[str, int] = {}
         self.seeded: dict[str, tuple[str, int]] = {}  # B -> (holder A, decodes since the commit)
+        # Pages the (null) runner's K/V tensors hold per pool: a table entry past them would
+        # index memory that does not exist.
+        self.tensor_pages = {"full": self.full_pool.capacity, "swa": self.swa_pool.capacity if self.swa_pool else 0}
         if self.tree is not None:
             for kind in ("full", "swa"):
                 name = f"evict_{kind}"
@@ -291,6 +294,22 @@ class CheckedKV(KVManager):
         self.verify(f"evict({kind}, {num_pages_wanted}) -> {freed}")
         return freed
 
+    def resize(self, kind: str, pages: int) -> int:
+        before = self._pool(kind).capacity
+        pending = super().resize(kind, pages)
+        self.counts[f"{kind} {'grow' if pages > before else 'shrink'}"] += 1
+        if pending:
+            self.counts["shrink waits for running requests"] += 1
+        self.verify(f"resize({kind}, {pages}) -> {pending} pending")
+        return pending
+
+    def finish_shrinks(self) -> list[str]:
+        done = super().finish_shrinks()
+        if done:
+            self.counts["shrink completed after requests released"] += 1
+        self.verify(f"finish_shrinks() -> {done}")
+        return done
+
     def quarantine(self, kind: str, pages: Sequence[int]) -> set[str]:
         holders = super().quarantine(kind, pages)
         self.verify(f"quarantine({kind}, {list(pages)})")
@@ -301,6 +320,10 @@ class CheckedKV(KVManager):
     def forward(self, rid: str, tokens: Sequence[int], start: int, n: int) -> None:
         """The forward of one item: shadow writes and read checks."""
         full, swa = self.page_tables(rid)
+        for kind, table in (("full", full), ("swa", swa)):
+            if table is not None and len(table) and int(table.max()) > self.tensor_pages[kind]:
+                raise ShadowViolation(f"{rid}'s {kind} table names page {int(table.max())}, past the "
+                                      f"{self.tensor_pages[kind]} pages the K/V tensors hold")
         self.shadow.write(rid, tokens, start, n, full, swa)
         self.log.append(("forward", rid))
         if rid in self.seeded and start >= self.prompt_len.get(rid, 0) and n == 1:

@@ -1,7 +1,8 @@
 """Hypothesis drives the real engine (its scheduler, shared prefill budget, commit points,
 preemption) over a null model: arrivals over shared prefixes (long prompts of several windows,
 short prompts sharing their first tokens, continuations, prompt-logprob requests), steps,
-aborts and forced eviction passes, on small pools. Every KV call is followed by the shadow
+aborts, forced eviction passes and run-time resizes of either pool (grow, shrink below what the
+tree holds, shrink while running requests hold pages above the new size), on small pools. Every KV call is followed by the shadow
 check (each holder holds the tokens it claims) and the full audit; the machine's teardown
 drains the engine and checks the idle state (A5).
 
@@ -18,6 +19,8 @@ from hypothesis import event, settings, strategies as st, target
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from engine_sim import VOCAB, Setup, drain, make_engine, step, submit
+from freetoken.engine.engine import RequestRefused
+from freetoken.engine.resize import ResizeRefused
 from freetoken.request import Request
 
 LONG = [1 + (i * 29) % (VOCAB - 1) for i in range(40)]
@@ -71,8 +74,11 @@ class EngineMachine(RuleBasedStateMachine):
             return
         self.serial += 1
         rid = f"r{self.serial}"
-        self.live[rid] = submit(self.engine, rid, prompt, max_tokens, bounds,
-                                0 if logprobs and share % 5 == 0 else None)
+        try:
+            self.live[rid] = submit(self.engine, rid, prompt, max_tokens, bounds,
+                                    0 if logprobs and share % 5 == 0 else None)
+        except RequestRefused:  # past a pool shrunk below it
+            event("arrival refused after a shrink")
 
     @precondition(lambda self: self.engine.has_work())
     @rule(n=st.integers(1, 4))
@@ -94,6 +100,27 @@ class EngineMachine(RuleBasedStateMachine):
         kv = self.engine.kv
         if kv.tree is not None:
             kv.evict("swa" if swa and kv.swa_pool is not None else "full", n)
+
+    @rule(swa=st.booleans(), share=st.floats(0.25, 1.75))
+    def resize(self, swa: bool, share: float) -> None:
+        """Resize a pool to a share of its start-up size; a refusal must change nothing."""
+        kv, p = self.engine.kv, self.setup_.page_size
+        kind = "swa" if swa and kv.swa_pool is not None else "full"
+        start = self.engine.config.swa_pages if kind == "swa" else self.engine.config.full_pages
+        tokens = max(1, int((start or 1) * share)) * p
+        before = kv.status()["pools"]
+        try:
+            self.engine.resize(**{f"{kind}_tokens": tokens})
+        except ResizeRefused as err:
+            event(f"resize refused ({'floor' if 'floor' in str(err) else 'held' if 'hold' in str(err) else 'shrinking'})")
+            assert kv.status()["pools"] == before, "a refused resize changed the pools"
+            return
+        status = kv.status()["pools"][kind]
+        assert status["target"] == tokens // p
+        if status["pending_release"]:
+            event("shrink waits for running requests")
+        for pool in kv.status()["pools"].values():
+            assert pool["capacity"] == pool["free"] + pool["cached"] + pool["in_use"] + pool["quarantined"], pool
 
     def teardown(self) -> None:
         if not hasattr(self, "engine"):

@@ -1,0 +1,100 @@
+"""Run-time pool resizes through the real engine over a null model (engine_sim), every KV call
+shadow-checked and audited: grow adds free pages; a shrink drops the tree's pages above the new
+size at once, then waits for running requests to release theirs while new admissions already
+see the new size; refusals (floor, held pages, a shrink in progress, no SWA pool) change nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_sim import Setup, drain, make_engine, step, submit
+from freetoken.engine.engine import RequestRefused
+from freetoken.engine.resize import ResizeRefused
+
+P = 4
+
+
+def pools(engine) -> dict:  # type: ignore[no-untyped-def]
+    out = engine.kv.status()["pools"]
+    for pool in out.values():
+        assert pool["capacity"] == pool["free"] + pool["cached"] + pool["in_use"] + pool["quarantined"], pool
+    return out
+
+
+def test_grow_adds_free_pages_to_both_pools() -> None:
+    engine = make_engine(Setup(P, 6, 24))
+    before = pools(engine)
+    out = engine.resize(full_tokens=32 * P, swa_tokens=(before["swa"]["capacity"] + 5) * P)
+    assert out["full"] == {"capacity": 32, "tokens": 32 * P, "pending_release": 0}
+    after = pools(engine)
+    assert after["full"]["free"] == before["full"]["free"] + 8 and after["full"]["capacity"] == 32
+    assert after["swa"]["free"] == before["swa"]["free"] + 5
+    assert engine.kv.tensor_pages == {"full": 32, "swa": before["swa"]["capacity"] + 5}
+    submit(engine, "a", list(range(1, 90)), 4)  # 93 tokens: 24 pages, more than the old pool
+    drain(engine)
+
+
+def test_shrink_drops_tree_pages_above_the_new_size_at_once() -> None:
+    engine = make_engine(Setup(P, None, 24))
+    for i in range(4):
+        submit(engine, f"r{i}", [10 * i + k for k in range(1, 18)], 3)
+    drain(engine)
+    assert pools(engine)["full"]["cached"] > 12
+    out = engine.resize(full_tokens=12 * P)
+    assert out["full"]["pending_release"] == 0
+    status = pools(engine)["full"]
+    assert status["capacity"] == status["target"] == 12 and engine.kv.tensor_pages["full"] == 12
+    assert all(p <= 12 for n in engine.kv.tree.nodes() for p in n.full)
+    submit(engine, "after", list(range(1, 30)), 3)
+    drain(engine)
+
+
+def test_shrink_waits_for_running_requests_and_admissions_see_the_new_size() -> None:
+    engine = make_engine(Setup(P, 6, 24, max_running=2))
+    for i in range(3):  # the tree takes the low pages
+        submit(engine, f"r{i}", [10 * i + k for k in range(1, 18)], 3)
+    drain(engine)
+    submit(engine, "a", list(range(1, 11)), 30)  # 40 tokens: 10 pages each, above the tree's
+    submit(engine, "b", list(range(50, 60)), 30)
+    while engine.kv.held_pages("full") < 12:
+        step(engine)
+    held = engine.kv.held_pages("full")
+    with pytest.raises(ResizeRefused, match="running requests hold"):
+        engine.resize(full_tokens=10 * P)  # the floor (10 pages, a or b alone) but below what they hold
+    assert pools(engine)["full"]["target"] == 24  # the refusal changed nothing
+    target = held
+    out = engine.resize(full_tokens=target * P)
+    assert out["full"]["pending_release"] > 0, "a and b hold pages above the target"
+    status = pools(engine)["full"]
+    assert status["target"] == target and status["capacity"] > target
+    assert engine.kv.tensor_pages["full"] == 24  # the tensors wait for the pages above to go
+    assert all(p <= target for n in engine.kv.tree.nodes() for p in n.full)
+    with pytest.raises(RequestRefused, match=f"the pool holds {target * P}"):  # new admissions see it at once
+        submit(engine, "big", list(range(1, target * P)), 10)
+    with pytest.raises(ResizeRefused, match="still shrinking"):
+        engine.resize(full_tokens=16 * P)
+    drain(engine)
+    status = pools(engine)["full"]
+    assert status["capacity"] == target and status["pending_release"] == 0 and engine.kv.tensor_pages["full"] == target
+    assert not engine.requests
+
+
+def test_refusals_name_the_key_and_change_nothing() -> None:
+    engine = make_engine(Setup(P, 6, 24))
+    floor = engine.config.swa_floor
+    before = pools(engine)
+    with pytest.raises(ResizeRefused, match="floor") as err:
+        engine.resize(swa_tokens=(floor - 1) * P)
+    assert err.value.param == "swa_tokens" and err.value.conflict
+    with pytest.raises(ResizeRefused, match="at least one page") as err:
+        engine.resize(full_tokens=2)
+    assert err.value.param == "full_tokens" and not err.value.conflict
+    submit(engine, "long", list(range(1, 60)), 20)  # needs 20 pages alone
+    with pytest.raises(ResizeRefused, match="a request in flight needs"):
+        engine.resize(full_tokens=19 * P)
+    assert pools(engine) == before
+    full_only = make_engine(Setup(P, None, 24))
+    with pytest.raises(ResizeRefused, match="no sliding-window layers") as err:
+        full_only.resize(swa_tokens=64)
+    assert err.value.param == "swa_tokens" and not err.value.conflict
+    drain(engine)
