@@ -1,0 +1,167 @@
+"""A response's `output` items, built from parsed model output, with the events announcing them.
+
+Owns `OutputItems`: parsed deltas (reasoning, text, complete tool calls) become `reasoning`,
+`message` (one `output_text` part) and `function_call` items in the order the model wrote them,
+and each step yields the Responses stream events of the published sequence
+(`response.output_item.added`, `response.content_part.added`, `response.output_text.delta` /
+`.done`, `response.reasoning_text.delta` / `.done`, `response.function_call_arguments.delta` /
+`.done`, `response.content_part.done`, `response.output_item.done`), without sequence numbers
+(the stream adds them). The non-streamed route feeds the whole parse through the same object, so
+both paths give the same items. Whitespace written before any message or call is held back and
+only becomes a message when nothing else was written. Tool calls arrive whole from the parser, so
+a call's arguments go out as one delta. Also owns `response_body` and `usage`, the `response`
+object's fields. It knows nothing of HTTP or the engine.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from freetoken.tokenizer.tool_parsers import StreamDelta, ToolCall
+
+Event = dict[str, Any]
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class OutputItems:
+    def __init__(self) -> None:
+        self.items: list[dict[str, Any]] = []
+        self._open: dict[str, Any] | None = None  # the reasoning or message item being written
+        self._held = ""  # whitespace not yet inside a message
+
+    def feed(self, delta: StreamDelta) -> list[Event]:
+        events: list[Event] = []
+        if delta.reasoning:
+            events += self._write("reasoning", delta.reasoning)
+        if delta.content:
+            if self._is_open("message") or delta.content.strip():
+                events += self._write("message", self._held + delta.content)
+                self._held = ""
+            else:
+                self._held += delta.content
+        for d in delta.tool_calls:
+            events += self._close("completed")
+            events += self._call(d.call)
+        return events
+
+    def finish(self, incomplete: bool) -> list[Event]:
+        """Close what is open; a response with no message and no call gets a (maybe empty) message."""
+        status = "incomplete" if incomplete else "completed"
+        events: list[Event] = []
+        if not any(item["type"] in ("message", "function_call") for item in self.items):
+            events += self._write("message", self._held)
+            self._held = ""
+        return events + self._close(status)
+
+    @property
+    def has_calls(self) -> bool:
+        return any(item["type"] == "function_call" for item in self.items)
+
+    def _is_open(self, kind: str) -> bool:
+        return self._open is not None and self._open["type"] == kind
+
+    def _write(self, kind: str, text: str) -> list[Event]:
+        events: list[Event] = []
+        if not self._is_open(kind):
+            events += self._close("completed")
+            events += self._open_item(kind)
+        return events + self._append(text)
+
+    def _open_item(self, kind: str) -> list[Event]:
+        if kind == "message":
+            item: dict[str, Any] = {"id": new_id("msg"), "type": "message", "role": "assistant", "status": "in_progress", "content": []}
+            part: dict[str, Any] = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        else:
+            item = {"id": new_id("rs"), "type": "reasoning", "summary": [], "content": [], "encrypted_content": None, "status": "in_progress"}
+            part = {"type": "reasoning_text", "text": ""}
+        self.items.append(item)
+        self._open = item
+        index = len(self.items) - 1
+        events = [{"type": "response.output_item.added", "output_index": index, "item": {**item, "content": []}}]
+        item["content"].append(part)
+        events.append({"type": "response.content_part.added", "item_id": item["id"], "output_index": index, "content_index": 0, "part": dict(part)})
+        return events
+
+    def _append(self, text: str) -> list[Event]:
+        item = self._open
+        if item is None or not text:
+            return []
+        item["content"][0]["text"] += text
+        head = {"item_id": item["id"], "output_index": len(self.items) - 1, "content_index": 0, "delta": text}
+        if item["type"] == "message":
+            return [{"type": "response.output_text.delta", **head, "logprobs": []}]
+        return [{"type": "response.reasoning_text.delta", **head}]
+
+    def _close(self, status: str) -> list[Event]:
+        item = self._open
+        if item is None:
+            return []
+        self._open = None
+        item["status"] = status
+        part = item["content"][0]
+        head = {"item_id": item["id"], "output_index": len(self.items) - 1, "content_index": 0}
+        if item["type"] == "message":
+            done: Event = {"type": "response.output_text.done", **head, "text": part["text"], "logprobs": []}
+        else:
+            done = {"type": "response.reasoning_text.done", **head, "text": part["text"]}
+        return [
+            done,
+            {"type": "response.content_part.done", **head, "part": part},
+            {"type": "response.output_item.done", "output_index": head["output_index"], "item": item},
+        ]
+
+    def _call(self, call: ToolCall) -> list[Event]:
+        item = {"id": new_id("fc"), "type": "function_call", "status": "in_progress", "call_id": call.id, "name": call.name, "arguments": ""}
+        self.items.append(item)
+        index = len(self.items) - 1
+        events: list[Event] = [{"type": "response.output_item.added", "output_index": index, "item": dict(item)}]
+        item["arguments"], item["status"] = call.arguments, "completed"
+        head = {"item_id": item["id"], "output_index": index}
+        return events + [
+            {"type": "response.function_call_arguments.delta", **head, "delta": call.arguments},
+            {"type": "response.function_call_arguments.done", **head, "name": call.name, "arguments": call.arguments},
+            {"type": "response.output_item.done", "output_index": index, "item": item},
+        ]
+
+
+def usage(input_tokens: int, output_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "input_tokens": input_tokens,
+        # every prompt token the engine computes goes into the prefix cache
+        "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": input_tokens - cached_tokens},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": input_tokens + output_tokens,
+    }
+
+
+def response_body(
+    response_id: str,
+    created_at: int,
+    model: str,
+    request: dict[str, Any],
+    *,
+    status: str,
+    output: list[dict[str, Any]],
+    usage_doc: dict[str, Any] | None,
+    incomplete_reason: str | None = None,
+) -> dict[str, Any]:
+    """The `response` object; `request` holds the echoed request fields (see `echo_fields`)."""
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": created_at,
+        "status": status,
+        "completed_at": int(time.time()) if status in ("completed", "incomplete") else None,
+        "error": None,
+        "incomplete_details": None if incomplete_reason is None else {"reason": incomplete_reason},
+        "model": model,
+        "output": output,
+        "usage": usage_doc,
+        **request,
+    }

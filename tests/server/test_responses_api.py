@@ -1,0 +1,281 @@
+"""`/v1/responses` over real HTTP on the tiny sliding-window model (ChatML template, Hermes tool
+calls): bodies and every stream event validated against the `openai` SDK's published types, the
+event order and sequence numbers, `previous_response_id` chaining with cached tokens for the whole
+earlier conversation, forced function calls, `text.format`, hosted tools left out, the store
+(GET / DELETE / 404s) and the 400s that name the exact key; and, without a server, the store's LRU
+and TTL and the output items' order."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
+from serving import ServeProcess
+
+from freetoken.server.responses_output import OutputItems
+from freetoken.server.responses_store import ResponseStore, StoredResponse
+from freetoken.tokenizer.tool_parsers import StreamDelta, ToolCall, ToolCallDelta
+
+MODEL = "tiny-gemma"
+PAGE = 4  # the shared server's --page-size
+EVENT = TypeAdapter(ResponseStreamEvent)
+CITIES = ["Paris", "Oslo", "Lima"]
+WEATHER = {
+    "type": "function", "name": "get_weather", "description": "Current weather of a city", "strict": True,
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": CITIES}},
+                   "required": ["city"], "additionalProperties": False},
+}
+
+
+def post(server: ServeProcess, body: dict[str, Any]) -> httpx.Response:
+    with server.http() as c:
+        return c.post("/v1/responses", json={"model": MODEL, **body})
+
+
+def create(server: ServeProcess, **body: Any) -> dict[str, Any]:
+    r = post(server, body)
+    assert r.status_code == 200, r.text
+    Response.model_validate(r.json())  # the SDK's own model of a response
+    return r.json()
+
+
+def stream(server: ServeProcess, **body: Any) -> tuple[list[dict[str, Any]], httpx.Headers]:
+    """Every event of a streamed response, each checked against the SDK's event union and its `event:` line."""
+    events: list[dict[str, Any]] = []
+    with server.http() as c, c.stream("POST", "/v1/responses", json={"model": MODEL, "stream": True, **body}) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        name = None
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: "):
+                assert line != "data: [DONE]"
+                event = json.loads(line[6:])
+                assert event["type"] == name
+                EVENT.validate_python(event)
+                events.append(event)
+        return events, r.headers
+
+
+def message_text(body: dict[str, Any]) -> str:
+    return "".join(p["text"] for item in body["output"] if item["type"] == "message" for p in item["content"])
+
+
+def test_string_input_gives_a_response_object(server: ServeProcess) -> None:
+    body = create(server, input="Say hello.", max_output_tokens=6, temperature=0)
+    assert body["object"] == "response" and body["id"].startswith("resp_")
+    assert body["status"] in ("completed", "incomplete") and body["model"] == MODEL
+    [item] = body["output"]
+    assert item["type"] == "message" and item["role"] == "assistant"
+    usage = body["usage"]
+    assert usage["output_tokens"] >= 1 and usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+    assert usage["input_tokens_details"]["cached_tokens"] >= 0
+    if body["status"] == "incomplete":
+        assert usage["output_tokens"] == 6 and body["incomplete_details"] == {"reason": "max_output_tokens"}
+        assert item["status"] == "incomplete"
+    server.assert_balanced_idle()
+
+
+def test_stream_follows_the_published_event_sequence(server: ServeProcess) -> None:
+    events, _ = stream(server, input=[{"role": "user", "content": [{"type": "input_text", "text": "Tell me a story."}]}],
+                       max_output_tokens=12, temperature=1.0, seed=7)
+    types = [e["type"] for e in events]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert types[:6] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added", *types[4:6]]
+    assert types[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done", types[-1]]
+    assert set(types[4:-4]) <= {"response.output_text.delta"}
+    assert events[0]["response"]["status"] == "in_progress" and events[0]["response"]["output"] == []
+    final = events[-1]["response"]
+    assert types[-1] == ("response.incomplete" if final["status"] == "incomplete" else "response.completed")
+    deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert deltas == events[-4]["text"] == message_text(final)
+    item_id = events[2]["item"]["id"]
+    assert all(e["item_id"] == item_id for e in events[3:-2]) and events[-2]["item"]["id"] == item_id
+    assert final["usage"]["output_tokens"] >= 1
+    with server.http() as c:  # a streamed response is stored like any other
+        assert c.get(f"/v1/responses/{final['id']}").json() == final
+    server.assert_balanced_idle()
+
+
+def test_stream_and_body_agree(server: ServeProcess) -> None:
+    request = {"input": "Count to five.", "max_output_tokens": 10, "temperature": 1.0, "seed": 11}
+    body = create(server, **request)
+    events, _ = stream(server, **request)
+    assert message_text(events[-1]["response"]) == message_text(body)
+    assert events[-1]["response"]["usage"]["output_tokens"] == body["usage"]["output_tokens"]
+
+
+def test_chained_request_hits_the_cache_for_the_whole_earlier_conversation(server: ServeProcess) -> None:
+    first = create(server, instructions="You are terse.", input="A long enough first question about cities and rivers.",
+                   max_output_tokens=10, temperature=1.0, seed=3)
+    second = create(server, instructions="You are terse.", previous_response_id=first["id"], input="And the second one?",
+                    max_output_tokens=4, temperature=1.0, seed=4)
+    earlier = first["usage"]["input_tokens"] + first["usage"]["output_tokens"]
+    assert second["usage"]["input_tokens"] > earlier
+    # the engine keeps prompt + output - 1 tokens; hits are whole pages
+    assert second["usage"]["input_tokens_details"]["cached_tokens"] >= (earlier - 1) // PAGE * PAGE
+    assert second["previous_response_id"] == first["id"]
+    third = create(server, instructions="You are terse.", previous_response_id=second["id"], input="Third.", max_output_tokens=2)
+    earlier = second["usage"]["input_tokens"] + second["usage"]["output_tokens"]
+    assert third["usage"]["input_tokens_details"]["cached_tokens"] >= (earlier - 1) // PAGE * PAGE
+    server.assert_balanced_idle()
+
+
+def test_forced_function_call_and_its_result_chained(server: ServeProcess) -> None:
+    body = create(server, input="Weather in Paris?", tools=[WEATHER], tool_choice="required", max_output_tokens=120, seed=1)
+    calls = [item for item in body["output"] if item["type"] == "function_call"]
+    assert len(calls) == 1 and calls[0]["name"] == "get_weather" and calls[0]["call_id"].startswith("call_")
+    assert json.loads(calls[0]["arguments"])["city"] in CITIES and body["status"] == "completed"
+    answer = create(server, previous_response_id=body["id"], tools=[WEATHER], max_output_tokens=4,
+                    input=[{"type": "function_call_output", "call_id": calls[0]["call_id"], "output": '{"temp_c": 18}'}])
+    assert answer["status"] in ("completed", "incomplete")
+    assert answer["usage"]["input_tokens_details"]["cached_tokens"] >= body["usage"]["input_tokens"] // PAGE * PAGE - PAGE
+    server.assert_balanced_idle()
+
+
+def test_streamed_function_call_events(server: ServeProcess) -> None:
+    events, _ = stream(server, input="Weather in Oslo?", tools=[WEATHER], tool_choice={"type": "function", "name": "get_weather"},
+                       max_output_tokens=120, seed=2)
+    added = [e for e in events if e["type"] == "response.output_item.added" and e["item"]["type"] == "function_call"]
+    assert len(added) == 1 and added[0]["item"]["arguments"] == ""
+    item_id = added[0]["item"]["id"]
+    deltas = "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta" and e["item_id"] == item_id)
+    [done] = [e for e in events if e["type"] == "response.function_call_arguments.done"]
+    assert deltas == done["arguments"] and json.loads(done["arguments"])["city"] in CITIES
+    final = events[-1]["response"]
+    assert events[-1]["type"] == "response.completed"
+    [call] = [item for item in final["output"] if item["type"] == "function_call"]
+    assert call["arguments"] == done["arguments"] and call["status"] == "completed"
+
+
+def test_text_format_json_schema_goes_through_the_grammar(server: ServeProcess) -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string", "enum": CITIES}}, "required": ["city"], "additionalProperties": False}
+    body = create(server, input="Pick a city.", max_output_tokens=60, seed=5,
+                  text={"format": {"type": "json_schema", "name": "pick", "schema": schema, "strict": True}})
+    assert json.loads(message_text(body))["city"] in CITIES
+    assert body["text"]["format"]["name"] == "pick"
+
+
+def test_hosted_tools_are_left_out_and_named_in_a_header(server: ServeProcess) -> None:
+    tools = [{"type": "web_search"}, {"type": "namespace", "name": "mcp", "description": "d", "tools": []}, WEATHER, {"type": "web_search"}]
+    r = post(server, {"input": "hi", "tools": tools, "max_output_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-freetoken-ignored-tools"] == "web_search,namespace"
+    assert [t["name"] for t in r.json()["tools"]] == ["get_weather"]
+    _, headers = stream(server, input="hi", tools=tools, max_output_tokens=2)
+    assert headers["x-freetoken-ignored-tools"] == "web_search,namespace"
+
+
+def test_fields_codex_and_the_sdks_send_are_accepted(server: ServeProcess) -> None:
+    body = create(
+        server,
+        instructions="You are a coding agent.",
+        input=[
+            {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Be careful."}]},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "List files."}]},
+            {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "opaque"},
+            {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Lima"}'},
+            {"type": "function_call_output", "call_id": "call_1", "output": [{"type": "input_text", "text": "sunny"}]},
+            {"type": "local_shell_call", "id": "ls_1", "call_id": "c2", "status": "completed", "action": {"type": "exec", "command": ["ls"], "env": {}}},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Done.", "annotations": []}]},
+        ],
+        tools=[WEATHER], tool_choice="auto", parallel_tool_calls=False, store=False, stream=False,
+        include=["reasoning.encrypted_content"], reasoning={"effort": "medium", "summary": "auto"}, prompt_cache_key="k1",
+        client_metadata={"x": 1}, service_tier="auto", safety_identifier="u1", text={"verbosity": "low"}, truncation="disabled",
+        metadata={"run": "1"}, user="me", max_output_tokens=3, top_logprobs=0, context_management=[], prompt_cache_retention="in_memory",
+    )
+    assert body["store"] is False and body["metadata"] == {"run": "1"} and body["parallel_tool_calls"] is False
+    with server.http() as c:
+        assert c.get(f"/v1/responses/{body['id']}").status_code == 404  # store: false keeps nothing
+
+
+def test_get_and_delete(server: ServeProcess) -> None:
+    body = create(server, input="hi", max_output_tokens=2)
+    with server.http() as c:
+        got = c.get(f"/v1/responses/{body['id']}")
+        assert got.status_code == 200 and got.json() == body
+        gone = c.delete(f"/v1/responses/{body['id']}")
+        assert gone.json() == {"id": body["id"], "object": "response.deleted", "deleted": True}
+        for r in (c.get(f"/v1/responses/{body['id']}"), c.delete(f"/v1/responses/{body['id']}")):
+            assert r.status_code == 404
+            assert r.json()["error"]["param"] == "response_id" and r.json()["error"]["type"] == "invalid_request_error"
+    r = post(server, {"input": "hi", "previous_response_id": body["id"]})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type"),
+        ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
+        ({"input": ["hi"]}, "input[0]"),
+        ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments"),
+        ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
+        ({"input": [{"type": "teleport"}]}, "input[0].type"),
+        ({"input": []}, "input"),
+        ({"input": "hi", "tools": [{**WEATHER, "name": "bad name!"}]}, "tools[0].name"),
+        ({"input": "hi", "tools": [{**WEATHER, "colour": "red"}]}, "tools[0].colour"),
+        ({"input": "hi", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name"),
+        ({"input": "hi", "tool_choice": "required"}, "tool_choice"),
+        ({"input": "hi", "tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
+        ({"input": "hi", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
+        ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+        ({"input": "hi", "text": {"tone": "dry"}}, "text.tone"),
+        ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+        ({"input": "hi", "temperature": -1}, "temperature"),
+        ({"input": "hi", "background": True}, "background"),
+        ({"input": "hi", "conversation": "conv_1"}, "conversation"),
+        ({"input": "hi", "frobnicate": 1}, "frobnicate"),
+        ({"input": "hi", "max_output_tokens": 100000}, "max_output_tokens"),
+    ],
+)
+def test_bad_requests_name_the_key(server: ServeProcess, body: dict[str, Any], param: str) -> None:
+    r = post(server, body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+
+
+def _entry(tag: str) -> StoredResponse:
+    from array import array
+
+    return StoredResponse({"id": tag}, (), "", array("i"), array("i"), (), plain_output=True)
+
+
+def test_store_is_lru_bounded_and_ages_out() -> None:
+    now = [0.0]
+    store = ResponseStore(max_entries=2, ttl_s=10.0, clock=lambda: now[0])
+    store.put("a", _entry("a"))
+    store.put("b", _entry("b"))
+    assert store.get("a") is not None  # a is now the most recent
+    store.put("c", _entry("c"))
+    assert store.get("b") is None and len(store) == 2
+    now[0] = 5.0
+    store.put("d", _entry("d"))  # evicts a: c was stored after a was last read
+    assert {k for k in "acd" if store.get(k) is not None} == {"c", "d"}
+    now[0] = 10.0  # c (stored at 0) is 10 s old: gone; d stays
+    assert store.get("c") is None and store.get("d") is not None
+    assert store.delete("d") and not store.delete("d") and len(store) == 0
+
+
+def test_output_items_hold_whitespace_and_keep_the_written_order() -> None:
+    items = OutputItems()
+    call = ToolCall("call_1", "f", "{}")
+    events = items.feed(StreamDelta(content="\n "))
+    assert events == []
+    events = items.feed(StreamDelta(reasoning="hmm", tool_calls=[ToolCallDelta(0, call)]))
+    events += items.finish(incomplete=False)
+    assert [i["type"] for i in items.items] == ["reasoning", "function_call"]
+    assert items.items[0]["content"] == [{"type": "reasoning_text", "text": "hmm"}]
+    for event in events:
+        EVENT.validate_python({**event, "sequence_number": 0})
+    only_space = OutputItems()
+    only_space.feed(StreamDelta(content="  "))
+    only_space.finish(incomplete=True)
+    assert only_space.items[0]["content"][0]["text"] == "  " and only_space.items[0]["status"] == "incomplete"
