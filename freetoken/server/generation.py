@@ -39,6 +39,7 @@ class ChoiceSpec:
     params: SamplingParams
     eos_ids: frozenset[int]
     boundaries: tuple[int, ...] = ()
+    include_stop: bool = False  # `no_stop_trim`: a matched stop string stays at the end of the text
 
 
 @dataclass
@@ -100,7 +101,8 @@ async def run_choice(client: EngineClient, spec: ChoiceSpec, tokenizer: Tokenize
     client before the first piece."""
     params = spec.params
     detok = IncrementalDetokenizer(
-        tokenizer, skip_special_tokens=params.skip_special_tokens, stop=params.stop, context_ids=spec.prompt_ids[-_CONTEXT_IDS:]
+        tokenizer, skip_special_tokens=params.skip_special_tokens, stop=params.stop, include_stop_string=spec.include_stop,
+        context_ids=spec.prompt_ids[-_CONTEXT_IDS:],
     )
     stream = client.generate(spec.rid, spec.prompt_ids, params, eos_ids=spec.eos_ids, boundaries=spec.boundaries)
     finished = False

@@ -103,7 +103,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     eos = frozenset(ctx.tokenizer.stop_ids)
     specs = [
         ChoiceSpec(
-            j, engine_rid(request_id, response_id, j), ids, base if base.seed is None or j == 0 else replace(base, seed=base.seed + j), eos, boundaries
+            j, engine_rid(request_id, response_id, j), ids, base if base.seed is None or j == 0 else replace(base, seed=base.seed + j), eos, boundaries,
+            include_stop=bool(req.no_stop_trim),
         )
         for j in range(n)
     ]

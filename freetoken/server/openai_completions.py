@@ -111,7 +111,8 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
     for p, ids in enumerate(prompts):
         for j in range(n):
             params = base if base.seed is None or j == 0 else replace(base, seed=base.seed + j)
-            specs.append(ChoiceSpec(p * n + j, engine_rid(request_id, response_id, p * n + j), ids, params, eos))
+            rid = engine_rid(request_id, response_id, p * n + j)
+            specs.append(ChoiceSpec(p * n + j, rid, ids, params, eos, include_stop=bool(req.no_stop_trim)))
     tally = Tally([len(ids) for ids in prompts], [s.index // n for s in specs])
     pieces = merge([run_choice(ctx.client, spec, ctx.tokenizer) for spec in specs])
     created = int(time.time())

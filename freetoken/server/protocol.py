@@ -51,6 +51,25 @@ class _Sampling(_Strict):
     user: str | None = None  # accepted and unused, as OpenAI documents it (an end-user id)
     logit_bias: dict[str, float] | None = None  # known, not implemented
     response_format: dict[str, Any] | None = None  # -> SamplingParams.grammar (response_format.py)
+    # -- fields sglang-router and vllm-router add to every body they forward (docs/scale-out.md) --
+    # `no_stop_trim` is honoured (true: a matched stop string stays at the end of the text); the
+    # others are accepted at the value that describes what this server does (`router_defaults`),
+    # any other value is a 400 naming the field.
+    no_stop_trim: bool | None = None
+    return_hidden_states: bool | None = None
+
+    def router_defaults(self) -> dict[str, bool]:
+        return {"return_hidden_states": False}
+
+    def refuse_router_values(self) -> None:
+        for name, supported in self.router_defaults().items():
+            value = getattr(self, name)
+            if value is not None and value != supported:
+                raise bad_request(
+                    f"'{name}': {str(value).lower()} is not supported by this server (only {str(supported).lower()})",
+                    param=name, code="unsupported_parameter",
+                )
+    # -- end of the router fields --
 
     def unimplemented_fields(self) -> tuple[str, ...]:
         return ("logit_bias",)
@@ -77,6 +96,7 @@ class _Sampling(_Strict):
 
     def check_common(self) -> None:
         self.refuse_unimplemented()
+        self.refuse_router_values()
         if not 1 <= self.num_choices <= MAX_N:
             raise bad_request(f"n must be in [1, {MAX_N}], got {self.n}", param="n")
         if self.seed is not None and not 0 <= self.seed < 2**63:
@@ -183,6 +203,18 @@ class ChatCompletionRequest(_Sampling):
     metadata: dict[str, Any] | None = None
     store: bool | None = None
     service_tier: str | None = None
+    # -- router fields (see _Sampling): reasoning is split out by --reasoning-parser, always --
+    continue_final_message: bool | None = None
+    separate_reasoning: bool | None = None  # sglang-router
+    stream_reasoning: bool | None = None  # sglang-router
+    include_reasoning: bool | None = None  # vllm-router
+
+    def router_defaults(self) -> dict[str, bool]:
+        return {
+            "return_hidden_states": False, "continue_final_message": False,
+            "separate_reasoning": True, "stream_reasoning": True, "include_reasoning": True,
+        }
+    # -- end of the router fields --
 
     def unimplemented_fields(self) -> tuple[str, ...]:
         return _CHAT_UNIMPLEMENTED
