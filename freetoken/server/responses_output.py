@@ -8,8 +8,9 @@ and each step yields the Responses stream events of the published sequence
 `.done`, `response.content_part.done`, `response.output_item.done`), without sequence numbers
 (the stream adds them). The non-streamed route feeds the whole parse through the same object, so
 both paths give the same items. Whitespace written before any message or call is held back and
-only becomes a message when nothing else was written. Tool calls arrive whole from the parser, so
-a call's arguments go out as one delta. Also owns `response_body` and `usage`, the `response`
+only becomes a message when nothing else was written. A call's arguments go out as the parser
+gives them: fragment by fragment where it streams them, else whole in one delta; a call item stays
+open until the next item starts or the output ends. Also owns `response_body` and `usage`, the `response`
 object's fields. It knows nothing of HTTP or the engine.
 """
 
@@ -31,8 +32,9 @@ def new_id(prefix: str) -> str:
 class OutputItems:
     def __init__(self) -> None:
         self.items: list[dict[str, Any]] = []
-        self._open: dict[str, Any] | None = None  # the reasoning or message item being written
+        self._open: dict[str, Any] | None = None  # the reasoning, message or function_call item being written
         self._held = ""  # whitespace not yet inside a message
+        self._call_index = -1  # the parser's index of the open function_call item
 
     def feed(self, delta: StreamDelta) -> list[Event]:
         events: list[Event] = []
@@ -45,8 +47,11 @@ class OutputItems:
             else:
                 self._held += delta.content
         for d in delta.tool_calls:
-            events += self._close("completed")
-            events += self._call(d.call)
+            if d.first or not self._is_open("function_call") or self._call_index != d.index:
+                events += self._close("completed")
+                events += self._open_call(d.call)
+                self._call_index = d.index
+            events += self._arguments(d.call.arguments)
         return events
 
     def finish(self, incomplete: bool) -> list[Event]:
@@ -57,10 +62,6 @@ class OutputItems:
             events += self._write("message", self._held)
             self._held = ""
         return events + self._close(status)
-
-    @property
-    def has_calls(self) -> bool:
-        return any(item["type"] == "function_call" for item in self.items)
 
     def _is_open(self, kind: str) -> bool:
         return self._open is not None and self._open["type"] == kind
@@ -103,8 +104,15 @@ class OutputItems:
             return []
         self._open = None
         item["status"] = status
+        index = len(self.items) - 1
+        if item["type"] == "function_call":
+            head = {"item_id": item["id"], "output_index": index}
+            return [
+                {"type": "response.function_call_arguments.done", **head, "name": item["name"], "arguments": item["arguments"]},
+                {"type": "response.output_item.done", "output_index": index, "item": item},
+            ]
         part = item["content"][0]
-        head = {"item_id": item["id"], "output_index": len(self.items) - 1, "content_index": 0}
+        head = {"item_id": item["id"], "output_index": index, "content_index": 0}
         if item["type"] == "message":
             done: Event = {"type": "response.output_text.done", **head, "text": part["text"], "logprobs": []}
         else:
@@ -112,21 +120,21 @@ class OutputItems:
         return [
             done,
             {"type": "response.content_part.done", **head, "part": part},
-            {"type": "response.output_item.done", "output_index": head["output_index"], "item": item},
-        ]
-
-    def _call(self, call: ToolCall) -> list[Event]:
-        item = {"id": new_id("fc"), "type": "function_call", "status": "in_progress", "call_id": call.id, "name": call.name, "arguments": ""}
-        self.items.append(item)
-        index = len(self.items) - 1
-        events: list[Event] = [{"type": "response.output_item.added", "output_index": index, "item": dict(item)}]
-        item["arguments"], item["status"] = call.arguments, "completed"
-        head = {"item_id": item["id"], "output_index": index}
-        return events + [
-            {"type": "response.function_call_arguments.delta", **head, "delta": call.arguments},
-            {"type": "response.function_call_arguments.done", **head, "name": call.name, "arguments": call.arguments},
             {"type": "response.output_item.done", "output_index": index, "item": item},
         ]
+
+    def _open_call(self, call: ToolCall) -> list[Event]:
+        item = {"id": new_id("fc"), "type": "function_call", "status": "in_progress", "call_id": call.id, "name": call.name, "arguments": ""}
+        self.items.append(item)
+        self._open = item
+        return [{"type": "response.output_item.added", "output_index": len(self.items) - 1, "item": dict(item)}]
+
+    def _arguments(self, text: str) -> list[Event]:
+        item = self._open
+        if item is None or not text:
+            return []
+        item["arguments"] += text
+        return [{"type": "response.function_call_arguments.delta", "item_id": item["id"], "output_index": len(self.items) - 1, "delta": text}]
 
 
 def usage(input_tokens: int, output_tokens: int, cached_tokens: int) -> dict[str, Any]:

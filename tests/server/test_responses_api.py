@@ -275,6 +275,16 @@ def test_output_items_hold_whitespace_and_keep_the_written_order() -> None:
     assert items.items[0]["content"] == [{"type": "reasoning_text", "text": "hmm"}]
     for event in events:
         EVENT.validate_python({**event, "sequence_number": 0})
+    split = OutputItems()  # a parser that streams arguments: fragments of one call, then text
+    events = split.feed(StreamDelta(tool_calls=[ToolCallDelta(0, ToolCall("call_2", "f", '{"a"'))]))
+    events += split.feed(StreamDelta(content=" ", tool_calls=[ToolCallDelta(0, ToolCall("call_2", "f", ": 1}"), first=False)]))
+    events += split.feed(StreamDelta(content="ok"))
+    events += split.finish(incomplete=False)
+    assert [(i["type"], i.get("arguments")) for i in split.items] == [("function_call", '{"a": 1}'), ("message", None)]
+    assert split.items[1]["content"][0]["text"] == " ok"
+    types = [e["type"] for e in events]
+    assert types.count("response.function_call_arguments.delta") == 2
+    assert types.index("response.function_call_arguments.done") < types.index("response.output_text.delta")
     only_space = OutputItems()
     only_space.feed(StreamDelta(content="  "))
     only_space.finish(incomplete=True)
