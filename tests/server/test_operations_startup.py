@@ -1,0 +1,83 @@
+"""`ft serve` start-up as an operator meets it: a configuration the model's metadata already
+refuses exits 2 with one line naming the flag before any engine process starts (no weights are
+loaded), and a model whose weights cannot load exits 1 soon after the supervisor gives up, with
+no child process left behind. Deadlines are generous hang guards, nothing is timed."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+from serving import free_port
+
+from freetoken.config import EngineConfig
+from freetoken.errors import ConfigError
+from freetoken.server.preflight import ModelFacts, facts_from_gguf, facts_from_hf, preflight
+
+ROOT = Path(__file__).resolve().parents[2]
+HANG_GUARD_S = 120
+
+
+def serve(model: str, *flags: str, timeout: float = HANG_GUARD_S) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "freetoken.cli", "serve", "--model", model, "--port", str(free_port()),
+           "--threads", "1", "--dtype", "float32", *flags]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def test_floor_refusal_exits_2_before_any_engine_starts(tiny_gemma_dir: Path) -> None:
+    out = serve(str(tiny_gemma_dir), "--max-running-requests", "8", "--swa-full-tokens-ratio", "0.001")
+    assert out.returncode == 2, out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("ft serve: error:")]
+    assert len(errors) == 1 and "below its floor" in errors[0] and "--swa-full-tokens-ratio" in errors[0], out.stderr
+    assert "engine process" not in out.stderr and "loading" not in out.stderr, out.stderr  # no engine, no weights
+
+
+def test_contradictory_flags_exit_2_naming_them(tiny_gemma_dir: Path) -> None:
+    out = serve(str(tiny_gemma_dir), "--swa-full-tokens-ratio", "0.5", "--swa-pool-tokens", "4096")
+    assert out.returncode == 2 and "--swa-full-tokens-ratio and --swa-pool-tokens" in out.stderr, out.stderr
+    out = serve(str(tiny_gemma_dir), "--engine-hang-timeout", "0.1")
+    assert out.returncode == 2 and "--engine-hang-timeout" in out.stderr, out.stderr
+
+
+def test_unloadable_weights_exit_1_after_giving_up(tiny_gemma_dir: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_gemma_dir, broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "freetoken.cli", "serve", "--model", str(broken), "--port", str(free_port()), "--threads", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+    )
+    ps = psutil.Process(proc.pid)
+    try:
+        log, _ = proc.communicate(timeout=HANG_GUARD_S)  # it used to run forever here
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, log
+    assert "giving up" in log and "ft serve: error:" in log and "not restarting" in log, log
+    with pytest.raises(psutil.NoSuchProcess):
+        ps.children()  # the process is gone, and its engine with it (the engine died first)
+
+
+def test_preflight_reads_facts_from_metadata() -> None:
+    gguf = {"general.architecture": "gemma3", "gemma3.context_length": 32768, "gemma3.attention.sliding_window": 512}
+    assert facts_from_gguf(gguf) == ModelFacts(32768, 512)
+    assert facts_from_gguf({"general.architecture": "llama", "llama.context_length": 4096}) == ModelFacts(4096, None)
+    assert facts_from_hf({"model_type": "gemma3", "text_config": {"max_position_embeddings": 8192, "sliding_window": 64}}) == ModelFacts(8192, 64)
+    assert facts_from_hf({"model_type": "llama", "max_position_embeddings": 4096}) == ModelFacts(4096, None)
+    full_only = {"model_type": "gemma3_text", "layer_types": ["full_attention"] * 2, "sliding_window": 64}
+    assert facts_from_hf(full_only) == ModelFacts(131_072, None)
+
+
+def test_preflight_refuses_what_the_engine_would() -> None:
+    facts = ModelFacts(32768, 512)
+    resolved = preflight(EngineConfig(max_running_requests=4), facts)
+    assert resolved.swa_pages is not None and resolved.swa_floor is not None and resolved.swa_pages >= resolved.swa_floor
+    with pytest.raises(ConfigError, match="below its floor"):
+        preflight(EngineConfig(max_running_requests=8, swa_full_tokens_ratio=0.001), facts)
+    with pytest.raises(ConfigError, match="--cache-type swa_radix"):
+        preflight(EngineConfig(cache_type="swa_radix"), ModelFacts(4096, None))
