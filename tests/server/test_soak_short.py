@@ -1,0 +1,50 @@
+"""`benchmarks/soak.py`, short: a few seconds of concurrent tool-calling conversations on the tiny
+sliding-window model (--debug-kv, so every step is audited), then the soak's own verdict: no
+request error, no violation, no restart, balanced pools at idle, RSS within its bound, and a
+drained exit 0. Also checks that the CSV and JSON it writes carry what the plot needs."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def soak_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tiny_models import write_tiny_model
+
+    return write_tiny_model("gemma3", tmp_path_factory.mktemp("soak_short_model") / "tiny-gemma", max_position_embeddings=4096)
+
+
+def test_short_soak_passes(soak_model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "soak"
+    cmd = [
+        sys.executable, "benchmarks/soak.py", "--model", str(soak_model), "--duration", "6", "--warmup", "2", "--interval", "1",
+        "--conversations", "3", "--turns", "4", "--max-tokens", "90", "--system-sentences", "3", "--threads", "1",
+        "--max-rss-growth-mb", "64", "--out", str(out),
+        "--serve-arg=--dtype", "--serve-arg=float32", "--serve-arg=--page-size", "--serve-arg=4",
+        "--serve-arg=--num-tokens", "--serve-arg=8192", "--serve-arg=--debug-kv",
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads((out / "soak.json").read_text())
+    assert summary["passed"] and summary["errors"] == 0 and summary["serve_exit_code"] == 0, summary
+    assert summary["requests"] > 0 and summary["tool_calls"] > 0 and summary["cached_tokens"] > 0, summary
+    with open(out / "soak.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) >= 5
+    for column in ("rss_total_mb", "full_free", "full_cached", "full_in_use", "swa_in_use", "violations", "errors", "heartbeat_max_gap_s"):
+        assert rows[-1][column] != "", column
+    assert int(rows[-1]["full_in_use"]) == 0 and int(rows[-1]["violations"]) == 0
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (out / "soak.png").stat().st_size > 0
