@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
 STATUS_TIMEOUT_S = 10.0
 UNPREFIXED_EXCLUDED = ("/v1/messages", "/v1/cache", "/v1/tokenize", "/v1/detokenize")  # not OpenAI routes
+OPEN_PATHS = ("/health", "/metrics")  # with --unprefixed-routes, every other path needs the key
 KEYED_PREFIXES = ("/v1", "/admin")  # paths that need the API key (when one is set)
 
 
@@ -109,7 +110,6 @@ def build_app(ctx: ServingContext, *, manage_client: bool = True) -> FastAPI:
 
     app = FastAPI(title="FreeToken", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
-    unprefixed: set[str] = set()  # the OpenAI routes' paths without /v1 (--unprefixed-routes), keyed too
 
     async def on_http(request: Request, exc: Exception) -> Response:
         err = http_error(request, exc)
@@ -122,7 +122,8 @@ def build_app(ctx: ServingContext, *, manage_client: bool = True) -> FastAPI:
     @app.middleware("http")
     async def check_api_key(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
         key = ctx.config.api_key
-        if key is not None and request.url.path.startswith(KEYED_PREFIXES) or request.url.path in unprefixed
+        path = request.url.path
+        keyed = path.startswith(KEYED_PREFIXES) or (ctx.config.unprefixed_routes and path not in OPEN_PATHS)
         if key is not None and keyed and not _authorized(request, key):
             err = APIError(
                 401, "a valid API key is required: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'", code="invalid_api_key"
@@ -298,7 +299,6 @@ def build_app(ctx: ServingContext, *, manage_client: bool = True) -> FastAPI:
             if isinstance(route, APIRoute) and route.path.startswith("/v1/") and not route.path.startswith(UNPREFIXED_EXCLUDED):
                 path = route.path.removeprefix("/v1")
                 app.add_api_route(path, route.endpoint, methods=list(route.methods), include_in_schema=False)
-                unprefixed.add(path)
     app.state.serving = ctx
     log.debug("app built for %s (alias %r)", ctx.served_name, DEFAULT_MODEL_ALIAS)
     return app

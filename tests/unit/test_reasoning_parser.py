@@ -1,0 +1,43 @@
+"""The `<think>` reasoning split: whole and streamed in every chunking give the same result,
+reasoning opened in the prompt, markers split across deltas, unclosed reasoning, plain output,
+and detection from the template or vocabulary."""
+
+from __future__ import annotations
+
+import pytest
+
+from freetoken.tokenizer.reasoning import ThinkStream, detect_reasoning_parser, split_reasoning
+
+CASES = [
+    ("<think>\nLet me see.\n</think>\n\nParis.", False, ("Let me see.", "Paris.")),
+    ("  <think>a  b</think>c", False, ("a  b", "c")),
+    ("Plain answer <think> not reasoning", False, ("", "Plain answer <think> not reasoning")),
+    ("\nsteps 1 and 2\n</think>\n\nDone", True, ("steps 1 and 2", "Done")),
+    ("<think>cut off mid thou", False, ("cut off mid thou", "")),
+    ("<thi", False, ("", "<thi")),
+    ("<think></think>", False, ("", "")),
+    ("reasoning only", True, ("reasoning only", "")),
+    ("<think>x</think>y <think>z</think>", False, ("x", "y <think>z</think>")),
+]
+
+
+@pytest.mark.parametrize(("text", "opened", "expected"), CASES)
+def test_whole_and_every_chunking_agree(text: str, opened: bool, expected: tuple[str, str]) -> None:
+    assert split_reasoning(text, in_reasoning=opened) == expected
+    for size in (1, 2, 3, 5):
+        stream = ThinkStream(in_reasoning=opened)
+        parts = [stream.feed(text[i : i + size]) for i in range(0, len(text), size)] + [stream.finish()]
+        assert ("".join(r for r, _ in parts), "".join(c for _, c in parts)) == expected, size
+
+
+def test_reasoning_streams_before_the_end_marker() -> None:
+    stream = ThinkStream(in_reasoning=False)
+    assert stream.feed("<think>first") == ("first", "")
+    assert stream.feed(" second </th") == (" second", "")  # the marker's start and the trailing space wait
+    assert stream.feed("ink>answer") == ("", "answer")
+
+
+def test_detection() -> None:
+    assert detect_reasoning_parser(chat_template="{{ '<think>' }}...</think>", tokens=[]) == "think"
+    assert detect_reasoning_parser(chat_template=None, tokens=["<|im_start|>", "</think>"]) == "think"
+    assert detect_reasoning_parser(chat_template="<|im_start|>", tokens=["<|im_start|>"]) is None
