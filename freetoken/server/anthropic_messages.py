@@ -2,7 +2,8 @@
 
 Owns the Anthropic response bodies (`message` objects, `usage` with `cache_read_input_tokens` =
 the prefix-cache hit, `stop_reason` from the engine's finish and the matched stop string, or
-`tool_use`) and the event stream in Anthropic's order: `message_start`, then per content block
+`tool_use`; `thinking` blocks first when the request asked to think and the model reasoned) and
+the event stream in Anthropic's order: `message_start`, then per content block
 `content_block_start`, `content_block_delta`..., `content_block_stop` (one `ping` right after the
 first start), `message_delta`, `message_stop`; a failure after the stream started is one
 `event: error` and the stream ends. Conversations, tools included, are rendered through the same
@@ -43,8 +44,8 @@ def render_conversation(ctx: ServingContext, req: Conversation) -> tuple[list[in
     """Prompt ids and message boundaries of an Anthropic conversation with its tools, and the
     request's tool handling (sampling changes, parsing)."""
     messages = req.chat_messages()
-    tooling = ToolCalling(ctx, req.tool_options())
-    ids, boundaries = render_chat(ctx.tokenizer, *tooling.template_inputs(messages))
+    tooling = ToolCalling(ctx, req.tool_options(), thinking=bool(req.wants_thinking()))
+    ids, boundaries = render_chat(ctx.tokenizer, *tooling.template_inputs(messages), tooling.template_context())
     return ids, boundaries, tooling
 
 
@@ -79,6 +80,7 @@ async def create_message(ctx: ServingContext, req: MessagesRequest, request_id: 
     ctx.check_model(req.model)
     if req.temperature is not None and not 0.0 <= req.temperature <= MAX_TEMPERATURE:
         raise bad_request(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {req.temperature}", param="temperature")
+    req.check_thread()
     params = req.sampling_params(req.max_tokens)  # range checks before anything else
     info = ctx.ready_info()
     ids, boundaries, tooling = render_conversation(ctx, req)
@@ -100,7 +102,7 @@ async def create_message(ctx: ServingContext, req: MessagesRequest, request_id: 
         return JSONResponse(
             {
                 **head,
-                "content": anthropic_content(parsed),
+                "content": anthropic_content(parsed, thinking=tooling.thinking),
                 "stop_reason": tool_stop_reason(reason, len(parsed.tool_calls)),
                 "stop_sequence": sequence,
                 "usage": usage(len(ids), result.cached_tokens, len(result.token_ids)),
@@ -147,7 +149,7 @@ async def message_events(
     try:
         start = {**head, "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage(prompt_tokens, cached, 0)}
         yield event("message_start", {"type": "message_start", "message": start})
-        parser, blocks, frame = tooling.stream(), AnthropicBlockStream(), _Framer()
+        parser, blocks, frame = tooling.stream(incremental=True), AnthropicBlockStream(thinking=bool(tooling.thinking)), _Framer()
         finish: str | None = None
         stop_string: str | None = None
         piece = first

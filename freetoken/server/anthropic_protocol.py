@@ -1,10 +1,15 @@
 """Anthropic Messages request schemas (pydantic) and their conversion to the chat-template messages.
 
 Owns what `POST /v1/messages` and `/v1/messages/count_tokens` may contain (strict types, unknown
-fields refused with a 400 naming them), the conversion of Anthropic content blocks into the
-OpenAI-style message list the chat templates render (`tool_use` -> an assistant message's
-`tool_calls`, `tool_result` -> a `tool` role message), and the Anthropic -> SamplingParams
-checks. `tools` / `tool_choice` are validated into `ToolOptions` by `tool_blocks.py`; what they do
+fields refused with a 400 naming them; the fields Claude Code and the SDK send that have no effect
+here — `context_management`, `output_config.effort`, `thread: {"type": "create"}`,
+`service_tier`, `cache_control`, `citations` — typed, then ignored), the conversion of Anthropic
+content blocks into the OpenAI-style message list the chat templates render (`tool_use` -> an
+assistant message's `tool_calls`, `tool_result` -> a `tool` role message, a replayed `thinking`
+block -> the assistant's `reasoning_content`, which templates render or drop, a `system` role
+message -> a system message in place), `thinking` (enabled / adaptive: think, where the model
+can), structured output (`output_config.format`, `output_format`) and the Anthropic ->
+SamplingParams checks. `tools` / `tool_choice` are validated into `ToolOptions` by `tool_blocks.py`; what they do
 to the prompt, the sampling and the reply is tool calling's. It does no tokenization and knows
 nothing of the engine.
 """
@@ -39,6 +44,7 @@ class TextBlock(_Strict):
     type: Literal["text"]
     text: str
     cache_control: CacheControl | None = None
+    citations: list[dict[str, Any]] | None = None  # on replayed assistant text: accepted, not rendered
 
 
 class ToolUseBlock(_Strict):
@@ -66,18 +72,37 @@ class ToolResultBlock(_Strict):
         return f"Error: {body}" if self.is_error else body
 
 
+class ThinkingBlock(_Strict):
+    """Reasoning of an earlier assistant turn, replayed: handed to the template as `reasoning_content`."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+    cache_control: CacheControl | None = None
+
+
+class RedactedThinkingBlock(_Strict):
+    """Encrypted reasoning of another server: nothing to render, dropped."""
+
+    type: Literal["redacted_thinking"]
+    data: str
+
+
 class UnsupportedBlock(BaseModel):
     """A block type Anthropic defines that this server does not take; refused by name."""
 
     model_config = ConfigDict(extra="allow")
-    type: Literal["image", "document", "thinking", "redacted_thinking", "search_result", "server_tool_use", "web_search_tool_result"]
+    type: Literal["image", "document", "search_result", "server_tool_use", "web_search_tool_result"]
 
 
-Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | UnsupportedBlock, Field(discriminator="type")]
+Block = Annotated[
+    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock | UnsupportedBlock,
+    Field(discriminator="type"),
+]
 
 
 class AnthropicMessage(_Strict):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # system: Claude Code's mid-conversation system messages
     content: str | list[Block]
 
 
@@ -89,6 +114,53 @@ class ThinkingDisabled(_Strict):
     type: Literal["disabled"]
 
 
+MIN_THINKING_BUDGET = 1024  # Anthropic's smallest budget_tokens
+
+
+class ThinkingEnabled(_Strict):
+    """Think first, where the model can. `budget_tokens` is checked, not enforced: reasoning
+    counts against max_tokens."""
+
+    type: Literal["enabled"]
+    budget_tokens: int
+    display: Literal["summarized", "omitted"] | None = None
+
+
+class ThinkingAdaptive(_Strict):
+    type: Literal["adaptive"]
+    display: Literal["summarized", "omitted"] | None = None
+
+
+Thinking = Annotated[ThinkingDisabled | ThinkingEnabled | ThinkingAdaptive, Field(discriminator="type")]
+
+
+class JsonOutputFormat(_Strict):
+    """Structured output: the reply's text is JSON valid against `schema` (through the grammar)."""
+
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Strict):
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None  # accepted and ignored
+    format: JsonOutputFormat | None = None
+
+
+class ContextManagement(_Strict):
+    """Server-side context edits (clearing old tool results or thinking): accepted and ignored;
+    the client's conversation is rendered as sent."""
+
+    edits: list[dict[str, Any]] | None = None
+
+
+class Thread(_Strict):
+    """The SDK tool runner's `{"type": "create"}`: accepted and ignored (nothing is kept here, the
+    response is unchanged). `continue` needs server-held state and is refused."""
+
+    type: Literal["create", "continue"]
+    previous_message_id: str | None = None
+
+
 class Conversation(_Strict):
     """Fields shared by /v1/messages and /v1/messages/count_tokens."""
 
@@ -97,8 +169,30 @@ class Conversation(_Strict):
     system: str | list[TextBlock] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
-    thinking: ThinkingDisabled | None = None  # extended thinking is not implemented: only "disabled"
+    thinking: Thinking | None = None
     cache_control: CacheControl | None = None  # automatic caching: accepted, the prefix cache always is
+    context_management: ContextManagement | None = None
+    output_config: OutputConfig | None = None
+    output_format: JsonOutputFormat | None = None  # the older beta spelling of output_config.format
+
+    def wants_thinking(self) -> bool | None:
+        """True for enabled / adaptive, False for disabled, None when not said (Anthropic's
+        default: no thinking)."""
+        if self.thinking is None:
+            return None
+        if isinstance(self.thinking, ThinkingEnabled) and self.thinking.budget_tokens < MIN_THINKING_BUDGET:
+            raise bad_request(
+                f"thinking.budget_tokens must be at least {MIN_THINKING_BUDGET}, got {self.thinking.budget_tokens}",
+                param="thinking.budget_tokens",
+            )
+        return not isinstance(self.thinking, ThinkingDisabled)
+
+    def output_grammar(self) -> tuple[str, str] | None:
+        """The grammar of `output_config.format` / `output_format` (one of them, or both the same)."""
+        formats = [f for f in (self.output_config.format if self.output_config else None, self.output_format) if f is not None]
+        if len(formats) == 2 and formats[0].schema_ != formats[1].schema_:
+            raise bad_request("output_format and output_config.format disagree; send one", param="output_format")
+        return ("json_schema", json.dumps(formats[0].schema_)) if formats else None
 
     def chat_messages(self) -> list[dict[str, Any]]:
         """The conversation as chat-template messages (system first)."""
@@ -130,6 +224,15 @@ class MessagesRequest(Conversation):
     top_p: float | None = None
     top_k: int | None = None
     metadata: Metadata | None = None
+    service_tier: Literal["auto", "standard_only"] | None = None  # accepted and ignored
+    thread: Thread | None = None
+
+    def check_thread(self) -> None:
+        if self.thread is not None and self.thread.type == "continue":
+            raise bad_request(
+                "thread.type 'continue' needs server-held conversation state, which this server does not keep; send the whole conversation",
+                param="thread.type",
+            )
 
     def stop_strings(self) -> tuple[str, ...]:
         stops = list(self.stop_sequences or ())
@@ -148,6 +251,7 @@ class MessagesRequest(Conversation):
             top_k=0 if self.top_k is None else self.top_k,
             stop=self.stop_strings(),
             skip_special_tokens=True,
+            grammar=self.output_grammar(),
         )
         try:
             params.validate()
@@ -159,12 +263,15 @@ class MessagesRequest(Conversation):
 def convert_message(message: AnthropicMessage, where: str) -> list[dict[str, Any]]:
     """One Anthropic message as chat-template messages, in block order: runs of text blocks become
     one message of the role; a user's `tool_result` becomes a `tool` message; an assistant's
-    `tool_use` blocks become its `tool_calls` (OpenAI style, arguments as a JSON string)."""
+    `tool_use` blocks become its `tool_calls` (OpenAI style, arguments as a JSON string) and its
+    `thinking` blocks its `reasoning_content`; `redacted_thinking` is dropped. A `system` message
+    holds text only."""
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
     out: list[dict[str, Any]] = []
     texts: list[str] = []
     calls: list[dict[str, Any]] = []
+    thoughts: list[str] = []
 
     def flush_text() -> None:
         if texts:
@@ -175,8 +282,15 @@ def convert_message(message: AnthropicMessage, where: str) -> list[dict[str, Any
         param = f"{where}.content[{j}]"
         if isinstance(block, UnsupportedBlock):
             raise bad_request(f"content blocks of type '{block.type}' are not supported by this server", param=param)
+        if message.role == "system" and not isinstance(block, TextBlock):
+            raise bad_request("system messages hold text blocks only", param=param)
         if isinstance(block, TextBlock):
             texts.append(block.text)
+        elif isinstance(block, (ThinkingBlock, RedactedThinkingBlock)):
+            if message.role != "assistant":
+                raise bad_request(f"{block.type} blocks belong in assistant messages", param=param)
+            if isinstance(block, ThinkingBlock) and block.thinking:
+                thoughts.append(block.thinking)
         elif isinstance(block, ToolUseBlock):
             if message.role != "assistant":
                 raise bad_request("tool_use blocks belong in assistant messages", param=param)
@@ -189,12 +303,13 @@ def convert_message(message: AnthropicMessage, where: str) -> list[dict[str, Any
             flush_text()
             out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text()})
     if message.role == "assistant":
-        if texts or calls or not out:
+        if texts or calls or thoughts or not out:
             entry: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
             if calls:
                 entry["tool_calls"] = calls
+            if thoughts:
+                entry["reasoning_content"] = "\n".join(thoughts)
             out.append(entry)
     else:
         flush_text()
     return out
-

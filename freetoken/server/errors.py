@@ -79,17 +79,45 @@ def _param_path(loc: Sequence[int | str]) -> str | None:
     return out or None
 
 
-def from_validation_errors(errors: Sequence[Any]) -> APIError:
+def _body_path(loc: Sequence[int | str], body: Any, missing: bool) -> tuple[int | str, ...]:
+    """The location of an error inside the request body: pydantic's union branch labels (a type
+    name such as `list[TextPart]`, or the tag of a tagged union, which equals the object's
+    `type`) are dropped by walking the body along the location; only a `missing` error ends in a
+    key the body does not have."""
+    path: list[int | str] = []
+    node = body
+    for k, part in enumerate(loc):
+        last = k == len(loc) - 1
+        if isinstance(node, dict) and not last and node.get("type") == part:
+            continue  # a tagged-union label
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+        elif not (last and missing and isinstance(node, dict)):
+            continue  # a union branch label
+        path.append(part)
+    return tuple(path)
+
+
+def from_validation_errors(errors: Sequence[Any], body: Any = None) -> APIError:
     """The first pydantic error as a 400 that names its field. A union field that matched no
-    branch yields one error per branch (their locations carry the branch labels); they are named
-    by the longest location they share."""
+    branch yields one error per branch: given the request `body`, the branch that got deepest into
+    it names the field; otherwise they are named by the longest location they share."""
     if not errors:
         return bad_request("invalid request")
     locs = [tuple(p for p in e.get("loc", ()) if p != "body") for e in errors]
-    first = errors[0]
-    group = [loc for loc in locs if loc[:1] == locs[0][:1]]
-    shared = locs[0]
-    for loc in group[1:]:
+    if body is not None:
+        locs = [_body_path(loc, body, e.get("type") == "missing") for loc, e in zip(locs, errors)]
+    group = [(loc, e) for loc, e in zip(locs, errors) if loc[:1] == locs[0][:1]]
+    if body is not None and len(group) > 1:
+        deepest = max(len(loc) for loc, _ in group)
+        deep = [(loc, e) for loc, e in group if len(loc) == deepest]
+        if len({loc for loc, _ in deep}) == 1 and deepest > min(len(loc) for loc, _ in group):
+            group = deep[:1]
+    first = group[0][1]
+    shared = group[0][0]
+    for loc, _ in group[1:]:
         n = 0
         while n < min(len(shared), len(loc)) and shared[n] == loc[n]:
             n += 1
@@ -106,8 +134,21 @@ def from_validation_errors(errors: Sequence[Any]) -> APIError:
     return bad_request(f"{param}: {message}" if param else message, param=param, code="invalid_value")
 
 
-def from_pydantic(err: ValidationError) -> APIError:
-    return from_validation_errors(err.errors(include_url=False))
+def from_pydantic(err: ValidationError, body: Any = None) -> APIError:
+    return from_validation_errors(err.errors(include_url=False), body)
+
+
+def http_error(request: Request, exc: Exception) -> APIError:
+    """A routing failure as an APIError: an unknown path or method says that the route does not exist."""
+    status = getattr(exc, "status_code", 500)
+    detail = getattr(exc, "detail", None)
+    route = f"{request.method} {request.url.path}"
+    if status == 404 and detail == "Not Found":
+        return APIError(404, f"Invalid URL ({route}): this route does not exist", code="not_found")
+    if status == 405:
+        return APIError(405, f"Invalid method ({route}): this route does not take {request.method}", code="method_not_allowed")
+    message = detail if isinstance(detail, str) else "error"
+    return APIError(status, message, headers=getattr(exc, "headers", None))
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -122,11 +163,8 @@ def install_error_handlers(app: FastAPI) -> None:
         errors = exc.errors() if isinstance(exc, RequestValidationError) else []
         return from_validation_errors(errors).response()
 
-    async def on_http(_: Request, exc: Exception) -> JSONResponse:
-        status = getattr(exc, "status_code", 500)
-        detail = getattr(exc, "detail", None)
-        message = detail if isinstance(detail, str) else "error"
-        return APIError(status, message, headers=getattr(exc, "headers", None)).response()
+    async def on_http(request: Request, exc: Exception) -> JSONResponse:
+        return http_error(request, exc).response()
 
     async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error in a request", exc_info=exc)

@@ -23,6 +23,7 @@ from freetoken.server.generation import ChoiceSpec, Clock, Piece, collect, first
 from freetoken.server.protocol import ChatCompletionRequest, check_context, check_max_tokens
 from freetoken.server.request_hygiene import engine_rid
 from freetoken.server.streaming import Tally, record, sse_response, sse_stream
+from freetoken.server.system_messages import fold_system_messages
 from freetoken.server.tool_calling import ToolCalling, finish_reason, openai_delta, openai_message, openai_tool_options
 from freetoken.tokenizer import ChatTemplateError, NoChatTemplate, Tokenizer
 
@@ -31,12 +32,18 @@ MAX_BOUNDARY_MESSAGES = 256  # past this many messages, boundaries are not compu
 
 
 def render_chat(
-    tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    tokenizer: Tokenizer,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    extra_context: dict[str, Any] | None = None,
 ) -> tuple[list[int], tuple[int, ...]]:
     """Prompt ids of the conversation and the token offset where each message ends (where that is
-    a token edge of the full prompt; a template that renders a prefix differently gives none)."""
+    a token edge of the full prompt; a template that renders a prefix differently gives none).
+    System messages past the start are fitted to the template first (`fold_system_messages`);
+    `extra_context` adds template variables (`ToolCalling.template_context`)."""
+    messages = fold_system_messages(tokenizer, messages)
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools, extra_context=extra_context)
     except NoChatTemplate:
         raise bad_request(
             "this model has no chat template and none is built in for its architecture; start the server with "
@@ -54,7 +61,7 @@ def render_chat(
     boundaries: list[int] = []
     for k in range(1, len(messages) + 1):
         try:
-            prefix = tokenizer.apply_chat_template(messages[:k], add_generation_prompt=False, tools=tools)
+            prefix = tokenizer.apply_chat_template(messages[:k], add_generation_prompt=False, tools=tools, extra_context=extra_context)
         except (ChatTemplateError, NoChatTemplate):
             continue
         if text.startswith(prefix) and len(prefix) in token_end:
@@ -93,10 +100,10 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     req.sampling_params(1 if requested is None else requested, logprobs=logprobs_k)  # range checks first
     info = ctx.ready_info()
     tooling = ToolCalling(ctx, openai_tool_options(req.tools, req.tool_choice, req.parallel_tool_calls))
-    ids, boundaries = render_chat(ctx.tokenizer, *tooling.template_inputs([m.for_template() for m in req.messages]))
+    ids, boundaries = render_chat(ctx.tokenizer, *tooling.template_inputs(req.template_messages()), tooling.template_context())
     max_tokens = requested if requested is not None else info.context_length - len(ids)
     check_context(len(ids), max(max_tokens, 1), info.context_length, prompt_param="messages", max_param=max_param)
-    base = tooling.sampling(req.sampling_params(max_tokens, logprobs=logprobs_k))
+    base = tooling.sampling(req.sampling_params(max_tokens, logprobs=logprobs_k, vocab_size=info.vocab_size))
     n = req.num_choices
     ctx.check_capacity(n)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -139,7 +146,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         return out
 
     preamble = [chunk(j, {"role": "assistant", "content": ""}, None, None) for j in range(n)]
-    parsers = [tooling.stream() for _ in range(n)]
+    parsers = [tooling.stream(incremental=True) for _ in range(n)]
 
     def chunks(piece: Piece) -> list[dict[str, Any]]:
         logprobs = None

@@ -96,10 +96,10 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
     if req.logprobs is not None and not 0 <= req.logprobs <= 20:
         raise bad_request(f"logprobs must be in [0, 20], got {req.logprobs}", param="logprobs")
     echo = bool(req.echo)
-    base = req.sampling_params(
-        max_tokens, logprobs=req.logprobs, prompt_logprobs=req.logprobs if echo and req.logprobs is not None else None
-    )
+    prompt_logprobs = req.logprobs if echo and req.logprobs is not None else None
+    req.sampling_params(max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs)  # range checks first
     info = ctx.ready_info()
+    base = req.sampling_params(max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs, vocab_size=info.vocab_size)
     prompts = prompt_ids(ctx.tokenizer, req.prompt, info.vocab_size)
     for ids in prompts:
         check_context(len(ids), max_tokens, info.context_length, prompt_param="prompt", max_param="max_tokens")

@@ -1,17 +1,21 @@
 """The OpenAI request schemas (pydantic) and the checks that turn a request into SamplingParams.
 
 Owns what a completions or chat request may contain: every accepted field with its type, the
-fields the server knows but does not implement (each refused with a 400 that names it), and
-`sampling_params()`, which range-checks the sampling fields. Types are strict (a string is not a
-number, 0 is not a boolean) and unknown fields are refused. It does no tokenization and knows
-nothing of the engine; responses are built as plain dicts by the route modules.
+fields current clients send that have no effect here (typed, then ignored: `store`, `metadata`,
+`service_tier`, `reasoning_effort`, `prompt_cache_key`, `safety_identifier`, `verbosity`,
+`stream_options.include_obfuscation`, `cache_control` on a part; and the response-only keys a
+client re-sends on an assistant message), the fields the server knows but does not implement
+(each refused with a 400 that names it), and `sampling_params()`, which range-checks the
+sampling fields and `logit_bias`. Types are strict (a string is not a number, 0 is not a
+boolean) and unknown fields are refused. It does no tokenization and knows nothing of the
+engine; responses are built as plain dicts by the route modules.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from freetoken.request import SamplingParams
 from freetoken.server.errors import APIError, bad_request
@@ -27,6 +31,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = False
+    include_obfuscation: bool | None = None  # accepted and ignored: no obfuscation padding is sent
 
 
 class _Sampling(_Strict):
@@ -49,7 +54,7 @@ class _Sampling(_Strict):
     ignore_eos: bool | None = None  # extension
     skip_special_tokens: bool | None = None  # extension
     user: str | None = None  # accepted and unused, as OpenAI documents it (an end-user id)
-    logit_bias: dict[str, float] | None = None  # known, not implemented
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     response_format: dict[str, Any] | None = None  # -> SamplingParams.grammar (response_format.py)
     # -- fields sglang-router and vllm-router add to every body they forward (docs/scale-out.md) --
     # `no_stop_trim` is honoured (true: a matched stop string stays at the end of the text); the
@@ -57,6 +62,7 @@ class _Sampling(_Strict):
     # any other value is a 400 naming the field.
     no_stop_trim: bool | None = None
     return_hidden_states: bool | None = None
+    session_params: dict[str, Any] | None = None  # vllm-router keys affinity on `session_id`; ignored here
 
     def router_defaults(self) -> dict[str, bool]:
         return {"return_hidden_states": False}
@@ -72,7 +78,7 @@ class _Sampling(_Strict):
     # -- end of the router fields --
 
     def unimplemented_fields(self) -> tuple[str, ...]:
-        return ("logit_bias",)
+        return ()
 
     def refuse_unimplemented(self) -> None:
         """A field the server knows but does not implement is a 400 that names it."""
@@ -104,8 +110,11 @@ class _Sampling(_Strict):
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
 
-    def sampling_params(self, max_tokens: int, *, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
-        """Range-checked SamplingParams (a 400 naming the field when one is out of range)."""
+    def sampling_params(
+        self, max_tokens: int, *, logprobs: int | None, prompt_logprobs: int | None = None, vocab_size: int | None = None
+    ) -> SamplingParams:
+        """Range-checked SamplingParams (a 400 naming the field when one is out of range);
+        `logit_bias` ids are checked against `vocab_size` when it is given."""
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -123,6 +132,7 @@ class _Sampling(_Strict):
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=True if self.skip_special_tokens is None else self.skip_special_tokens,
             grammar=grammar_of(self.response_format),
+            logit_bias=logit_bias_pairs(self.logit_bias, vocab_size),
         )
         try:
             params.validate()
@@ -141,46 +151,94 @@ class CompletionRequest(_Sampling):
     best_of: int | None = None  # known, not implemented
 
     def unimplemented_fields(self) -> tuple[str, ...]:
-        return ("logit_bias", "suffix", "best_of")
+        return ("suffix", "best_of")
+
+
+class CacheControl(_Strict):
+    """Anthropic-style `cache_control` some clients put on OpenAI parts: accepted and unused (the
+    prefix cache is automatic)."""
+
+    type: Literal["ephemeral"]
+    ttl: str | None = None
 
 
 class TextPart(_Strict):
     type: Literal["text"]
     text: str
+    cache_control: CacheControl | None = None
 
 
-Role = Literal["system", "user", "assistant", "tool"]
+class RefusalPart(_Strict):
+    """An assistant's refusal, re-sent from an earlier response: rendered as its text."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+
+class UnsupportedPart(BaseModel):
+    """A part type OpenAI defines that this server does not take; refused by name."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["image_url", "input_audio", "file"]
+
+
+Part = Annotated[TextPart | RefusalPart | UnsupportedPart, Field(discriminator="type")]
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+class FunctionCall(_Strict):
+    """The deprecated single `function_call` of an earlier assistant turn."""
+
+    name: str
+    arguments: str
 
 
 class ChatMessage(_Strict):
     role: Role
-    content: str | list[TextPart] | None = None
+    content: str | list[Part] | None = None
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # earlier assistant turns, rendered by the template
+    function_call: FunctionCall | None = None  # earlier assistant turns of the deprecated API: a tool call
+    reasoning_content: str | None = None  # earlier reasoning (vLLM's name), handed to the template
+    reasoning: str | None = None  # the same, under the newer name
+    # response-only keys a client re-sends with an assistant message (`message.model_dump()`): ignored
+    refusal: str | None = None
+    annotations: list[dict[str, Any]] | None = None
+    audio: dict[str, Any] | None = None
 
-    def text(self) -> str:
-        """Text parts are joined with newlines."""
+    def text(self, where: str = "messages") -> str:
+        """Text parts are joined with newlines (a refusal part counts as text)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "\n".join(part.text for part in self.content)
+        texts = []
+        for j, part in enumerate(self.content):
+            if isinstance(part, UnsupportedPart):
+                param = f"{where}.content[{j}]"
+                raise bad_request(f"{param}: content parts of type '{part.type}' are not supported by this server", param=param)
+            texts.append(part.text if isinstance(part, TextPart) else part.refusal)
+        return "\n".join(texts)
 
-    def for_template(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+    def for_template(self, where: str = "messages") -> dict[str, Any]:
+        """The message as chat templates take it: `developer` is `system`, earlier reasoning is
+        `reasoning_content` (templates that render it do; the others drop it)."""
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text(where)}
         for key in ("name", "tool_call_id", "tool_calls"):
             value = getattr(self, key)
             if value is not None:
                 out[key] = value
+        if self.function_call is not None:
+            call = {"id": "call_0", "type": "function", "function": self.function_call.model_dump()}
+            out["tool_calls"] = [*out.get("tool_calls", []), call]
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning:
+            out["reasoning_content"] = reasoning
         return out
 
 
-_CHAT_UNIMPLEMENTED = (
-    "logit_bias", "functions", "function_call",
-    "audio", "modalities", "prediction", "web_search_options", "reasoning_effort", "metadata", "store",
-    "service_tier",
-)
+_CHAT_UNIMPLEMENTED = ("functions", "function_call", "audio", "modalities", "prediction", "web_search_options")
 
 
 class ChatCompletionRequest(_Sampling):
@@ -199,10 +257,14 @@ class ChatCompletionRequest(_Sampling):
     modalities: list[str] | None = None
     prediction: Any = None
     web_search_options: Any = None
-    reasoning_effort: str | None = None
-    metadata: dict[str, Any] | None = None
+    # accepted and ignored (docs/agents.md lists them): typed, so a wrong value is still a 400
     store: bool | None = None
-    service_tier: str | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
     # -- router fields (see _Sampling): reasoning is split out by --reasoning-parser, always --
     continue_final_message: bool | None = None
     separate_reasoning: bool | None = None  # sglang-router
@@ -215,6 +277,9 @@ class ChatCompletionRequest(_Sampling):
             "separate_reasoning": True, "stream_reasoning": True, "include_reasoning": True,
         }
     # -- end of the router fields --
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.for_template(f"messages[{i}]") for i, m in enumerate(self.messages)]
 
     def unimplemented_fields(self) -> tuple[str, ...]:
         return _CHAT_UNIMPLEMENTED
@@ -234,6 +299,26 @@ class ChatCompletionRequest(_Sampling):
         if not 0 <= k <= 20:
             raise bad_request(f"top_logprobs must be in [0, 20], got {k}", param="top_logprobs")
         return k
+
+
+MAX_LOGIT_BIAS = 100.0
+
+
+def logit_bias_pairs(bias: dict[str, float] | None, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `logit_bias` map as (token id, bias) pairs: keys are decimal token ids inside the
+    vocabulary, values in [-100, 100]; a 400 names the key at fault."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        param = f"logit_bias.{key}"
+        if not key.isdecimal():
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", param=param, code="invalid_value")
+        token = int(key)
+        if vocab_size is not None and token >= vocab_size:
+            raise bad_request(f"logit_bias: token id {token} is outside the vocabulary (size {vocab_size})", param=param, code="invalid_value")
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise bad_request(f"logit_bias values must be in [-100, 100], got {value} for {key}", param=param, code="invalid_value")
+        pairs.append((token, value))
+    return tuple(pairs)
 
 
 def check_max_tokens(max_tokens: int | None, param: str = "max_tokens") -> None:

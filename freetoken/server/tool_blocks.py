@@ -2,10 +2,10 @@
 
 Owns `anthropic_tool_options` (Anthropic `tools` = `{name, description, input_schema}` and
 `tool_choice` = `auto | any | tool | none`, with `disable_parallel_tool_use`, validated into
-`ToolOptions`), `anthropic_content` (a parsed output as `text` + `tool_use` blocks and its
-`stop_reason`) and `AnthropicBlockStream` (stream deltas as `content_block_start` /
-`content_block_delta` (`text_delta`, `input_json_delta`) / `content_block_stop` events, block
-indices in order). The route module frames the events; nothing here touches the engine.
+`ToolOptions`), `anthropic_content` (a parsed output as `thinking` + `text` + `tool_use` blocks
+and its `stop_reason`) and `AnthropicBlockStream` (stream deltas as `content_block_start` /
+`content_block_delta` (`thinking_delta`, `text_delta`, `input_json_delta` while a call's
+arguments are written) / `content_block_stop` events, block indices in order). The route module frames the events; nothing here touches the engine.
 """
 
 from __future__ import annotations
@@ -58,14 +58,32 @@ def tool_use_id(call: ToolCall) -> str:
     return "toolu_" + call.id.removeprefix("call_")
 
 
+def tool_input(arguments: str) -> dict[str, Any]:
+    """A call's `input`: its arguments object; a call cut off by max_tokens (arguments that do not
+    parse) has an empty one."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def tool_use_block(call: ToolCall) -> dict[str, Any]:
-    return {"type": "tool_use", "id": tool_use_id(call), "name": call.name, "input": json.loads(call.arguments)}
+    return {"type": "tool_use", "id": tool_use_id(call), "name": call.name, "input": tool_input(call.arguments)}
 
 
-def anthropic_content(out: ParsedOutput) -> list[dict[str, Any]]:
-    """A message's `content` blocks: the text (if any, or when there is nothing else), then one
-    `tool_use` block per call."""
+def thinking_block(text: str) -> dict[str, Any]:
+    """Reasoning as a `thinking` block; there is no signature to give (replayed blocks are
+    taken back with any or none)."""
+    return {"type": "thinking", "thinking": text, "signature": ""}
+
+
+def anthropic_content(out: ParsedOutput, *, thinking: bool | None = False) -> list[dict[str, Any]]:
+    """A message's `content` blocks: the reasoning first when the request asked to think, the
+    text (if any, or when there is nothing else), then one `tool_use` block per call."""
     blocks: list[dict[str, Any]] = []
+    if thinking and out.reasoning:
+        blocks.append(thinking_block(out.reasoning))
     if out.content or not out.tool_calls:
         blocks.append({"type": "text", "text": out.content})
     blocks += [tool_use_block(c) for c in out.tool_calls]
@@ -73,51 +91,63 @@ def anthropic_content(out: ParsedOutput) -> list[dict[str, Any]]:
 
 
 def tool_stop_reason(reason: str, num_calls: int) -> str:
-    """`tool_use` replaces `end_turn` / `max_tokens` when the output held calls."""
-    return "tool_use" if num_calls and reason in ("end_turn", "max_tokens") else reason
+    """`tool_use` replaces `end_turn` when the output held calls; a call cut off stays `max_tokens`."""
+    return "tool_use" if num_calls and reason == "end_turn" else reason
 
 
 class AnthropicBlockStream:
-    """Content-block events of one streamed message, indices from 0 in order. A text block opens
-    when text arrives; each tool call closes the open block and is one whole `tool_use` block
-    (start, one `input_json_delta` with all its arguments, stop). Like the non-streamed body, an
-    output with neither text nor calls is one empty text block."""
+    """Content-block events of one streamed message, indices from 0 in order. A block opens when
+    its kind of output arrives and closes when another kind does (or at the end): `thinking`
+    (reasoning, when the request asked to think), `text`, and one `tool_use` block per call, whose
+    arguments go out as `input_json_delta`s while the model writes them. Like the non-streamed
+    body, an output with no block is one empty text block."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, thinking: bool = False) -> None:
+        self._thinking = thinking
         self._next = 0  # index of the next block to open
-        self._open = False  # a text block at index `_next - 1` is open
+        self._open: str | None = None  # the kind of the block at index `_next - 1`, while it is open
         self.num_calls = 0
 
     def events(self, delta: StreamDelta) -> list[Event]:
         out: list[Event] = []
+        if delta.reasoning and self._thinking:
+            out += self._ensure("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            out.append(_delta(self._next - 1, {"type": "thinking_delta", "thinking": delta.reasoning}))
         if delta.content:
-            if not self._open:
-                out.append(self._start({"type": "text", "text": ""}))
-                self._open = True
+            out += self._ensure("text", {"type": "text", "text": ""})
             out.append(_delta(self._next - 1, {"type": "text_delta", "text": delta.content}))
         for d in delta.tool_calls:
-            out += self._stop_text()
-            index = self._next
-            out.append(self._start({"type": "tool_use", "id": tool_use_id(d.call), "name": d.call.name, "input": {}}))
-            out.append(_delta(index, {"type": "input_json_delta", "partial_json": d.call.arguments}))
-            out.append(_stop(index))
-            self.num_calls += 1
+            if d.first:
+                out += self._stop_open()
+                out.append(self._start({"type": "tool_use", "id": tool_use_id(d.call), "name": d.call.name, "input": {}}))
+                self._open = "tool_use"
+                self.num_calls += 1
+            if d.call.arguments and self._open == "tool_use":
+                out.append(_delta(self._next - 1, {"type": "input_json_delta", "partial_json": d.call.arguments}))
         return out
 
     def close(self) -> list[Event]:
-        """The stop of the text block still open, or an empty text block when there was no block."""
+        """The stop of the block still open, or an empty text block when there was no block."""
         if self._next == 0:
             return [self._start({"type": "text", "text": ""}), _stop(0)]
-        return self._stop_text()
+        return self._stop_open()
+
+    def _ensure(self, kind: str, block: dict[str, Any]) -> list[Event]:
+        if self._open == kind:
+            return []
+        out = self._stop_open()
+        out.append(self._start(block))
+        self._open = kind
+        return out
 
     def _start(self, block: dict[str, Any]) -> Event:
         self._next += 1
         return ("content_block_start", {"type": "content_block_start", "index": self._next - 1, "content_block": block})
 
-    def _stop_text(self) -> list[Event]:
-        if not self._open:
+    def _stop_open(self) -> list[Event]:
+        if self._open is None:
             return []
-        self._open = False
+        self._open = None
         return [_stop(self._next - 1)]
 
 

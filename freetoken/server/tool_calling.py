@@ -1,11 +1,14 @@
-"""Tool calling for the chat routes: request options, prompt rendering, sampling and parsing.
+"""Tool calling and reasoning for the chat routes: request options, prompt rendering, sampling, parsing.
 
 Owns `ToolOptions` (validated `tools` / `tool_choice` / `parallel_tool_calls`, from the OpenAI or
-the Anthropic request), `ToolCalling` (one request's parser: what goes to the chat template, the
-sampling changes — a forced-call grammar for `required` or a named function, special tokens kept
-for Harmony —, and the parsed result with `parallel_tool_calls: false` applied) and
-`tool_parser_name` (`--tool-call-parser` or the model's own). Message conversion for templates
-that cannot render tools is in `tool_messages.py`; wire shapes are built by the route modules.
+the Anthropic request), `ToolCalling` (one request's output handling: what goes to the chat
+template — tools, and `enable_thinking` when the request says whether to think —, the sampling
+changes — a forced-call grammar for `required` or a named function, special tokens kept for
+Harmony —, and the parsed result: reasoning split off by the `<think>` parser where the model has
+one, then tool calls, with `parallel_tool_calls: false` applied), `tool_parser_name`
+(`--tool-call-parser` or the model's own) and `reasoning_parser_name` (`--reasoning-parser` or the
+model's own). Message conversion for templates that cannot render tools is in
+`tool_messages.py`; wire shapes are built by the route modules.
 """
 
 from __future__ import annotations
@@ -19,7 +22,20 @@ from freetoken.request import SamplingParams
 from freetoken.server.context import ServingContext
 from freetoken.server.errors import bad_request
 from freetoken.server.tool_messages import prepare_messages
-from freetoken.tokenizer.tool_parsers import ParsedOutput, StreamDelta, ToolCallStream, ToolParser, detect_tool_parser, make_tool_parser
+from freetoken.tokenizer import ChatTemplateError, NoChatTemplate
+from freetoken.tokenizer.reasoning import THINK, THINK_START, ThinkStream, detect_reasoning_parser, split_reasoning
+from freetoken.tokenizer.tool_parsers import (
+    ParsedOutput,
+    StreamDelta,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallStream,
+    ToolParser,
+    detect_tool_parser,
+    make_tool_parser,
+    new_call_id,
+)
+from freetoken.tokenizer.tool_parsers.base import merge_deltas
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 CHOICES = ("auto", "none", "required")
@@ -103,16 +119,51 @@ def tool_parser_name(ctx: ServingContext) -> str:
     )
 
 
-class ToolCalling:
-    """One chat request's tool handling. With no active tools it still parses when the format
-    structures all output (Harmony's channels), accepting no calls."""
+def reasoning_parser_name(ctx: ServingContext, tool_parser: ToolParser) -> str | None:
+    """`--reasoning-parser` (`none`: off), else `think` when the model's template or vocabulary
+    knows `</think>`. Harmony models keep their reasoning channel in the tool parser."""
+    if tool_parser.name == "harmony":
+        return None
+    chosen = ctx.config.reasoning_parser
+    if chosen is not None:
+        return None if chosen == "none" else chosen
+    tokenizer = ctx.tokenizer
+    special = [tokenizer.id_to_token(i) or "" for i in tokenizer.special_ids]
+    return detect_reasoning_parser(chat_template=tokenizer.chat_template, tokens=special)
 
-    def __init__(self, ctx: ServingContext, options: ToolOptions) -> None:
+
+class ToolCalling:
+    """One chat request's output handling. With no active tools it still parses when the format
+    structures all output (Harmony's channels), accepting no calls. `thinking` is the request's
+    say (True / False; None: the template's default), handed to templates as `enable_thinking`
+    when the model has a reasoning parser."""
+
+    def __init__(self, ctx: ServingContext, options: ToolOptions, thinking: bool | None = None) -> None:
         self.options = options
         names = [t["function"]["name"] for t in options.tools] if options.active else []
         self.parser: ToolParser = make_tool_parser(tool_parser_name(ctx), names)
         self.parses = options.active or self.parser.needs_special_tokens
+        self.reasoning = reasoning_parser_name(ctx, self.parser)
+        self.thinking = thinking
         self._ctx = ctx
+        self._constrained = False  # a grammar shapes the output: no reasoning opened by the prompt
+        self._opened = self.reasoning == THINK and self._prompt_opens_reasoning()
+
+    def template_context(self) -> dict[str, Any] | None:
+        """Extra chat-template variables: `enable_thinking` where the model reasons and the request said."""
+        if self.reasoning is None or self.thinking is None:
+            return None
+        return {"enable_thinking": self.thinking}
+
+    def _prompt_opens_reasoning(self) -> bool:
+        """Whether the template's generation prompt ends inside `<think>` (DeepSeek R1's does)."""
+        try:
+            text = self._ctx.tokenizer.apply_chat_template(
+                [{"role": "user", "content": "x"}], add_generation_prompt=True, extra_context=self.template_context()
+            )
+        except (ChatTemplateError, NoChatTemplate):
+            return False
+        return text.rstrip().endswith(THINK_START)
 
     def template_inputs(self, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
         """The messages and `tools` to hand the chat template (see `tool_messages.prepare_messages`)."""
@@ -120,53 +171,125 @@ class ToolCalling:
         return prepare_messages(self._ctx.tokenizer, messages, tools, self.parser, parallel=self.options.parallel)
 
     def sampling(self, params: SamplingParams) -> SamplingParams:
-        if self.parser.needs_special_tokens:
+        if self.parser.needs_special_tokens or self._think_is_special():
             params = replace(params, skip_special_tokens=False)
         if self.options.forced:
             params = replace(params, grammar=("lark", self.parser.forced_grammar(self.options.forced_tools())))
+        self._constrained = params.grammar is not None
         return params
 
-    def parse(self, text: str) -> ParsedOutput:
-        out = self.parser.parse(text) if self.parses else ParsedOutput(text, "", ())
-        if not self.options.parallel and len(out.tool_calls) > 1:
-            out = ParsedOutput(out.content, out.reasoning, out.tool_calls[:1])
-        return out
+    def _think_is_special(self) -> bool:
+        if self.reasoning != THINK:
+            return False
+        tokenizer = self._ctx.tokenizer
+        return any(tokenizer.id_to_token(i) == THINK_START for i in tokenizer.special_ids)
 
-    def stream(self) -> ToolStream:
-        return ToolStream(self.parser.stream() if self.parses else None, self.options.parallel)
+    @property
+    def _splits_reasoning(self) -> bool:
+        return self.reasoning == THINK and not self._constrained
+
+    def parse(self, text: str) -> ParsedOutput:
+        """The whole output: the sum of what `stream` gives for it."""
+        stream = self.stream()
+        return merge_deltas([stream.feed(text), stream.finish()])
+
+    def stream(self, *, incremental: bool = False) -> ToolStream:
+        """A choice's incremental parse. `incremental`: a call's arguments come as fragments while
+        they are written (`ToolCallDelta.first` opens the call); otherwise each call comes whole,
+        once the next one starts or the output ends."""
+        think = ThinkStream(in_reasoning=self._opened) if self._splits_reasoning else None
+        return ToolStream(
+            self.parser.stream() if self.parses else None, self.options.parallel, think, incremental=incremental, forced=self._forced_name()
+        )
+
+    def _forced_name(self) -> str | None:
+        """Under a forced-call grammar the output is a call, even cut off before its name was
+        written: the name when only one tool can be called, "" when several can, None unforced."""
+        if not (self.options.forced and self._constrained):
+            return None
+        tools = self.options.forced_tools()
+        return tools[0]["function"]["name"] if len(tools) == 1 else ""
 
 
 class ToolStream:
-    """One choice's incremental parse; `None` inner stream passes text through."""
+    """One choice's incremental parse: reasoning split off first (when `think` is given), then tool
+    calls (a `None` inner stream passes text through)."""
 
-    def __init__(self, inner: ToolCallStream | None, parallel: bool) -> None:
+    def __init__(
+        self,
+        inner: ToolCallStream | None,
+        parallel: bool,
+        think: ThinkStream | None = None,
+        *,
+        incremental: bool = False,
+        forced: str | None = None,
+    ) -> None:
         self._inner = inner
         self._parallel = parallel
+        self._think = think
+        self._incremental = incremental
+        self._forced = forced  # a forced call's name ("" when not known): the output is never text
+        self._pending: dict[int, ToolCall] = {}  # calls not yet handed out whole (not incremental)
         self.num_calls = 0
 
     def feed(self, text: str) -> StreamDelta:
-        return self._limit(self._inner.feed(text) if self._inner is not None else StreamDelta(content=text))
+        reasoning = ""
+        if self._think is not None:
+            reasoning, text = self._think.feed(text)
+        return self._limit(reasoning, self._inner.feed(text) if self._inner is not None else StreamDelta(content=text))
 
     def finish(self) -> StreamDelta:
-        return self._limit(self._inner.finish() if self._inner is not None else StreamDelta())
-
-    def _limit(self, delta: StreamDelta) -> StreamDelta:
-        if not self._parallel:
-            delta.tool_calls = [d for d in delta.tool_calls if d.index == 0]
-        self.num_calls += len(delta.tool_calls)
+        delta = StreamDelta()
+        if self._think is not None:
+            reasoning, text = self._think.finish()
+            delta = self._limit(reasoning, self._inner.feed(text) if self._inner is not None else StreamDelta(content=text))
+        delta.extend(self._limit("", self._inner.finish() if self._inner is not None else StreamDelta()))
+        if self._forced is not None and not self.num_calls:  # cut off before the call's head was written
+            delta.tool_calls.append(ToolCallDelta(0, ToolCall(new_call_id(), self._forced, "")))
+            self.num_calls = 1
+        delta.tool_calls += self._release(None)
         return delta
+
+    def _limit(self, reasoning: str, delta: StreamDelta) -> StreamDelta:
+        delta.reasoning = reasoning + delta.reasoning
+        if self._forced is not None:
+            delta.content = ""
+        calls = [d for d in delta.tool_calls if self._parallel or d.index == 0]
+        self.num_calls += sum(d.first for d in calls)
+        if self._incremental:
+            delta.tool_calls = calls
+            return delta
+        whole: list[ToolCallDelta] = []
+        for d in calls:
+            if d.first:
+                whole += self._release(d.index)
+                self._pending[d.index] = d.call
+            else:
+                prev = self._pending[d.index]
+                self._pending[d.index] = ToolCall(prev.id, prev.name, prev.arguments + d.call.arguments)
+        delta.tool_calls = whole
+        return delta
+
+    def _release(self, below: int | None) -> list[ToolCallDelta]:
+        """The pending calls with an index below `below` (None: all), whole."""
+        done = sorted(i for i in self._pending if below is None or i < below)
+        return [ToolCallDelta(i, self._pending.pop(i)) for i in done]
 
 
 def finish_reason(reason: str | None, num_calls: int) -> str | None:
-    """`tool_calls` replaces a normal end when the output held calls."""
-    return "tool_calls" if num_calls and reason in ("stop", "length") else reason
+    """`tool_calls` replaces a normal end when the output held calls; a call cut off by max_tokens
+    ends with `length`."""
+    return "tool_calls" if num_calls and reason == "stop" else reason
 
 
 def openai_tool_calls(out: ParsedOutput | StreamDelta) -> list[dict[str, Any]]:
-    """OpenAI's `tool_calls` items (with `index` for stream deltas)."""
+    """OpenAI's `tool_calls` items; stream deltas carry `index`, and the id, type and name only
+    in a call's first delta (later ones add argument text)."""
     if isinstance(out, StreamDelta):
         return [
             {"index": d.index, "id": d.call.id, "type": "function", "function": {"name": d.call.name, "arguments": d.call.arguments}}
+            if d.first
+            else {"index": d.index, "function": {"arguments": d.call.arguments}}
             for d in out.tool_calls
         ]
     return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in out.tool_calls]

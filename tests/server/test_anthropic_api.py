@@ -304,7 +304,7 @@ def test_errors_raise_the_client_types(client: anthropic.Anthropic, server: Serv
          "tool_choice"),
         ({"model": MODEL, "max_tokens": 4, "messages": HELLO, "tools": [{"name": "f"}], "tool_choice": {"type": "sometimes"}},
          "tool_choice.type"),
-        ({"model": MODEL, "max_tokens": 4, "messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+        ({"model": MODEL, "max_tokens": 4, "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
         ({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}]}]}, "messages[0].content[0]"),
         ({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [

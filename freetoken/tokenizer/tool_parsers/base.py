@@ -2,7 +2,8 @@
 
 Owns `ToolCall`, `ParsedOutput`, `ToolCallDelta`, `StreamDelta`, the `ToolParser` and
 `ToolCallStream` ABCs (four real formats implement them) and `merge_deltas`, which makes a full
-parse the sum of a stream's deltas, so the two never disagree. It knows no format and no HTTP:
+parse the sum of a stream's deltas (a call's argument fragments joined), so the two never
+disagree. It knows no format and no HTTP:
 the server turns these into OpenAI or Anthropic bodies.
 """
 
@@ -41,11 +42,15 @@ class ParsedOutput:
 
 @dataclass(frozen=True)
 class ToolCallDelta:
-    """One call, complete: a stream emits a call once its block is closed and valid (a block that
-    turns out malformed can then still become text)."""
+    """A call, or a piece of one. A call whose format lets its arguments stream (Hermes) comes as
+    a `first` delta carrying its id, name and the arguments so far, then deltas of the same
+    `index` carrying further argument text (`call.arguments` is the fragment): joined, the
+    fragments are the call's arguments. Other calls come whole, in one `first` delta, once
+    their block is closed and valid (a block that turns out malformed can then still be text)."""
 
     index: int
     call: ToolCall
+    first: bool = True
 
 
 @dataclass
@@ -63,11 +68,23 @@ class StreamDelta:
         self.tool_calls += other.tool_calls
 
 
+def join_calls(deltas: Iterable[ToolCallDelta]) -> tuple[ToolCall, ...]:
+    """The calls that a stream's call deltas make, in index order, argument fragments joined."""
+    calls: dict[int, ToolCall] = {}
+    for d in deltas:
+        if d.first or d.index not in calls:
+            calls[d.index] = d.call
+        else:
+            prev = calls[d.index]
+            calls[d.index] = ToolCall(prev.id, prev.name, prev.arguments + d.call.arguments)
+    return tuple(calls[i] for i in sorted(calls))
+
+
 def merge_deltas(deltas: Iterable[StreamDelta]) -> ParsedOutput:
     total = StreamDelta()
     for delta in deltas:
         total.extend(delta)
-    return ParsedOutput(total.content, total.reasoning, tuple(d.call for d in total.tool_calls))
+    return ParsedOutput(total.content, total.reasoning, join_calls(total.tool_calls))
 
 
 def arguments_json(value: object) -> str | None:

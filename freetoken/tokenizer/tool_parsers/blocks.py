@@ -4,25 +4,110 @@ Owns `BlockStream`: text outside blocks streams out as content, holding back any
 start a marker; a block (`start` ... `end`, or `start` ... end of output when `end` is None, or a
 bare JSON value that opens the output) is buffered whole, then handed to the format's
 `parse_block`. A block that does not parse (broken JSON, an unknown tool, never closed) is
-released as the text it was. Whitespace between content and a call is dropped. It knows no
-particular format: Hermes, Gemma and Llama 3 JSON configure it.
+released as the text it was. A format may name an `ArgumentsHead` reader for its blocks: once the
+head of a block names a known tool and its arguments object has begun, the call is announced and
+its arguments stream out as they are written (the block is then a call whatever follows: a cut-off
+block is a call with the arguments written so far). Whitespace between content and a call is
+dropped. It knows no particular format: Hermes, Gemma and Llama 3 JSON configure it.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from freetoken.tokenizer.detokenizer import held_back
-from freetoken.tokenizer.tool_parsers.base import StreamDelta, ToolCall, ToolCallDelta, ToolCallStream
+from freetoken.tokenizer.tool_parsers.base import StreamDelta, ToolCall, ToolCallDelta, ToolCallStream, new_call_id
 
 BlockParser = Callable[[str], list[ToolCall] | None]
+_DECODER = json.JSONDecoder()
+# The head of a block body so far -> (tool name, offset where its arguments object starts), False
+# when the block cannot stream (it is parsed whole at its end), None while undecided.
+ArgumentsHead = Callable[[str], "tuple[str, int] | Literal[False] | None"]
 
 
 @dataclass(frozen=True)
 class BlockMarker:
     start: str
     end: str | None  # None: the block runs to the end of the output
+    head: ArgumentsHead | None = None
+
+
+def object_head(body: str, keys: tuple[str, str], tool_names: frozenset[str] | None) -> tuple[str, int] | Literal[False] | None:
+    """Reads `{"<keys[0]>": "<name>", "<keys[1]>": {` at the start of `body` (whitespace anywhere
+    JSON allows it): the name of a known tool and the offset of the arguments object, False once
+    the body cannot be that, None while it may still become it."""
+    i, n = 0, len(body)
+
+    def skip(i: int) -> int:
+        while i < n and body[i] in " \t\r\n":
+            i += 1
+        return i
+
+    def literal(i: int, text: str) -> int | Literal[False] | None:
+        i = skip(i)
+        if n - i < len(text):
+            return None if text.startswith(body[i:]) else False
+        return i + len(text) if body.startswith(text, i) else False
+
+    for text in ("{", json.dumps(keys[0]), ":"):
+        got = literal(i, text)
+        if not got:
+            return got
+        i = got
+    i = skip(i)
+    if i == n:
+        return None
+    if body[i] != '"':
+        return False
+    try:
+        name, i = _DECODER.raw_decode(body, i)
+    except ValueError:
+        return None if "\"" not in body[i + 1 :] else False
+    if tool_names is not None and name not in tool_names:
+        return False
+    for text in (",", json.dumps(keys[1]), ":"):
+        got = literal(i, text)
+        if not got:
+            return got
+        i = got
+    i = skip(i)
+    if i == n:
+        return None
+    return (name, i) if body[i] == "{" else False
+
+
+class JsonValueEnd:
+    """Finds where one JSON object or array ends in text fed piece by piece (strings and escapes
+    respected)."""
+
+    def __init__(self) -> None:
+        self._depth = 0
+        self.in_string = False
+        self._escape = False
+
+    def scan(self, text: str) -> int | None:
+        """The length of `text` up to and including the value's last character, or None when
+        the value goes on past it."""
+        for i, ch in enumerate(text):
+            if self.in_string:
+                if self._escape:
+                    self._escape = False
+                elif ch == "\\":
+                    self._escape = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    return i + 1
+        return None
 
 
 class BlockStream(ToolCallStream):
@@ -37,9 +122,15 @@ class BlockStream(ToolCallStream):
         self._after_call = False  # the last thing released was a call: drop leading whitespace
         self._pending_ws = ""  # trailing whitespace of content, released with the next text
         self._num_calls = 0
+        self._head_tried = False  # the open block's head reader said it cannot stream
+        self._streaming: JsonValueEnd | None = None  # the open block's call is streaming its arguments
+        self._args_done = False  # ... and its arguments object is complete
 
     def _flush(self, out: StreamDelta) -> None:
-        if self._block is not None and self._block.end is None:  # runs to the end: parse it now
+        if self._streaming is not None:  # cut off inside a streaming call: it stays a call
+            self._end_streaming()
+            self._buffer = ""
+        elif self._block is not None and self._block.end is None:  # runs to the end: parse it now
             self._close_block(self._block, self._buffer, out, final_marker="")
             self._buffer = ""
         elif self._block is not None:  # never closed: malformed, so it is text
@@ -57,6 +148,8 @@ class BlockStream(ToolCallStream):
     def _step(self, out: StreamDelta, *, final: bool) -> bool:
         """Consume what can be decided now; True when the buffer changed state and may hold more."""
         if self._block is not None:
+            if self._streaming is not None or (self._block.head is not None and not self._head_tried):
+                return self._stream_call(out)
             if self._block.end is None:
                 return False  # runs to the end of the output: decided at finish
             end = self._block.end
@@ -89,6 +182,67 @@ class BlockStream(ToolCallStream):
         self._buffer = self._buffer[len(self._buffer) - keep :]
         return False
 
+    def _stream_call(self, out: StreamDelta) -> bool:
+        """The open block while its head is read, then while its call's arguments stream."""
+        assert self._block is not None
+        if self._streaming is None:
+            head = self._block.head(self._buffer) if self._block.head is not None else False
+            if head is None:
+                return False
+            if head is False:
+                self._head_tried = True
+                return True
+            name, offset = head
+            self._pending_ws = ""
+            out.tool_calls.append(ToolCallDelta(self._num_calls, ToolCall(new_call_id(), name, "")))
+            self._streaming, self._args_done = JsonValueEnd(), False
+            self._buffer = self._buffer[offset:]
+        if not self._args_done:
+            return self._stream_arguments(self._streaming, out)
+        if self._block.end is None:
+            return False
+        j = self._buffer.find(self._block.end)
+        if j < 0:
+            self._buffer = self._buffer[len(self._buffer) - held_back(self._buffer, (self._block.end,)) :]
+            return False
+        self._buffer = self._buffer[j + len(self._block.end) :]
+        self._end_streaming()
+        return True
+
+    def _stream_arguments(self, scanner: JsonValueEnd, out: StreamDelta) -> bool:
+        """Argument text up to the end of the object, or up to an end marker outside a string
+        (the block closed before its arguments did: the call ends there)."""
+        assert self._block is not None
+        end = self._block.end
+        j = -1 if end is None else self._buffer.find(end)
+        upto = len(self._buffer) if j < 0 else j
+        if j < 0 and end is not None:
+            upto -= held_back(self._buffer, (end,))
+        value_end = scanner.scan(self._buffer[:upto])
+        cut = upto if value_end is None else value_end
+        if cut:
+            out.tool_calls.append(ToolCallDelta(self._num_calls, ToolCall("", "", self._buffer[:cut]), first=False))
+        self._buffer = self._buffer[cut:]
+        if value_end is not None:
+            self._args_done = True
+            return True
+        if j < 0:
+            return False
+        assert end is not None
+        if scanner.in_string:  # the marker is text inside a string of the arguments
+            scanner.scan(end)
+            out.tool_calls.append(ToolCallDelta(self._num_calls, ToolCall("", "", end), first=False))
+            self._buffer = self._buffer[len(end) :]
+            return True
+        self._buffer = self._buffer[len(end) :]
+        self._end_streaming()
+        return True
+
+    def _end_streaming(self) -> None:
+        self._block, self._streaming, self._head_tried = None, None, False
+        self._num_calls += 1
+        self._after_call = True
+
     def _content(self, text: str, out: StreamDelta) -> None:
         if self._after_call:
             text = text.lstrip()
@@ -103,7 +257,7 @@ class BlockStream(ToolCallStream):
             self._pending_ws += text
 
     def _close_block(self, marker: BlockMarker, body: str, out: StreamDelta, *, final_marker: str) -> None:
-        self._block = None
+        self._block, self._head_tried = None, False
         calls = self._parse_block(body)
         if not calls:
             self._content(marker.start + body + final_marker, out)

@@ -1,7 +1,9 @@
 """Hermes / Qwen-style tool calls: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
 
 Owns that format (used by Qwen 2.5+, Hermes models, SmolLM2 and the tiny ChatML test models):
-its built-in tool prompt, the rendering of earlier calls, and the parser. Results go back in
+its built-in tool prompt, the rendering of earlier calls, and the parser, whose calls stream their
+arguments while they are written when the object names the tool first (as the forced-call
+grammar writes it). Results go back in
 `<tool_response>` blocks. Nothing else here.
 """
 
@@ -9,11 +11,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from freetoken.tokenizer.tool_parsers.base import ToolCall, ToolCallStream, ToolParser, tools_json
 from freetoken.tokenizer.tool_parsers.grammar import call_schema, forced_call_grammar
-from freetoken.tokenizer.tool_parsers.blocks import BlockMarker, BlockStream
+from freetoken.tokenizer.tool_parsers.blocks import BlockMarker, BlockStream, object_head
 from freetoken.tokenizer.tool_parsers.json_values import calls_from_values, json_values
 
 START, END = "<tool_call>", "</tool_call>"
@@ -23,7 +25,10 @@ class HermesParser(ToolParser):
     name = "hermes"
 
     def stream(self) -> ToolCallStream:
-        return BlockStream([BlockMarker(START, END)], self._parse_block, bare_json_at_start=False)
+        return BlockStream([BlockMarker(START, END, self._head)], self._parse_block, bare_json_at_start=False)
+
+    def _head(self, body: str) -> tuple[str, int] | Literal[False] | None:
+        return object_head(body, ("name", "arguments"), self.tool_names)
 
     def _parse_block(self, body: str) -> list[ToolCall] | None:
         return calls_from_values(json_values(body), self.tool_names)

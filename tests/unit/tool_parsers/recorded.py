@@ -24,12 +24,21 @@ HERMES: list[Case] = [
     ("Use <tool> tags or a < b.", "Use <tool> tags or a < b.", "", []),
 ]
 HERMES_MALFORMED: list[str] = [
-    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"\n</tool_call>',  # broken JSON
-    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}',  # never closed
+    '<tool_call>\n{"name": "get_weather", "arguments" {"city": "Paris"}}\n</tool_call>',  # broken JSON before the arguments
+    '<tool_call>\n{"name": "get_weather", "arguments": "Paris"}\n</tool_call>',  # arguments not an object (a string)
     '<tool_call>\n{"name": "launch_rockets", "arguments": {}}\n</tool_call>',  # unknown tool
     '<tool_call>\n{"arguments": {"city": "Paris"}}\n</tool_call>',  # no name
     '<tool_call>\n{"name": "search", "arguments": [1, 2]}\n</tool_call>',  # arguments not an object
     "<tool_call></tool_call>",
+]
+
+# Hermes calls whose head (the tool's name, then the arguments object) was written: announced and
+# streamed, they stay calls when what follows breaks (arguments as written).
+HERMES_ANNOUNCED: list[tuple[str, str]] = [
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"\n</tool_call>', '{"city": "Paris"\n'),  # closed early
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}', '{"city": "Paris"}'),  # never closed
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa', '{"city": "Pa'),  # cut off
+    ('<tool_call>{"name": "search", "arguments": {"q": "a</tool_call>b"}}</tool_call>', '{"q": "a</tool_call>b"}'),  # marker in a string
 ]
 
 GEMMA: list[Case] = [

@@ -15,10 +15,12 @@ from hypothesis import strategies as st
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from recorded import (  # noqa: E402
-    GEMMA, GEMMA_MALFORMED, HARMONY, HARMONY_MALFORMED, HERMES, HERMES_MALFORMED, LLAMA3, LLAMA3_MALFORMED, TOOLS, Case,
+    GEMMA, GEMMA_MALFORMED, HARMONY, HARMONY_MALFORMED, HERMES, HERMES_ANNOUNCED, HERMES_MALFORMED, LLAMA3, LLAMA3_MALFORMED,
+    TOOLS, Case,
 )
 
 from freetoken.tokenizer.tool_parsers import ParsedOutput, ToolCall, make_tool_parser  # noqa: E402
+from freetoken.tokenizer.tool_parsers.base import join_calls  # noqa: E402
 
 CASES: dict[str, tuple[list[Case], list[str]]] = {
     "hermes": (HERMES, HERMES_MALFORMED),
@@ -76,12 +78,29 @@ def test_streaming_equals_full_parse_for_any_chunking(index: int, cuts: list[int
     deltas = [stream.feed(piece) for piece in chunked(text, cuts)] + [stream.finish()]
     content = "".join(d.content for d in deltas)
     reasoning = "".join(d.reasoning for d in deltas)
-    calls = [tc for d in deltas for tc in d.tool_calls]
-    assert [tc.index for tc in calls] == list(range(len(calls)))
+    pieces = [tc for d in deltas for tc in d.tool_calls]
+    assert [tc.index for tc in pieces if tc.first] == list(range(len([tc for tc in pieces if tc.first])))
+    assert all(tc.index == prev.index for prev, tc in zip(pieces, pieces[1:]) if not tc.first)  # fragments follow their call
+    calls = join_calls(pieces)
     whole = p.parse(text)
-    assert (content, reasoning, [(c.call.name, c.call.arguments) for c in calls]) == (
+    assert (content, reasoning, [(c.name, c.arguments) for c in calls]) == (
         whole.content, whole.reasoning, [(c.name, c.arguments) for c in whole.tool_calls],
     )
+
+
+@pytest.mark.parametrize(("text", "arguments"), HERMES_ANNOUNCED)
+def test_hermes_announced_call_stays_a_call(text: str, arguments: str) -> None:
+    out = make_tool_parser("hermes", TOOLS).parse(text)
+    assert out.content == "" and [(c.name, c.arguments) for c in out.tool_calls] == [(text.split('"')[3], arguments)]
+
+
+def test_hermes_streams_arguments_while_they_are_written() -> None:
+    stream = make_tool_parser("hermes", TOOLS).stream()
+    first = stream.feed('<tool_call>\n{"name": "get_weather", "arguments": {"ci')
+    assert [(d.first, d.call.name, d.call.arguments) for d in first.tool_calls] == [(True, "get_weather", ""), (False, "", '{"ci')]
+    assert [d.call.arguments for d in stream.feed('ty": "Oslo"}').tool_calls] == ['ty": "Oslo"}']
+    assert not stream.feed("}\n</tool_").tool_calls
+    assert stream.feed("call> done").content == "done"
 
 
 def test_hermes_holds_back_a_possible_marker_and_streams_text() -> None:
@@ -89,7 +108,7 @@ def test_hermes_holds_back_a_possible_marker_and_streams_text() -> None:
     assert stream.feed("Hello <tool").content == "Hello"
     assert stream.feed("_c").content == ""
     delta = stream.feed('all>{"name": "search", "arguments": {"q": 1}}</tool_call>')
-    assert delta.content == "" and [d.call.name for d in delta.tool_calls] == ["search"]
+    assert delta.content == "" and [(c.name, c.arguments) for c in join_calls(delta.tool_calls)] == [("search", '{"q": 1}')]
     assert stream.feed(" bye").content == "bye"
     assert not stream.finish()
 
