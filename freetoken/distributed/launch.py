@@ -2,9 +2,9 @@
 
 Owns the other ranks' processes (plain subprocesses of rank 0, so the supervisor still watches one
 engine process and restarting it restarts every rank), the rule that the engine lives and dies as
-one unit — a rank that exits while rank 0 serves ends rank 0 at once with EXIT_RANK_LOST, and the
-supervisor sees the engine gone — and the clean stop (a STOP broadcast, then the processes reaped)
-at rank 0's exit. It sits at the engine's layer; it never touches page accounting.
+one unit — a rank that exits while rank 0 serves, or a forward that fails on rank 0, ends rank 0
+at once with EXIT_RANK_LOST, and the supervisor sees the engine gone — and the clean stop (a STOP
+broadcast, then the processes reaped) at rank 0's exit. It sits at the engine's layer; it never touches page accounting.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import threading
+from typing import NoReturn
 
 import torch
 
@@ -50,6 +51,13 @@ class Peers:
             return
         log.error("tensor-parallel rank %d (pid %d) exited with code %d: the engine goes down with it", rank, proc.pid, code)
         os._exit(EXIT_STARTUP if code == EXIT_STARTUP else EXIT_RANK_LOST)
+
+    def abandon(self, err: BaseException) -> NoReturn:
+        """A forward failed on rank 0 part-way through its collectives: the ranks are out of step,
+        so the engine ends as one unit now (the supervisor restarts every rank)."""
+        log.error("a tensor-parallel step failed on rank 0 (%s: %s): the engine goes down", type(err).__name__, err)
+        self._closing.set()
+        os._exit(EXIT_RANK_LOST)
 
     def close(self) -> None:
         """Tell the ranks to stop, then reap them (killing any that do not exit). Idempotent."""

@@ -22,7 +22,7 @@ from freetoken.engine.grammar import GrammarCompiler
 from freetoken.engine.runner import Runner
 from freetoken.errors import ConfigError
 from freetoken.kv.manager import KVManager
-from freetoken.kv.tensors import KVTensors
+from freetoken.kv.tensors import KVLayout, KVTensors
 from freetoken.models.config import ModelConfig
 from freetoken.models.load import LoadedModel, load_model
 from freetoken.utils.hardware import default_device, resolve_dtype
@@ -30,9 +30,16 @@ from freetoken.utils.hardware import default_device, resolve_dtype
 log = logging.getLogger("freetoken.engine")
 
 
-def resolve_for_model(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, device: torch.device) -> ResolvedConfig:
-    full_bytes = KVTensors.bytes_per_page(model_config.kv_layout(), 1, dtype, sliding=False)
-    swa_bytes = KVTensors.bytes_per_page(model_config.kv_layout(), 1, dtype, sliding=True) if model_config.has_swa else 0
+def resolve_for_model(
+    config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
+    rank_layout: KVLayout | None = None,
+) -> ResolvedConfig:
+    """Pool sizes for the model; `rank_layout` is one tensor-parallel rank's K/V shape (default:
+    the whole model's). CPU ranks share one memory, so there every rank's K/V counts."""
+    layout = rank_layout or model_config.kv_layout()
+    ranks_here = 1 if device.type == "cuda" else config.tensor_parallel_size
+    full_bytes = ranks_here * KVTensors.bytes_per_page(layout, 1, dtype, sliding=False)
+    swa_bytes = ranks_here * KVTensors.bytes_per_page(layout, 1, dtype, sliding=True) if model_config.has_swa else 0
     if device.type == "cuda":
         available = torch.cuda.mem_get_info(device)[0]
     else:
@@ -48,7 +55,7 @@ def resolve_for_model(config: EngineConfig, model_config: ModelConfig, dtype: to
 def build_engine_for(config: EngineConfig, loaded: LoadedModel, peers: Peers | None = None) -> Engine:
     """An engine over an already loaded model (tests reuse one model across engines); `peers`:
     the other tensor-parallel ranks, told the pool sizes here and sent every step by the runner."""
-    resolved = resolve_for_model(config, loaded.config, loaded.dtype, loaded.device)
+    resolved = resolve_for_model(config, loaded.config, loaded.dtype, loaded.device, loaded.model.config.kv_layout())
     window = loaded.config.sliding_window if loaded.config.has_swa else None
     kv = KVManager(
         full_pages=resolved.full_pages,
@@ -66,7 +73,7 @@ def build_engine_for(config: EngineConfig, loaded: LoadedModel, peers: Peers | N
     )
     if peers is not None:
         peers.sender.send_pools(resolved.full_pages, resolved.swa_pages or 0, config.page_size)
-    runner = Runner(loaded.model, loaded.config, tensors, kv, None if peers is None else peers.sender)
+    runner = Runner(loaded.model, loaded.config, tensors, kv, peers)
     return Engine(resolved, runner, kv, GrammarCompiler(loaded.tokenizer))
 
 

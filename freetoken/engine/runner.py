@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from freetoken.attention.metadata import ForwardBatch, RequestSpec
-from freetoken.distributed.step import StepSender
+from freetoken.distributed.launch import Peers
 from freetoken.engine.scheduler import ScheduledItem
 from freetoken.kv.manager import KVManager
 from freetoken.kv.tensors import KVTensors
@@ -43,7 +43,7 @@ def run_model(model: torch.nn.Module, kv_tensors: KVTensors, ids: Sequence[int],
 class Runner:
     def __init__(
         self, model: torch.nn.Module, config: ModelConfig, kv_tensors: KVTensors, kv: KVManager,
-        peers: StepSender | None = None,
+        peers: Peers | None = None,
     ) -> None:
         self.model = model
         self.config = config
@@ -74,9 +74,13 @@ class Runner:
                 logit_rows.append(offset + item.n - 1)
             offset += item.n
         batch = build_batch(self.config, self.kv_tensors, specs, logit_rows)
-        if self.peers is not None:  # only a batch that builds is sent: the ranks fail alike or not at all
-            self.peers.send(ids, specs, logit_rows)
-        return run_model(self.model, self.kv_tensors, ids, batch).float().cpu()
+        if self.peers is None:
+            return run_model(self.model, self.kv_tensors, ids, batch).float().cpu()
+        self.peers.sender.send(ids, specs, logit_rows)  # only a batch that builds is sent
+        try:
+            return run_model(self.model, self.kv_tensors, ids, batch).float().cpu()
+        except Exception as err:  # noqa: BLE001 - the ranks may be out of step: none can go on
+            self.peers.abandon(err)
 
     @property
     def resizable(self) -> bool:
