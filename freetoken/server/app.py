@@ -3,7 +3,9 @@
 Owns the HTTP surface of DESIGN.md §4: `/v1/completions`, `/v1/chat/completions`, `/v1/messages`
 (+ `/count_tokens`, Anthropic error bodies), `/v1/tokenize`, `/v1/detokenize`, `/v1/models`,
 `/v1/responses` (+ `GET`/`DELETE /v1/responses/{id}`, with the app's response store), `/health`,
-`/v1/cache/status`, `/metrics`, and `POST /admin/drain` (docs/operations.md). The API
+`/v1/cache/status`, `/metrics`, `POST /admin/drain` (docs/operations.md), vLLM's render routes
+(`/v1/chat/completions/render`, `/v1/completions/render`: render_api.py) and the router probes
+of worker_info.py (`/server_info`, `/model_info`, `/get_load`, ...; docs/scale-out.md). The API
 key guards every path under `KEYED_PREFIXES` (an `/admin/...` route added later is covered
 without code of its own). Bodies are parsed here (malformed JSON, a body that is
 not an object and schema errors are 400s naming the field), then handed to the route modules;
@@ -46,13 +48,15 @@ from freetoken.server.responses_protocol import ResponsesRequest
 from freetoken.server.responses_store import ResponseStore
 from freetoken.server.request_hygiene import CLIENT_CLOSED, Deadline, RequestIdMiddleware, cancel_on_disconnect, request_id_of
 from freetoken.server.tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
+from freetoken.server.render_api import render_chat_request, render_completion_request
+from freetoken.server.worker_info import PROBE_PATHS, install_worker_routes
 
 log = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=BaseModel)
 STATUS_TIMEOUT_S = 10.0
 UNPREFIXED_EXCLUDED = ("/v1/messages", "/v1/cache", "/v1/tokenize", "/v1/detokenize")  # not OpenAI routes
-OPEN_PATHS = ("/health", "/metrics")  # with --unprefixed-routes, every other path needs the key
+OPEN_PATHS = ("/health", "/metrics", *PROBE_PATHS)  # with --unprefixed-routes, every other path needs the key
 KEYED_PREFIXES = ("/v1", "/admin")  # paths that need the API key (when one is set)
 
 
@@ -213,6 +217,14 @@ def build_app(ctx: ServingContext, *, manage_client: bool = True) -> FastAPI:
     async def tokenize_route(request: Request) -> Response:
         return await tokenize(ctx, await parse_body(request, TokenizeRequest))
 
+    @app.post("/v1/chat/completions/render")
+    async def chat_render(request: Request) -> Response:
+        return JSONResponse(render_chat_request(ctx, await parse_body(request, ChatCompletionRequest)))
+
+    @app.post("/v1/completions/render")
+    async def completions_render(request: Request) -> Response:
+        return JSONResponse(render_completion_request(ctx, await parse_body(request, CompletionRequest)))
+
     @app.post("/v1/detokenize")
     async def detokenize_route(request: Request) -> Response:
         return await detokenize(ctx, await parse_body(request, DetokenizeRequest))
@@ -294,6 +306,7 @@ def build_app(ctx: ServingContext, *, manage_client: bool = True) -> FastAPI:
         )
         return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    install_worker_routes(app, ctx, lambda: engine_status(ctx))  # /server_info, /model_info, /get_load, ...
     if ctx.config.unprefixed_routes:
         for route in list(app.routes):
             if isinstance(route, APIRoute) and route.path.startswith("/v1/") and not route.path.startswith(UNPREFIXED_EXCLUDED):
