@@ -32,6 +32,9 @@ log = logging.getLogger("freetoken.server")
 
 INTERVAL_S = 0.5  # between beats; --engine-hang-timeout must be a good many of these
 MIN_HANG_TIMEOUT_S = 4 * INTERVAL_S
+# --engine-hang-timeout: beats do not wait for steps, so this bounds scheduling stalls, not step
+# time; the largest gap seen in the hour-long soak was ~3 s, during the model load (docs/operations.md).
+DEFAULT_HANG_TIMEOUT_S = 30.0
 
 
 @dataclass

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from freetoken.errors import ConfigError
 from freetoken.tokenizer.reasoning import REASONING_PARSERS
-from freetoken.server.heartbeat import MIN_HANG_TIMEOUT_S
+from freetoken.server.drain import DEFAULT_SHUTDOWN_TIMEOUT_S
+from freetoken.server.heartbeat import DEFAULT_HANG_TIMEOUT_S, MIN_HANG_TIMEOUT_S
 from freetoken.tokenizer.tool_parsers import TOOL_PARSERS
 
 
@@ -36,8 +37,8 @@ class ServerConfig:
     reasoning_parser: str | None = None  # --reasoning-parser: think|none (None: from the model)
     allowed_origins: tuple[str, ...] = ()  # --allowed-origins: CORS origins ("*": any); empty = no CORS headers
     unprefixed_routes: bool = False  # --unprefixed-routes: the OpenAI routes also answer without /v1
-    engine_hang_timeout_s: float = 30.0  # --engine-hang-timeout: no engine heartbeat for this long = hung
-    shutdown_timeout_s: float = 30.0  # --shutdown-timeout: how long a drain waits for in-flight requests
+    engine_hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S  # --engine-hang-timeout: no engine heartbeat for this long = hung
+    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S  # --shutdown-timeout: how long a drain waits for in-flight requests
 
     def validate(self) -> None:
         """Raise ConfigError naming the flag that cannot work."""
