@@ -1,5 +1,6 @@
-"""`ft serve --tensor-parallel-size 2` (two gloo ranks, one thread each) on the tiny sliding-window
-Gemma 3: the same greedy completions as the one-process engine; killing rank 1 takes the engine
+"""`ft serve --tensor-parallel-size 2` (two gloo ranks, one thread each) on tiny random-weight Gemma 3
+(sliding layers), Llama and gpt-oss (experts): the same greedy completions as the one-process
+engine; on Gemma 3, killing rank 1 takes the engine
 down as one unit (the in-flight stream ends with an error, /health 503) and the supervisor's
 restart brings both ranks back; no rank outlives the server; and world sizes that cannot split
 the model are refused before anything listens, with one line."""
@@ -31,17 +32,32 @@ MAX_TOKENS = 10
 RESTART_DEADLINE_S = 240
 
 
-@pytest.fixture(scope="module")
-def tiny_gemma_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+# One server per family, ~20 s each on two busy cores: Llama's and gpt-oss's servers are marked
+# (the logits tests cover every family without a server); Gemma 3's also runs the kill test.
+FAMILIES = ["gemma3", *(pytest.param(f, marks=pytest.mark.tp_serve_families) for f in ("llama", "gpt_oss"))]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight model directory of each family (gpt-oss from the model-parity harness)."""
     from tiny_models import write_tiny_model
 
-    return write_tiny_model("gemma3", tmp_path_factory.mktemp("tp_serve") / "tiny-gemma")
+    directory = tmp_path_factory.mktemp(f"tp_serve_{request.param}") / "tiny-model"
+    if request.param != "gpt_oss":
+        return write_tiny_model(request.param, directory)
+    from model_harness import VOCAB, make_reference
+
+    from freetoken.tokenizer.testing import write_tiny_tokenizer
+
+    make_reference("gpt_oss", directory)
+    write_tiny_tokenizer(directory, vocab_size=VOCAB)
+    return directory
 
 
 @pytest.fixture(scope="module")
-def tp_server(tiny_gemma_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+def tp_server(family_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     ranks: set[int] = set()
-    with serving(str(tiny_gemma_dir), FLAGS, tmp_path_factory.mktemp("tp_logs") / "tp.log") as proc:
+    with serving(str(family_dir), FLAGS, tmp_path_factory.mktemp("tp_logs") / "tp.log") as proc:
         proc.rank_pids = ranks  # type: ignore[attr-defined]
         yield proc
     assert ranks and not [pid for pid in ranks if pid_alive(pid)], "a tensor-parallel rank outlived the server"
@@ -56,7 +72,7 @@ def rank_pids(server: ServeProcess) -> list[int]:
 
 
 def completion(server: ServeProcess, prompt: list[int]) -> str:
-    body = {"model": "tiny-gemma", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    body = {"model": "tiny-model", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
     r = httpx.post(f"{server.base}/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == MAX_TOKENS
@@ -64,10 +80,10 @@ def completion(server: ServeProcess, prompt: list[int]) -> str:
 
 
 @pytest.fixture(scope="module")
-def one_process_texts(tiny_gemma_dir: Path) -> list[str]:
+def one_process_texts(family_dir: Path) -> list[str]:
     from freetoken.llm import LLM
 
-    llm = LLM(str(tiny_gemma_dir), dtype="float32", page_size=4, num_tokens=2048, max_prefill_length=12, threads=1)
+    llm = LLM(str(family_dir), dtype="float32", page_size=4, num_tokens=2048, max_prefill_length=12, threads=1)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     return [out.text for out in llm.generate(PROMPTS, params)]
 
@@ -79,10 +95,11 @@ def test_tp2_serves_the_one_process_greedy_completions(tp_server: ServeProcess, 
     tp_server.assert_balanced_idle()
 
 
+@pytest.mark.parametrize("family_dir", ["gemma3"], indirect=True)
 def test_killing_rank_1_restarts_the_engine(tp_server: ServeProcess, one_process_texts: list[str]) -> None:
     healthy = tp_server.wait_healthy()
     (rank1,) = rank_pids(tp_server)
-    body = {"model": "tiny-gemma", "prompt": PROMPTS[0], "max_tokens": 1000, "temperature": 0, "ignore_eos": True,
+    body = {"model": "tiny-model", "prompt": PROMPTS[0], "max_tokens": 1000, "temperature": 0, "ignore_eos": True,
             "stream": True}
     events: list[str] = []
     with httpx.Client(base_url=tp_server.base, timeout=120) as c, c.stream("POST", "/v1/completions", json=body) as r:
@@ -110,9 +127,10 @@ def test_killing_rank_1_restarts_the_engine(tp_server: ServeProcess, one_process
     assert completion(tp_server, PROMPTS[1]) == one_process_texts[1]
 
 
+@pytest.mark.parametrize("family_dir", ["gemma3"], indirect=True)
 @pytest.mark.parametrize(("world", "needle"), [(3, "does not divide the model's 4 attention heads")])
-def test_unsplittable_world_size_is_refused_before_listening(tiny_gemma_dir: Path, world: int, needle: str) -> None:
-    cmd = [sys.executable, "-m", "freetoken.cli", "serve", "--model", str(tiny_gemma_dir), "--port", "0",
+def test_unsplittable_world_size_is_refused_before_listening(family_dir: Path, world: int, needle: str) -> None:
+    cmd = [sys.executable, "-m", "freetoken.cli", "serve", "--model", str(family_dir), "--port", "0",
            "--tensor-parallel-size", str(world)]
     done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
