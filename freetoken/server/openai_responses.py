@@ -91,7 +91,7 @@ async def create_response(ctx: ServingContext, store: ResponseStore, req: Respon
         log.info("response tools: left out hosted tool types this server cannot run: %s", ", ".join(tools.ignored))
     req.sampling_params(1, grammar)  # range checks before any rendering
     info = ctx.ready_info()
-    tooling = ToolCalling(ctx, tools.options)
+    tooling = ToolCalling(ctx, tools.options, thinking=req.thinking())
     instructions = [{"role": "system", "content": req.instructions}] if req.instructions else []
     output_at = len(instructions) + len(history) - 1 if prior is not None and prior.plain_output else None
     prompt = build_prompt(ctx.tokenizer, tooling, instructions + history + conversation.messages, prior, output_at)
@@ -136,7 +136,7 @@ async def create_response(ctx: ServingContext, store: ResponseStore, req: Respon
 
     first = await first_piece(ctx.client, pieces)
     events = response_events(
-        ctx, ENDPOINT, pieces, first, tally=tally, clock=clock, parser=tooling.stream(), body=body, usage_of=usage_of, on_done=keep
+        ctx, ENDPOINT, pieces, first, tally=tally, clock=clock, parser=tooling.stream(incremental=True), body=body, usage_of=usage_of, on_done=keep
     )
     response = sse_response(events)
     response.headers.update(headers)

@@ -11,8 +11,8 @@ with the earlier prompt and the marker, the prompt is the earlier prompt's ids +
 + the tokens of what follows the marker (less the end-of-turn token the model already wrote).
 Otherwise, where the render starts with the earlier prompt + the output decoded with special
 tokens, the same splice is made; failing that the earlier prompt alone is spliced, and failing that
-the text is tokenized plainly. Leading system messages (instructions, developer messages) are
-joined into one, as most templates accept only one.
+the text is tokenized plainly. System messages (instructions, developer messages) are fitted to
+the template by `fold_system_messages`, as on chat.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 
 from freetoken.server.openai_chat import render_chat
 from freetoken.server.responses_store import StoredResponse
+from freetoken.server.system_messages import fold_system_messages
 from freetoken.server.tool_calling import ToolCalling
 from freetoken.tokenizer import ChatTemplateError, NoChatTemplate, Tokenizer
 
@@ -33,17 +34,6 @@ class Prompt:
     text: str  # the rendered conversation, generation prompt included
     ids: list[int]
     boundaries: tuple[int, ...]
-
-
-def join_leading_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    head: list[str] = []
-    k = 0
-    while k < len(messages) and messages[k]["role"] == "system":
-        head.append(messages[k]["content"])
-        k += 1
-    if k <= 1:
-        return messages
-    return [{"role": "system", "content": "\n\n".join(head)}, *messages[k:]]
 
 
 def build_prompt(
@@ -60,15 +50,19 @@ def build_prompt(
             spliced = _splice_text(tokenizer, text, prior)
         if spliced is not None:
             return spliced
-    template_messages, tools = tooling.template_inputs(join_leading_system(messages))
-    ids, boundaries = render_chat(tokenizer, template_messages, tools)  # raises the template's 400
+    template_messages, tools = tooling.template_inputs(messages)
+    ids, boundaries = render_chat(tokenizer, template_messages, tools, tooling.template_context())  # raises the template's 400
     return Prompt(text or "", ids, boundaries)
 
 
 def _render(tokenizer: Tokenizer, tooling: ToolCalling, messages: list[dict[str, Any]]) -> str | None:
-    template_messages, tools = tooling.template_inputs(join_leading_system(messages))
+    """The text `render_chat` renders for `messages` (system messages fitted, template variables set)."""
+    template_messages, tools = tooling.template_inputs(messages)
     try:
-        return tokenizer.apply_chat_template(template_messages, add_generation_prompt=True, tools=tools)
+        return tokenizer.apply_chat_template(
+            fold_system_messages(tokenizer, template_messages), add_generation_prompt=True, tools=tools,
+            extra_context=tooling.template_context(),
+        )
     except (ChatTemplateError, NoChatTemplate):
         return None
 

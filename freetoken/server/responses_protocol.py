@@ -3,7 +3,8 @@
 Owns which top-level fields a Responses request may carry and what each means here: honoured
 (`input`, `instructions`, `tools`, `tool_choice`, `parallel_tool_calls`, `text.format`,
 `max_output_tokens`, `temperature`, `top_p`, `store`, `previous_response_id`, `stream`, `metadata`,
-`user`), accepted and ignored because published clients send them (`reasoning`, `include`,
+`user`, `reasoning.effort` as thinking on / off where the model has a reasoning parser), accepted
+and ignored because published clients send them (`reasoning.summary`, `include`,
 `truncation`, `prompt_cache_key`, `client_metadata`, `service_tier`, `safety_identifier`,
 `stream_options`, `top_logprobs`, `max_tool_calls`, `context_management`, `prompt_cache_retention`,
 `text.verbosity`), and refused with a 400 naming them (`background: true`, `conversation`,
@@ -82,6 +83,14 @@ class ResponsesRequest(BaseModel):
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
         if self.previous_response_id is not None and not self.previous_response_id:
             raise bad_request("previous_response_id must not be empty", param="previous_response_id")
+
+    def thinking(self) -> bool | None:
+        """`reasoning.effort` as the template's `enable_thinking`: "none" is off, any other effort on,
+        no effort the template's default (models without a reasoning parser ignore it)."""
+        effort = (self.reasoning or {}).get("effort")
+        if effort is not None and not isinstance(effort, str):
+            raise bad_request("reasoning.effort must be a string", param="reasoning.effort")
+        return None if effort is None else effort != "none"
 
     @property
     def stores(self) -> bool:

@@ -20,7 +20,7 @@ from freetoken.server.response_format import grammar_of
 from freetoken.server.tool_calling import CHOICES, ToolOptions, openai_tool_options
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
-_FUNCTION_KEYS = {"type", "name", "description", "parameters", "strict", "defer_loading", "allowed_callers", "output_schema"}
+_FUNCTION_KEYS = {"type", "name", "description", "parameters", "strict", "defer_loading", "allowed_callers", "output_schema", "async"}
 _SCHEMA_KEYS = {"type", "name", "schema", "strict", "description"}
 
 
