@@ -1,5 +1,5 @@
-"""Build of FreeToken's optional C++ kernels (freetoken.ops._qlinear_cpu, freetoken.ops._layers_cpu);
-everything else is pyproject.toml.
+"""Build of FreeToken's optional C++ kernels (freetoken.ops._qlinear_cpu, _attention_cpu and
+_layers_cpu); everything else is pyproject.toml.
 
 The extension is optional: a compiler error is reported and the install goes on without it, and at
 run time freetoken.ops.qlinear falls back to torch's ops. No -march: the AVX-512 code carries
@@ -30,6 +30,12 @@ def _extensions() -> list:
         CppExtension(
             name="freetoken.ops._qlinear_cpu",
             sources=["freetoken/ops/csrc/qlinear.cpp"],
+            extra_compile_args=COMPILE_ARGS,
+            extra_link_args=["-fopenmp"],
+        ),
+        CppExtension(
+            name="freetoken.ops._attention_cpu",
+            sources=["freetoken/ops/csrc/attention.cpp"],
             extra_compile_args=COMPILE_ARGS,
             extra_link_args=["-fopenmp"],
         ),

@@ -8,7 +8,8 @@ or past a request's length read slot 0 of the NULL page and NULL table entries p
 KV pool keeps that page all zeros, so stale or unwritten slots never reach the fused kernel.
 Grouped-query attention uses SDPA's `enable_gqa`, so K/V are never copied per query head. Cases
 SDPA cannot do exactly (attention sinks, logit soft-capping) go to the reference; a decode batch
-(one query per request) takes two plain matmuls instead of the fused kernel. The slots and
+(one query per request) takes `ops.decode_attention` (one C++ call reading only the visible K/V
+rows) where it runs, else two plain matmuls instead of the fused kernel. The slots and
 the mask depend only on the batch and the layer kind, so they are built once per step and kept in
 the batch's memo. It does not write K/V and holds no state of its own.
 """
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 
 from freetoken.attention import torch_backend
 from freetoken.attention.metadata import ForwardBatch
+from freetoken.ops.attention import decode_attention
 
 
 def _key_slots(
@@ -73,6 +75,10 @@ def paged_attention(
         plan = batch.memo[key] = _plan(page_table, batch, sliding_window, k_pages.shape[1], q.device)
     flat, visible, S = plan
     B, Lq = batch.num_requests, batch.max_query_len
+    if Lq == 1:  # a decode batch: one query per request; the fused op reads the visible rows in place
+        out = decode_attention(q, k_pages, v_pages, flat.view(B, S), visible.view(B, S), scale)
+        if out is not None:
+            return out
     k = k_pages.view(-1, n_kv, D).index_select(0, flat).view(B, S, n_kv, D).transpose(1, 2)  # [B, n_kv, S, D]
     v = v_pages.view(-1, n_kv, D).index_select(0, flat).view(B, S, n_kv, D).transpose(1, 2)  # [B, n_kv, S, D]
 

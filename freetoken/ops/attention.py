@@ -1,0 +1,54 @@
+"""Decode attention over a paged KV cache as one op: the C++ kernel of csrc/attention.cpp on an
+AVX-512 CPU, `None` (the caller's torch path) everywhere else.
+
+Owns the choice. The kernel takes each request's key slots and their visibility as the SDPA
+backend plans them (built once per step and layer kind) and reads only the visible K/V rows in
+place; the torch path gathers every slot into new tensors and runs about ten ops per layer. Both
+compute in float32 and round once to the query dtype; the kernel folds the scale into the query
+and uses its own exp, so the two agree to float32 rounding, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def _load() -> ModuleType | None:
+    try:
+        from freetoken.ops import _attention_cpu  # built by `pip install -e .` (setup.py)
+    except ImportError as err:
+        log.info("freetoken.ops: C++ decode attention not built (%s); using torch", err)
+        return None
+    if not _attention_cpu.supported():
+        log.info("freetoken.ops: this CPU lacks AVX-512; decode attention uses torch")
+        return None
+    return _attention_cpu
+
+
+_KERNEL: ModuleType | None = _load()  # decided once at import
+
+
+def decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor,
+    scale: float,
+) -> torch.Tensor | None:
+    """q [B, H, D] over the keys at flat pool `slots` [B, S] (int64) where `visible` [B, S]:
+    [B, H, D] in q's dtype, or None when the kernel cannot take these tensors. k_cache and
+    v_cache are a layer's pools [..., n_kv, D]."""
+    if (
+        _KERNEL is None
+        or q.device.type != "cpu"
+        or q.dtype not in (torch.bfloat16, torch.float32)
+        or k_cache.dtype != q.dtype
+        or v_cache.dtype != q.dtype
+        or q.shape[-1] % 16
+        or q.stride(-1) != 1
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+    ):
+        return None
+    return _KERNEL.decode_attention(q, k_cache, v_cache, slots, visible, scale)

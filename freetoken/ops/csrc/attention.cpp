@@ -1,0 +1,195 @@
+// Decode attention over a paged KV cache: one query token per request, in one call.
+//
+// Owns the arithmetic only; freetoken/ops/attention.py decides when it runs (CPU, bfloat16 or
+// float32 with K/V of the same dtype, head_dim a multiple of 16, an AVX-512 CPU) and falls back to
+// torch's matmuls otherwise. Per request b and KV head g, with the G = H / n_kv query heads of g:
+//   s[h, j] = (q[b, h] * scale) . K[slot[b, j], g]   for visible keys j (others: -inf)
+//   p = softmax_j(s)          out[b, h] = sum_j p[h, j] V[slot[b, j], g]
+// in float32, rounded once to the query dtype. Keys that are not visible are never read (their
+// slots may be anything). The torch path gathers every slot's K and V into new tensors, converts
+// them to float32 and runs ~10 ops per layer; this reads each visible row once, in place.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#define FT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
+
+namespace {
+
+constexpr int64_t kTaskFlops = 1 << 16;  // least multiply-adds per parallel task
+
+bool cpu_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma");
+}
+
+FT_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+FT_AVX512 inline __m512 load16(const at::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+FT_AVX512 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+FT_AVX512 inline void store16(at::BFloat16* p, __m512 v) {  // round to nearest even; NaN stays NaN
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+}
+
+// exp(x) for x <= 0 (scores minus their maximum), ~1 ulp: x = n ln2 + r, |r| <= ln2 / 2, a degree-7
+// Taylor polynomial of exp(r), times 2^n. Below -87 the result flushes to 0.
+FT_AVX512 inline __m512 exp16(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2 split in two parts
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  const __m512 y = _mm512_scalef_ps(p, n);
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ), y);
+}
+
+FT_AVX512 inline float reduce(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+// One request b and KV head g. work: G * D query floats, G * S scores, G * D accumulators.
+template <typename T>
+FT_AVX512 void attend_group(const T* q, int64_t q_head_stride, const T* k, const T* v, int64_t slot_stride,
+                            int64_t D, int64_t G, const int64_t* slots, const bool* visible, int64_t S,
+                            float scale, T* out, float* work) {
+  float* qf = work;         // [G, D]
+  float* sc = qf + G * D;   // [G, S]
+  float* acc = sc + G * S;  // [G, D]
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t h = 0; h < G; ++h)
+    for (int64_t d = 0; d < D; d += 16) store16(qf + h * D + d, _mm512_mul_ps(load16(q + h * q_head_stride + d), vscale));
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < S; ++j) {
+    if (!visible[j]) {
+      for (int64_t h = 0; h < G; ++h) sc[h * S + j] = kNegInf;
+      continue;
+    }
+    const T* kr = k + slots[j] * slot_stride;
+    for (int64_t h = 0; h < G; ++h) {
+      __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+      int64_t d = 0;
+      for (; d + 32 <= D; d += 32) {
+        a0 = _mm512_fmadd_ps(load16(qf + h * D + d), load16(kr + d), a0);
+        a1 = _mm512_fmadd_ps(load16(qf + h * D + d + 16), load16(kr + d + 16), a1);
+      }
+      if (d < D) a0 = _mm512_fmadd_ps(load16(qf + h * D + d), load16(kr + d), a0);
+      sc[h * S + j] = reduce(_mm512_add_ps(a0, a1));
+    }
+  }
+  for (int64_t h = 0; h < G; ++h) {
+    float* s = sc + h * S;
+    float m = kNegInf;
+    for (int64_t j = 0; j < S; ++j) m = std::max(m, s[j]);
+    float* a = acc + h * D;
+    std::memset(a, 0, sizeof(float) * D);
+    if (m == kNegInf) {  // nothing visible (never for a real row): zeros rather than NaN
+      for (int64_t d = 0; d < D; d += 16) store16(out + h * D + d, _mm512_setzero_ps());
+      continue;
+    }
+    const __m512 vm = _mm512_set1_ps(m);
+    __m512 vsum = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + 16 <= S; j += 16) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), vm));
+      _mm512_storeu_ps(s + j, e);
+      vsum = _mm512_add_ps(vsum, e);
+    }
+    if (j < S) {
+      const __mmask16 tail = __mmask16((1u << (S - j)) - 1u);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + j), vm));
+      _mm512_mask_storeu_ps(s + j, tail, e);
+      vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(tail, e));
+    }
+    const float inv = 1.f / reduce(vsum);
+    for (int64_t jj = 0; jj < S; ++jj) {
+      const float p = s[jj];
+      if (p == 0.f) continue;  // not visible, or underflowed
+      const T* vr = v + slots[jj] * slot_stride;
+      const __m512 vp = _mm512_set1_ps(p);
+      for (int64_t d = 0; d < D; d += 16) store16(a + d, _mm512_fmadd_ps(vp, load16(vr + d), load16(a + d)));
+    }
+    const __m512 vinv = _mm512_set1_ps(inv);
+    for (int64_t d = 0; d < D; d += 16) store16(out + h * D + d, _mm512_mul_ps(load16(a + d), vinv));
+  }
+}
+
+template <typename T>
+void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
+         const at::Tensor& visible, double scale, at::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t n_kv = k_cache.size(-2), G = H / n_kv, S = slots.size(1);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const bool* mp = visible.data_ptr<bool>();
+  T* op = out.data_ptr<T>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), slot_stride = n_kv * D;
+  const int64_t per_task = std::max<int64_t>(1, S * D * (G + 1));
+  const int64_t grain = std::max<int64_t>(1, kTaskFlops / per_task);
+  at::parallel_for(0, B * n_kv, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> work(size_t(G * (2 * D + S)));
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b = t / n_kv, g = t % n_kv;
+      attend_group<T>(qp + b * qs0 + g * G * qs1, qs1, kp + g * D, vp + g * D, slot_stride, D, G,
+                      sp + b * S, mp + b * S, S, float(scale), op + (b * H + g * G) * D, work.data());
+    }
+  });
+}
+
+// q [B, H, D] (rows strided, last dimension contiguous); k_cache, v_cache [..., n_kv, D]
+// contiguous (any number of leading slot dimensions); slots int64 [B, S] (flat slot of each key);
+// visible bool [B, S]. Returns [B, H, D] in q's dtype.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& slots, const at::Tensor& visible, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1, "decode_attention: q must be CPU [B, H, D]");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat, "decode_attention: bfloat16 or float32");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "decode_attention: K/V must have q's dtype");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
+              "decode_attention: K/V caches must be contiguous and of one shape");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  TORCH_CHECK(D % 16 == 0 && k_cache.size(-1) == D, "decode_attention: head_dim must match and be a multiple of 16");
+  const int64_t n_kv = k_cache.size(-2);
+  TORCH_CHECK(n_kv > 0 && H % n_kv == 0, "decode_attention: query heads must be a multiple of KV heads");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.dim() == 2 && slots.size(0) == B,
+              "decode_attention: slots must be int64 [B, S]");
+  TORCH_CHECK(visible.scalar_type() == at::kBool && visible.is_contiguous() && visible.sizes() == slots.sizes(),
+              "decode_attention: visible must be bool [B, S]");
+  at::Tensor out = at::empty({B, H, D}, q.options());
+  if (B == 0) return out;
+  if (q.scalar_type() == at::kBFloat16)
+    run<at::BFloat16>(q, k_cache, v_cache, slots, visible, scale, out);
+  else
+    run<float>(q, k_cache, v_cache, slots, visible, scale, out);
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "FreeToken's decode attention over a paged KV cache (see attention.cpp)";
+  m.def("supported", &cpu_supported, "whether this CPU has AVX-512 F/BW/VL and FMA");
+  m.def("decode_attention", &decode_attention, "one query per request over its visible key slots",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("visible"), py::arg("scale"));
+}
