@@ -7,7 +7,10 @@ and TTL and the output items' order."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -16,8 +19,14 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 from serving import ServeProcess
 
-from freetoken.server.responses_output import OutputItems
+from freetoken.server.client import EngineUnavailable
+from freetoken.server.generation import Clock, Piece
+from freetoken.server.metrics import Metrics
+from freetoken.server.responses_output import OutputItems, response_body, usage
 from freetoken.server.responses_store import ResponseStore, StoredResponse
+from freetoken.server.responses_stream import response_events
+from freetoken.server.streaming import Tally
+from freetoken.server.tool_calling import ToolStream
 from freetoken.tokenizer.tool_parsers import StreamDelta, ToolCall, ToolCallDelta
 
 MODEL = "tiny-gemma"
@@ -301,3 +310,34 @@ def test_output_items_hold_whitespace_and_keep_the_written_order() -> None:
     only_space.feed(StreamDelta(content="  "))
     only_space.finish(incomplete=True)
     assert only_space.items[0]["content"][0]["text"] == "  " and only_space.items[0]["status"] == "incomplete"
+
+
+def test_a_failure_mid_stream_is_an_error_event_then_response_failed() -> None:
+    async def rest() -> AsyncIterator[Piece]:
+        yield Piece(0, text=" world", token_ids=[5])
+        raise EngineUnavailable("the engine process exited")
+
+    stored: list[Any] = []
+    ctx: Any = SimpleNamespace(client=SimpleNamespace(state="down"), metrics=Metrics())
+
+    def body(status: str, output: list[dict[str, Any]], usage_doc: dict[str, Any] | None) -> dict[str, Any]:
+        return response_body("resp_1", 0, MODEL, {"tools": [], "tool_choice": "auto", "parallel_tool_calls": True}, status=status,
+                             output=output, usage_doc=usage_doc)
+
+    async def run() -> list[str]:
+        events = response_events(
+            ctx, "responses", rest(), Piece(0, text="Hello", token_ids=[4]), tally=Tally([3], [0]), clock=Clock(),
+            parser=ToolStream(None, True), body=body, usage_of=lambda t: usage(t.prompt_tokens, t.completion_tokens, 0),
+            on_done=lambda final, ids: stored.append(final),
+        )
+        return [frame async for frame in events]
+
+    frames = asyncio.run(run())
+    events = [json.loads(f.split("data: ", 1)[1]) for f in frames]
+    for event in events:
+        EVENT.validate_python(event)
+    assert [e["type"] for e in events][-3:] == ["response.output_text.delta", "error", "response.failed"]
+    assert events[-2]["code"] == "engine_unavailable" and "engine process exited" in events[-2]["message"]
+    assert events[-1]["response"]["status"] == "failed" and events[-1]["response"]["error"]["code"] == "server_error"
+    assert stored == []  # a failed response is not stored
+    assert ctx.metrics.requests.labels(endpoint="responses", status="503")._value.get() == 1
