@@ -112,10 +112,13 @@ def _padded_rows(w: Weight, start: int, rows: int) -> Weight:
     missing = rows - part.shape[0]
     if missing == 0:
         return part
-    if isinstance(part, QuantizedWeight):
-        pad = lambda t: torch.cat([t, t.new_zeros(missing, t.shape[1])])
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t, t.new_zeros(missing, *t.shape[1:])])
+
+    if isinstance(part, QuantizedWeight):  # zero q, scale and minimum dequantize to zero rows
         return QuantizedWeight(part.bits, pad(part.q), pad(part.scale), None if part.minimum is None else pad(part.minimum))
-    return torch.cat([part, part.new_zeros(missing, *part.shape[1:])])
+    return pad(part)
 
 
 def _zero(w: Weight) -> Weight:

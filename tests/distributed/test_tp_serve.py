@@ -145,3 +145,22 @@ def test_more_ranks_than_cores_is_refused() -> None:
         check_world_fits(cores + 1, cuda=False, cuda_devices=0)
     with pytest.raises(ConfigError, match="more than the 1 CUDA devices"):
         check_world_fits(2, cuda=True, cuda_devices=1)
+
+
+@pytest.mark.parametrize("family_dir", ["gemma3"], indirect=True)
+def test_killing_rank_0_takes_rank_1_with_it(tp_server: ServeProcess, one_process_texts: list[str]) -> None:
+    healthy = tp_server.wait_healthy()
+    (rank1,) = rank_pids(tp_server)
+    os.kill(healthy["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + RESTART_DEADLINE_S
+    while pid_alive(rank1) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not pid_alive(rank1), "rank 1 outlived rank 0"
+    while time.monotonic() < deadline:
+        health = httpx.get(f"{tp_server.base}/health", timeout=30)
+        if health.status_code == 200 and health.json()["pid"] != healthy["pid"]:
+            break
+        time.sleep(0.2)
+    assert health.status_code == 200 and health.json()["restarts"] == healthy["restarts"] + 1, health.text
+    tp_server.engine_pids.add(health.json()["pid"])
+    assert completion(tp_server, PROMPTS[2]) == one_process_texts[2]
