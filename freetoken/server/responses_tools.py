@@ -45,7 +45,7 @@ def responses_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool | 
             continue
         fn = _function(tool, where)
         functions.append({"type": "function", "function": fn})
-        echo.append({"type": "function", "strict": tool.get("strict"), **{"parameters": None, "description": None, **fn}})
+        echo.append({"type": "function", "strict": tool.get("strict"), "parameters": None, "description": None, **fn})
     names = {t["function"]["name"] for t in functions}
     choice, functions = _choice(tool_choice, functions, names)
     return ResponsesTools(openai_tool_options(functions, choice, parallel), tuple(ignored), tuple(echo))
@@ -116,8 +116,9 @@ def text_grammar(text: dict[str, Any] | None) -> tuple[str, str] | None:
         raise bad_request("text.format must be an object with a 'type'", param="text.format")
     kind = fmt.get("type")
     if kind in ("text", "json_object"):
-        if set(fmt) != {"type"}:
-            raise bad_request(f"text.format: unknown field {sorted(set(fmt) - {'type'})[0]!r}", param="text.format")
+        extra = set(fmt) - {"type"}
+        if extra:
+            raise bad_request(f"text.format: unknown field {min(extra)!r}", param=f"text.format.{min(extra)}")
         return grammar_of({"type": kind})
     if kind != "json_schema":
         raise bad_request(f"text.format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}", param="text.format.type")
