@@ -319,8 +319,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # also when started in the background (SIGINT ignored)
+        signal.signal(sig, _interrupt)  # the `finally` below then stops the server it started
     args.out.mkdir(parents=True, exist_ok=True)
     server = Server(args, args.out)
     print(f"soak: {' '.join(server.cmd)}", flush=True)
