@@ -22,6 +22,7 @@ from serving import ServeProcess
 from freetoken.server.client import EngineUnavailable
 from freetoken.server.generation import Clock, Piece
 from freetoken.server.metrics import Metrics
+from freetoken.server.responses_items import items_to_messages
 from freetoken.server.responses_output import OutputItems, response_body, usage
 from freetoken.server.responses_store import ResponseStore, StoredResponse
 from freetoken.server.responses_stream import response_events
@@ -193,19 +194,35 @@ def test_hosted_tools_are_left_out_and_named_in_a_header(server: ServeProcess) -
     assert headers["x-freetoken-ignored-tools"] == "web_search,namespace"
 
 
+CODEX_INPUT: Any = [
+    {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Be careful."}]},
+    {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "List files."}]},
+    {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "opaque"},
+    {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Lima"}'},
+    {"type": "function_call_output", "call_id": "call_1", "output": [{"type": "input_text", "text": "sunny"}]},
+    {"type": "local_shell_call", "id": "ls_1", "call_id": "c2", "status": "completed", "action": {"type": "exec", "command": ["ls"], "env": {}}},
+    {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Done.", "annotations": []}]},
+    {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Now the weather in Oslo."}]},
+]
+
+
+def test_a_codex_turn_streams(server: ServeProcess) -> None:
+    """What Codex sends each turn: the whole history, store false, hosted tools, streamed."""
+    events, headers = stream(
+        server, instructions="You are a coding agent.", input=CODEX_INPUT, store=False, parallel_tool_calls=False,
+        tools=[WEATHER, {"type": "local_shell"}, {"type": "web_search"}], tool_choice="auto", include=["reasoning.encrypted_content"],
+        reasoning={"effort": "medium", "summary": "auto"}, prompt_cache_key="conv-1", max_output_tokens=6,
+    )
+    assert headers["x-freetoken-ignored-tools"] == "local_shell,web_search"
+    assert events[-1]["type"] in ("response.completed", "response.incomplete") and events[-1]["response"]["store"] is False
+    server.assert_balanced_idle()
+
+
 def test_fields_codex_and_the_sdks_send_are_accepted(server: ServeProcess) -> None:
     body = create(
         server,
         instructions="You are a coding agent.",
-        input=[
-            {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Be careful."}]},
-            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "List files."}]},
-            {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "opaque"},
-            {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Lima"}'},
-            {"type": "function_call_output", "call_id": "call_1", "output": [{"type": "input_text", "text": "sunny"}]},
-            {"type": "local_shell_call", "id": "ls_1", "call_id": "c2", "status": "completed", "action": {"type": "exec", "command": ["ls"], "env": {}}},
-            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Done.", "annotations": []}]},
-        ],
+        input=CODEX_INPUT,
         tools=[WEATHER], tool_choice="auto", parallel_tool_calls=False, store=False, stream=False,
         include=["reasoning.encrypted_content"], reasoning={"effort": "medium", "summary": "auto"}, prompt_cache_key="k1",
         client_metadata={"x": 1}, service_tier="auto", safety_identifier="u1", text={"verbosity": "low"}, truncation="disabled",
@@ -341,3 +358,19 @@ def test_a_failure_mid_stream_is_an_error_event_then_response_failed() -> None:
     assert events[-1]["response"]["status"] == "failed" and events[-1]["response"]["error"]["code"] == "server_error"
     assert stored == []  # a failed response is not stored
     assert ctx.metrics.requests.labels(endpoint="responses", status="503")._value.get() == 1
+
+
+def test_items_become_chat_messages() -> None:
+    conversation = items_to_messages(CODEX_INPUT)
+    assert conversation.messages == [
+        {"role": "system", "content": "Be careful."},
+        {"role": "user", "content": "List files."},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Lima"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny", "name": "get_weather"},
+        {"role": "assistant", "content": "Done."},
+        {"role": "user", "content": "Now the weather in Oslo."},
+    ]
+    assert conversation.dropped == ["local_shell_call"]
+    earlier = items_to_messages([{"type": "function_call_output", "call_id": "call_9", "output": "x"}], names={"call_9": "f"})
+    assert earlier.messages == [{"role": "tool", "tool_call_id": "call_9", "content": "x", "name": "f"}]
