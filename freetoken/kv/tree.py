@@ -438,4 +438,5 @@ class RadixTree:
             doomed.append(node)
             stack.extend(node.children.values())
         for node in reversed(doomed):  # children first, so each is a leaf when trimmed
+            self.evicted.add(page_hashes(path_tokens(node), self.page_size)[-node.npages :])
             self._trim_tail(node, node.npages)

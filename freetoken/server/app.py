@@ -34,6 +34,7 @@ from pydantic import BaseModel, ValidationError
 
 from freetoken import __version__
 from freetoken.errors import FreeTokenError
+from freetoken.server.admin_cache import ResizeRequest, resize_cache
 from freetoken.server.anthropic_errors import anthropic_error_response, error_event
 from freetoken.server.anthropic_messages import count_message_tokens, create_message
 from freetoken.server.anthropic_protocol import CountTokensRequest, MessagesRequest
@@ -249,6 +250,13 @@ def build_app(ctx: ServingContext, *, manage_client: bool = True) -> FastAPI:
     async def model(model_id: str) -> dict[str, Any]:
         ctx.check_model(model_id)
         return model_card()
+
+    @app.post("/admin/cache/resize")
+    async def admin_cache_resize(request: Request) -> Response:
+        try:
+            return await resize_cache(ctx, await parse_body(request, ResizeRequest))
+        except FreeTokenError as err:  # the engine went away between the checks and the call
+            raise APIError(503, f"engine unavailable: {err}", code="engine_unavailable") from None
 
     @app.post("/admin/drain")
     async def admin_drain() -> Response:

@@ -29,7 +29,7 @@ from freetoken.errors import FreeTokenError
 from freetoken.request import SamplingParams
 from freetoken.server.heartbeat import INTERVAL_S as HEARTBEAT_INTERVAL_S, HeartbeatWatch
 from freetoken.server.messages import (
-    AbortRequest, AddRequest, EngineError, FinishRequest, Heartbeat, Ready, Refused, Shutdown, StatusQuery, StatusReply,
+    AbortRequest, AddRequest, EngineError, FinishRequest, Heartbeat, Ready, Refused, ResizeCache, Shutdown, StatusQuery, StatusReply,
     TokenUpdate, decode, encode,
 )
 from freetoken.server.supervisor import ExitReport, RestartPolicy, Supervisor, WorkerEndpoints
@@ -236,12 +236,20 @@ class EngineClient:
 
     async def status(self) -> dict[str, object]:
         """The engine's status document (`/v1/cache/status` fields plus `engine` counters)."""
+        return await self._query(StatusQuery)
+
+    async def resize_cache(self, full_tokens: int | None, swa_tokens: int | None) -> dict[str, object]:
+        """Resize the engine's KV pools: `{"ok": true, "pools"}` or `{"ok": false, "error", "param", "conflict"}`."""
+        return await self._query(lambda qid: ResizeCache(qid, full_tokens, swa_tokens))
+
+    async def _query(self, make: Callable[[int], object]) -> dict[str, object]:
+        """Send the query `make(query_id)` and wait for its StatusReply."""
         self._require_ready()
         qid = next(self._query_ids)
         future: asyncio.Future[dict[str, object]] = asyncio.get_running_loop().create_future()
         self._status_waiters[qid] = future
         try:
-            self._send_now(StatusQuery(qid), required=True)
+            self._send_now(make(qid), required=True)
             return await asyncio.wait_for(future, STATUS_TIMEOUT_S)
         except asyncio.TimeoutError:
             raise EngineUnavailable(f"the engine did not answer a status query within {STATUS_TIMEOUT_S:.0f} s") from None

@@ -48,6 +48,16 @@ class StatusQuery:
 
 
 @dataclass
+class ResizeCache:
+    """Resize the KV pools (tokens; None: leave that pool); answered by a `StatusReply` whose
+    status is `{"ok": true, "pools": ...}` or `{"ok": false, "error", "param", "conflict"}`."""
+
+    query_id: int
+    full_tokens: int | None = None
+    swa_tokens: int | None = None
+
+
+@dataclass
 class Shutdown:
     pass
 
@@ -120,7 +130,7 @@ class EngineError:
 MESSAGES: dict[str, type] = {
     cls.__name__: cls
     for cls in (
-        AddRequest, AbortRequest, FinishRequest, StatusQuery, Shutdown,
+        AddRequest, AbortRequest, FinishRequest, StatusQuery, ResizeCache, Shutdown,
         Ready, TokenUpdate, Refused, StatusReply, Heartbeat, EngineError,
     )
 }

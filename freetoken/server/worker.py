@@ -21,12 +21,13 @@ import zmq
 from freetoken.config import EngineConfig
 from freetoken.engine.build import build_engine
 from freetoken.engine.engine import Engine, RequestRefused, RequestUpdate
+from freetoken.engine.resize import ResizeRefused
 from freetoken.errors import FreeTokenError
 from freetoken.kv.errors import KVIntegrityError
 from freetoken.request import FinishReason, Request, SamplingParams, TokenLogprob
 from freetoken.server.heartbeat import HeartbeatSender, Progress
 from freetoken.server.messages import (
-    AbortRequest, AddRequest, EngineError, FinishRequest, Ready, Refused, Shutdown, StatusQuery, StatusReply,
+    AbortRequest, AddRequest, EngineError, FinishRequest, Ready, Refused, ResizeCache, Shutdown, StatusQuery, StatusReply,
     TokenUpdate, decode, encode,
 )
 from freetoken.server.supervisor import EXIT_FAILED, EXIT_OK, EXIT_STARTUP
@@ -105,6 +106,8 @@ class WorkerLoop:
             self.engine.finish(msg.rid, FinishReason.STOP)
         elif isinstance(msg, StatusQuery):
             self.send(StatusReply(msg.query_id, self.status()))
+        elif isinstance(msg, ResizeCache):
+            self.send(StatusReply(msg.query_id, self._resize(msg)))
         elif isinstance(msg, Shutdown):
             return False
         else:
@@ -126,6 +129,13 @@ class WorkerLoop:
         else:
             self.requests_added += 1
             self.prompt_tokens += len(req.prompt_ids)
+
+    def _resize(self, msg: ResizeCache) -> dict[str, object]:
+        try:
+            pools = self.engine.resize(msg.full_tokens, msg.swa_tokens)
+        except ResizeRefused as err:
+            return {"ok": False, "error": str(err), "param": err.param, "conflict": err.conflict}
+        return {"ok": True, "pools": pools}
 
     def _refuse(self, refused: Refused) -> None:
         self.requests_refused += 1

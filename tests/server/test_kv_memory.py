@@ -1,14 +1,21 @@
 """KV memory features through a real `ft serve` on the tiny sliding-window model (window 7,
-pages of 4, --enable-cache-report, --debug-kv): the cache report's miss reason and its metric.
+pages of 4, --enable-cache-report, --debug-kv): the cache report's miss reason and its metric,
+and `POST /admin/cache/resize` (on a small server of its own, so that page numbers are known).
 Every test ends with the pools balanced and no violation or engine restart during it."""
 
 from __future__ import annotations
 
 import itertools
 import re
+import threading
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
-from serving import ServeProcess
+import httpx
+import pytest
+from conftest import API_KEY
+from serving import ServeProcess, assert_pools_balanced, serving
 
 MODEL = "tiny-gemma"
 _heads = itertools.count()
@@ -57,3 +64,84 @@ def test_miss_reasons_and_their_metric(server: ServeProcess) -> None:
     assert fork == {"cached_tokens": 36, "matched_tokens": 36, "miss_reason": "diverged_at_token 38"}, fork
     assert miss_count(server, "diverged") == diverged_before + 1
     server.assert_balanced_idle()
+
+
+SMALL_FLAGS = [
+    "--page-size", "4", "--num-tokens", "128", "--max-running-requests", "2", "--max-waiting-requests", "2",
+    "--max-prefill-length", "12", "--enable-cache-report", "--debug-kv", "--dtype", "float32", "--threads", "1",
+]
+
+
+@pytest.fixture
+def small_server(tiny_gemma_dir: Path, tmp_path: Path) -> Iterator[ServeProcess]:
+    """A fresh server with a 32-page FULL pool: its first requests take pages 1, 2, ... in order."""
+    with serving(str(tiny_gemma_dir), SMALL_FLAGS, tmp_path / "small.log", api_key=API_KEY) as proc:
+        proc.begin_test()
+        yield proc
+
+
+def resize(server: ServeProcess, body: object, key: str | None = API_KEY) -> httpx.Response:
+    headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+    return httpx.post(f"{server.base}/admin/cache/resize", json=body, headers=headers, timeout=60)
+
+
+def balanced(server: ServeProcess) -> dict[str, Any]:
+    status = server.cache_status()
+    for name, pool in status["pools"].items():
+        assert pool["capacity"] == pool["free"] + pool["cached"] + pool["in_use"] + pool["quarantined"], (name, pool)
+    assert status["integrity"]["violations"] == 0
+    return status
+
+
+def test_resize_checks_its_body_then_grows_and_shrinks_under_load(small_server: ServeProcess) -> None:
+    assert resize(small_server, {"full_tokens": 256}, key=None).status_code == 401
+    for body, param in [({"full_tokens": "256"}, "full_tokens"), ({"swa_tokens": 0}, "swa_tokens"),
+                        ({"bogus": 1}, "bogus"), ({}, "full_tokens"), ({"full_tokens": 2}, "full_tokens")]:
+        r = resize(small_server, body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    floor = small_server.cache_status()["floor"]
+    r = resize(small_server, {"swa_tokens": (floor - 1) * 4})
+    assert r.status_code == 409 and r.json()["error"]["param"] == "swa_tokens", r.text
+    assert "floor" in r.json()["error"]["message"]
+    r = resize(small_server, {"full_tokens": 256})
+    assert r.status_code == 200 and r.json()["pools"]["full"] == {"capacity": 64, "tokens": 256, "pending_release": 0}
+    status = balanced(small_server)["pools"]["full"]
+    assert status["capacity"] == 64 and status["free"] == 64
+    for _ in range(3):
+        complete(small_server, fresh_prompt(40))  # the tree holds pages 1-33
+    done: list[dict[str, Any]] = []
+    runners = [threading.Thread(target=lambda p=p: done.append(complete(small_server, p, 60)))
+               for p in (fresh_prompt(30), fresh_prompt(30))]  # pages 34-57 between them
+    for t in runners:
+        t.start()
+    wait = small_server.http()
+    while wait.get("/health").json().get("in_flight", 0) < 2 or balanced(small_server)["pools"]["full"]["in_use"] < 12:
+        threading.Event().wait(0.05)
+    wait.close()
+    r = resize(small_server, {"full_tokens": 40 * 4})  # below pages the runners hold: they retire later
+    assert r.status_code == 200, r.text
+    pending = r.json()["pools"]["full"]["pending_release"]
+    during = balanced(small_server)["pools"]["full"]
+    assert during["target"] == 40 and (pending == 0 or during["capacity"] > 40), during
+    for t in runners:
+        t.join(timeout=300)
+    assert len(done) == 2
+    status = small_server.wait_idle()["pools"]["full"]
+    assert status["capacity"] == status["target"] == 40 and status["pending_release"] == 0, status
+    small_server.assert_balanced_idle()
+
+
+def test_a_shrink_drops_the_tree_path_above_it_and_the_miss_says_evicted(small_server: ServeProcess) -> None:
+    y, x = fresh_prompt(40), fresh_prompt(24)
+    complete(small_server, y)  # pages 1-10 (41 written tokens: 10 whole pages committed, 11 held)
+    complete(small_server, x)  # pages 11-16 at most
+    tree_x = small_server.cache_status()
+    # Shrink to 13: X keeps pages 11-13 (its first 12 tokens), the rest of its path is dropped.
+    r = resize(small_server, {"full_tokens": 13 * 4})
+    assert r.status_code == 200 and r.json()["pools"]["full"]["pending_release"] == 0, (r.text, tree_x)
+    again = complete(small_server, x + [5, 6, 7, 8])
+    assert again == {"cached_tokens": 12, "matched_tokens": 12, "miss_reason": "evicted"}, again
+    too_big = httpx.post(f"{small_server.base}/v1/completions", headers=small_server.headers, timeout=60,
+                         json={"model": MODEL, "prompt": fresh_prompt(50), "max_tokens": 4})
+    assert too_big.status_code == 400, too_big.text  # new admissions see the 13-page pool
+    small_server.assert_balanced_idle()

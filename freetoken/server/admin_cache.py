@@ -1,0 +1,38 @@
+"""`POST /admin/cache/resize`: resize the engine's KV pools at run time (behind the API key).
+
+Owns the route's body (`{"full_tokens": N, "swa_tokens": M}`, either or both, in tokens; an
+unknown key or a value that is not a positive integer is a 400 naming it) and the mapping of the
+engine's answer to HTTP: 200 with the new sizes (`pools.<kind>.capacity` in pages, `tokens`,
+`pending_release`: pages running requests still hold above a shrink's target; /v1/cache/status
+shows them go), 409 naming the key when the engine's state blocks it (a floor, pages running
+requests hold, a shrink still in progress), 400 when the value itself cannot work. The policy is
+the engine's (`freetoken/engine/resize.py`); this module never imports torch.
+"""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from freetoken.server.context import ServingContext
+from freetoken.server.errors import APIError, bad_request
+
+
+class ResizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    full_tokens: int | None = Field(default=None, ge=1)
+    swa_tokens: int | None = Field(default=None, ge=1)
+
+
+async def resize_cache(ctx: ServingContext, req: ResizeRequest) -> JSONResponse:
+    ctx.ready_info()
+    if req.full_tokens is None and req.swa_tokens is None:
+        raise bad_request("give full_tokens, swa_tokens or both (tokens of KV memory per pool)", param="full_tokens")
+    answer = await ctx.client.resize_cache(req.full_tokens, req.swa_tokens)
+    if not answer.get("ok"):
+        message, param = str(answer.get("error")), answer.get("param")
+        if answer.get("conflict"):
+            raise APIError(409, message, param=param if isinstance(param, str) else None, code="resize_blocked")
+        raise bad_request(message, param=param if isinstance(param, str) else None)
+    return JSONResponse({"status": "ok", "pools": answer.get("pools")})
