@@ -374,3 +374,43 @@ def test_items_become_chat_messages() -> None:
     assert conversation.dropped == ["local_shell_call"]
     earlier = items_to_messages([{"type": "function_call_output", "call_id": "call_9", "output": "x"}], names={"call_9": "f"})
     assert earlier.messages == [{"role": "tool", "tool_call_id": "call_9", "content": "x", "name": "f"}]
+
+
+def _tooling(tokenizer: Any) -> Any:
+    from freetoken.server.settings import ServerConfig
+    from freetoken.server.tool_calling import ToolCalling, ToolOptions
+
+    ctx: Any = SimpleNamespace(tokenizer=tokenizer, config=ServerConfig(), client=SimpleNamespace(info=None))
+    return ToolCalling(ctx, ToolOptions())
+
+
+@pytest.mark.parametrize("template", ["chatml", "gemma3"])
+def test_a_chained_prompt_reuses_the_sampled_ids(tmp_path: Any, template: str) -> None:
+    """The earlier output was sampled as single bytes (not how the tokenizer would spell it), with
+    a trailing newline Gemma's template trims. The chained prompt still starts with the earlier
+    prompt's ids and exactly the sampled ids, then the template's text after the output."""
+    from array import array
+
+    from freetoken.server.responses_prompt import build_prompt
+    from freetoken.tokenizer import Tokenizer
+    from freetoken.tokenizer.chat_template import GEMMA3_CHAT_TEMPLATE
+    from freetoken.tokenizer.testing import write_tiny_tokenizer
+
+    tokenizer = Tokenizer.from_pretrained_dir(write_tiny_tokenizer(tmp_path))
+    if template == "gemma3":
+        tokenizer = Tokenizer(tokenizer.backend, bos_id=None, eos_id=2, chat_template=GEMMA3_CHAT_TEMPLATE)
+    tooling = _tooling(tokenizer)
+    user = {"role": "user", "content": "Name a river."}
+    first = build_prompt(tokenizer, tooling, [user], None)
+    text = "the Seine\n"
+    end = [2] if template == "chatml" else []  # ChatML's <|im_end|> is the model's end of turn; Gemma's here a length cut
+    sampled = [3 + b for b in text.encode()] + end  # ids 3..258 are the 256 bytes
+    assert sampled[: len(text)] != tokenizer.encode(text, add_special_tokens=False)  # re-tokenizing would not give them back
+    prior = StoredResponse({}, (user, {"role": "assistant", "content": text}), first.text, array("i", first.ids), array("i", sampled),
+                           first.boundaries, plain_output=True)
+    messages = [*prior.messages, {"role": "user", "content": "Another?"}]
+    chained = build_prompt(tokenizer, tooling, messages, prior, output_at=1)
+    assert chained.ids[: len(first.ids) + len(sampled)] == first.ids + sampled
+    rest = tokenizer.decode(chained.ids[len(first.ids) + len(sampled):], skip_special_tokens=False)
+    assert chained.text.endswith(rest) and "Another?" in rest
+    assert len(first.ids) + len(sampled) in chained.boundaries
