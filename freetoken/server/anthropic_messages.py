@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi.responses import JSONResponse, Response
 
 from freetoken.errors import FreeTokenError
 from freetoken.server.anthropic_errors import error_event, event
-from freetoken.server.anthropic_protocol import CountTokensRequest, MessagesRequest, Conversation
+from freetoken.server.anthropic_protocol import AnthropicMessage, Conversation, CountTokensRequest, MessagesRequest
+from freetoken.server.anthropic_threads import KeptThread, ThreadStore
 from freetoken.server.context import ServingContext
 from freetoken.server.errors import bad_request
 from freetoken.server.generation import ChoiceSpec, Clock, Piece, _close, collect, engine_error, failed_choice, first_piece, merge, run_choice
@@ -35,6 +36,8 @@ from freetoken.server.request_hygiene import engine_rid
 from freetoken.server.streaming import CLIENT_CLOSED, Tally, record, sse_response
 from freetoken.server.tool_blocks import AnthropicBlockStream, anthropic_content, tool_stop_reason
 from freetoken.server.tool_calling import ToolCalling
+from freetoken.tokenizer.tool_parsers import StreamDelta
+from freetoken.tokenizer.tool_parsers.base import merge_deltas
 
 ENDPOINT = "messages"
 MAX_TEMPERATURE = 1.0  # Anthropic's range is [0, 1]
@@ -75,12 +78,29 @@ async def count_message_tokens(ctx: ServingContext, req: CountTokensRequest, req
     return JSONResponse({"input_tokens": len(ids)})
 
 
-async def create_message(ctx: ServingContext, req: MessagesRequest, request_id: str) -> Response:
+async def create_message(ctx: ServingContext, req: MessagesRequest, request_id: str, threads: ThreadStore | None = None) -> Response:
+    """One message. With `threads`, a `thread` request keeps its conversation there and a
+    `continue` one is rendered after the conversation kept under its previous message id."""
     clock = Clock()
     ctx.check_model(req.model)
+    previous = req.continued_from()
+    if previous is not None:
+        if threads is None:
+            raise bad_request("this server keeps no threads; send the whole conversation", param="thread")
+        kept = threads.get(previous)
+        req = req.model_copy(update={
+            "messages": [*kept.messages, *req.messages],
+            "system": kept.system if req.system is None else req.system,
+            "tools": kept.tools if req.tools is None else req.tools,
+        })
+
+    def keep(content: list[dict[str, Any]]) -> None:
+        if threads is not None and req.thread is not None:
+            reply = AnthropicMessage.model_validate({"role": "assistant", "content": content})
+            threads.put(message_id, KeptThread((*req.messages, reply), req.system, req.tools))
+
     if req.temperature is not None and not 0.0 <= req.temperature <= MAX_TEMPERATURE:
         raise bad_request(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {req.temperature}", param="temperature")
-    req.check_thread()
     params = req.sampling_params(req.max_tokens)  # range checks before anything else
     info = ctx.ready_info()
     ids, boundaries, tooling = render_conversation(ctx, req)
@@ -99,10 +119,12 @@ async def create_message(ctx: ServingContext, req: MessagesRequest, request_id: 
         parsed = tooling.parse(result.text)
         reason, sequence = stop_reason(result.finish_reason, result.stop_string)
         record(ctx, ENDPOINT, 200, tally, clock)
+        content = anthropic_content(parsed, thinking=tooling.thinking)
+        keep(content)
         return JSONResponse(
             {
                 **head,
-                "content": anthropic_content(parsed, thinking=tooling.thinking),
+                "content": content,
                 "stop_reason": tool_stop_reason(reason, len(parsed.tool_calls)),
                 "stop_sequence": sequence,
                 "usage": usage(len(ids), result.cached_tokens, len(result.token_ids)),
@@ -110,7 +132,7 @@ async def create_message(ctx: ServingContext, req: MessagesRequest, request_id: 
         )
 
     first = await first_piece(ctx.client, pieces)
-    events = message_events(ctx, pieces, first, tooling=tooling, head=head, tally=tally, clock=clock, request_id=request_id)
+    events = message_events(ctx, pieces, first, tooling=tooling, head=head, tally=tally, clock=clock, request_id=request_id, on_done=keep)
     return sse_response(events)
 
 
@@ -141,8 +163,10 @@ async def message_events(
     tally: Tally,
     clock: Clock,
     request_id: str,
+    on_done: Callable[[list[dict[str, Any]]], None],
 ) -> AsyncIterator[str]:
-    """Anthropic's event stream for one message (its first piece already taken)."""
+    """Anthropic's event stream for one message (its first piece already taken); `on_done` gets
+    the message's content blocks once it ended well."""
     status = CLIENT_CLOSED
     prompt_tokens = tally.prompt_tokens
     cached = 0 if first is None else first.cached_tokens
@@ -152,6 +176,7 @@ async def message_events(
         parser, blocks, frame = tooling.stream(incremental=True), AnthropicBlockStream(thinking=bool(tooling.thinking)), _Framer()
         finish: str | None = None
         stop_string: str | None = None
+        written: list[StreamDelta] = []
         piece = first
         while piece is not None:
             clock.saw(piece)
@@ -161,7 +186,9 @@ async def message_events(
                 status = err.status
                 yield error_event(err, request_id)
                 return
-            for text in frame(blocks.events(parser.feed(piece.text))):
+            delta = parser.feed(piece.text)
+            written.append(delta)
+            for text in frame(blocks.events(delta)):
                 yield text
             if piece.finish_reason is not None:
                 finish, stop_string = piece.finish_reason, piece.stop_string
@@ -169,8 +196,11 @@ async def message_events(
                 piece = await anext(pieces)
             except StopAsyncIteration:
                 piece = None
-        for text in frame(blocks.events(parser.finish()) + blocks.close()):
+        last = parser.finish()
+        written.append(last)
+        for text in frame(blocks.events(last) + blocks.close()):
             yield text
+        on_done(anthropic_content(merge_deltas(written), thinking=tooling.thinking))
         reason, sequence = stop_reason(finish, stop_string)
         final_usage = usage(prompt_tokens, tally.cached_tokens, tally.completion_tokens)
         delta = {"stop_reason": tool_stop_reason(reason, blocks.num_calls), "stop_sequence": sequence}

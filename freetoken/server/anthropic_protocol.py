@@ -2,8 +2,8 @@
 
 Owns what `POST /v1/messages` and `/v1/messages/count_tokens` may contain (strict types, unknown
 fields refused with a 400 naming them; the fields Claude Code and the SDK send that have no effect
-here — `context_management`, `output_config.effort`, `thread: {"type": "create"}`,
-`service_tier`, `cache_control`, `citations` — typed, then ignored), the conversion of Anthropic
+here — `context_management`, `output_config.effort`, `service_tier`, `cache_control`,
+`citations` — typed, then ignored; `thread` is the thread store's), the conversion of Anthropic
 content blocks into the OpenAI-style message list the chat templates render (`tool_use` -> an
 assistant message's `tool_calls`, `tool_result` -> a `tool` role message, a replayed `thinking`
 block -> the assistant's `reasoning_content`, which templates render or drop, a `system` role
@@ -154,8 +154,9 @@ class ContextManagement(_Strict):
 
 
 class Thread(_Strict):
-    """The SDK tool runner's `{"type": "create"}`: accepted and ignored (nothing is kept here, the
-    response is unchanged). `continue` needs server-held state and is refused."""
+    """Server-held conversation state, as the SDK's tool runner asks for it: `create` keeps this
+    conversation under the reply's id, `continue` sends only the new turn after the one kept
+    under `previous_message_id` (anthropic_threads.py). The response shape is unchanged."""
 
     type: Literal["create", "continue"]
     previous_message_id: str | None = None
@@ -227,12 +228,13 @@ class MessagesRequest(Conversation):
     service_tier: Literal["auto", "standard_only"] | None = None  # accepted and ignored
     thread: Thread | None = None
 
-    def check_thread(self) -> None:
-        if self.thread is not None and self.thread.type == "continue":
-            raise bad_request(
-                "thread.type 'continue' needs server-held conversation state, which this server does not keep; send the whole conversation",
-                param="thread.type",
-            )
+    def continued_from(self) -> str | None:
+        """The message id a `continue` thread resumes after (a 400 naming the key when it is missing)."""
+        if self.thread is None or self.thread.type != "continue":
+            return None
+        if not self.thread.previous_message_id:
+            raise bad_request("thread.previous_message_id is required to continue a thread", param="thread.previous_message_id")
+        return self.thread.previous_message_id
 
     def stop_strings(self) -> tuple[str, ...]:
         stops = list(self.stop_sequences or ())

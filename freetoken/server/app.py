@@ -38,6 +38,7 @@ from freetoken.server.admin_cache import ResizeRequest, resize_cache
 from freetoken.server.anthropic_errors import anthropic_error_response, error_event
 from freetoken.server.anthropic_messages import count_message_tokens, create_message
 from freetoken.server.anthropic_protocol import CountTokensRequest, MessagesRequest
+from freetoken.server.anthropic_threads import ThreadStore
 from freetoken.server.context import DEFAULT_MODEL_ALIAS, ServingContext
 from freetoken.server.errors import APIError, bad_request, from_pydantic, http_error, install_error_handlers
 from freetoken.server.openai_chat import create_chat_completion
@@ -193,6 +194,7 @@ def build_app(ctx: ServingContext, *, manage_client: bool = True) -> FastAPI:
         return await generation_route("chat", request, ChatCompletionRequest, create_chat_completion)
 
     responses = ResponseStore(ctx.config.responses_store_size, ctx.config.responses_store_ttl_s)
+    threads = ThreadStore()  # /v1/messages `thread` conversations (the SDK tool runner's)
 
     @app.post("/v1/responses")
     async def create_response_route(request: Request) -> Response:
@@ -208,7 +210,9 @@ def build_app(ctx: ServingContext, *, manage_client: bool = True) -> FastAPI:
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
-        return await generation_route("messages", request, MessagesRequest, create_message, anthropic=True)
+        return await generation_route(
+            "messages", request, MessagesRequest, lambda c, r, rid: create_message(c, r, rid, threads), anthropic=True
+        )
 
     @app.post("/v1/messages/count_tokens")
     async def messages_count_tokens(request: Request) -> Response:

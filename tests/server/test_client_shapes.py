@@ -213,7 +213,7 @@ def test_messages_structured_output(server: ServeProcess) -> None:
 
 
 ANTHROPIC_REFUSED = [
-    ({"thread": {"type": "continue", "previous_message_id": "msg_1"}}, "thread.type"),
+    ({"thread": {"type": "continue"}}, "thread.previous_message_id"),
     ({"thinking": {"type": "enabled", "budget_tokens": 10}}, "thinking.budget_tokens"),
     ({"thinking": {"type": "sometimes"}}, "thinking"),
     ({"output_config": {"effort": "extreme"}}, "output_config.effort"),
@@ -234,6 +234,13 @@ def test_messages_wrong_values_are_400_naming_the_key(server: ServeProcess, fiel
     doc = r.json()
     assert doc["type"] == "error" and doc["error"]["type"] == "invalid_request_error"
     assert param in doc["error"]["message"], doc
+
+
+def test_thread_continue_with_an_unknown_id_is_404(server: ServeProcess) -> None:
+    r = post(server, "/v1/messages", {"model": MODEL, "max_tokens": 2, "messages": USER,
+                                      "thread": {"type": "continue", "previous_message_id": "msg_gone"}})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    assert "thread.previous_message_id" in r.json()["error"]["message"]
 
 
 # ---- routes ------------------------------------------------------------------------------------
