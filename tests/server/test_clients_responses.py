@@ -81,8 +81,8 @@ def _agents() -> Any:
     return agents
 
 
-@pytest.mark.parametrize("wire", ["responses", "chat"])
-def test_openai_agents_sdk_runs_a_function_tool(server: ServeProcess, wire: str) -> None:
+@pytest.mark.parametrize(("wire", "streamed"), [("responses", False), ("responses", True), ("chat", False)])
+def test_openai_agents_sdk_runs_a_function_tool(server: ServeProcess, wire: str, streamed: bool) -> None:
     agents = _agents()
     seen: list[str] = []
 
@@ -102,7 +102,15 @@ def test_openai_agents_sdk_runs_a_function_tool(server: ServeProcess, wire: str)
         model_settings=agents.ModelSettings(tool_choice="required", max_tokens=120),
         tool_use_behavior="stop_on_first_tool",
     )
-    result = asyncio.run(agents.Runner.run(agent, "What is the weather in Paris?", max_turns=3))
+    async def run() -> Any:
+        if not streamed:
+            return await agents.Runner.run(agent, "What is the weather in Paris?", max_turns=3)
+        result = agents.Runner.run_streamed(agent, "What is the weather in Paris?", max_turns=3)
+        async for _ in result.stream_events():
+            pass
+        return result
+
+    result = asyncio.run(run())
     assert len(seen) == 1 and seen[0] in CITIES
     assert result.final_output == f"sunny in {seen[0]}"
     server.assert_balanced_idle()
