@@ -19,7 +19,6 @@ import socket
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -30,6 +29,7 @@ from freetoken.errors import FreeTokenError
 from freetoken.request import SamplingParams
 from freetoken.server.context import ServingContext
 from freetoken.server.errors import APIError
+from freetoken.weights.source import resolve_model
 
 REPLICA_HEADER = "x-freetoken-replica"
 PROBE_PATHS = ("/server_info", "/get_server_info", "/model_info", "/get_model_info", "/get_load", "/health_generate")
@@ -47,17 +47,17 @@ class ModelFacts:
     architectures: list[str]
 
 
-def model_facts(spec: str, architecture: str) -> ModelFacts:
-    """From `--model` (a short name, a .gguf file or a model directory) and the engine's
-    architecture. A directory's config.json gives the Hugging Face names; a GGUF file has only
-    its `general.architecture`, and sglang-router cannot read a GGUF tokenizer, so it gets none."""
-    path = Path(spec).expanduser()
-    config = path / "config.json"
-    if path.is_dir() and config.is_file():
-        hf = json.loads(config.read_text())
-        tokenizer = str(path.resolve()) if (path / "tokenizer.json").is_file() else None
-        return ModelFacts(str(path.resolve()), tokenizer, hf.get("model_type"), list(hf.get("architectures") or [architecture]))
-    return ModelFacts(str(path.resolve()) if path.is_file() else spec, None, architecture, [architecture])
+def model_facts(spec: str | None, architecture: str) -> ModelFacts:
+    """From `--model` (resolved as serve.py resolved it: a short name is its bundled GGUF file)
+    and the engine's architecture. A directory's config.json gives the Hugging Face names; a
+    GGUF file has only its `general.architecture`, and sglang-router cannot read a GGUF
+    tokenizer, so it gets none."""
+    source = resolve_model(spec)
+    path = source.path.resolve()
+    if source.kind == "safetensors":
+        hf = json.loads((path / "config.json").read_text())
+        return ModelFacts(str(path), str(path), hf.get("model_type"), list(hf.get("architectures") or [architecture]))
+    return ModelFacts(str(path), None, architecture, [architecture])
 
 
 def server_info(ctx: ServingContext, facts: ModelFacts) -> dict[str, Any]:
@@ -127,7 +127,7 @@ def install_worker_routes(app: FastAPI, ctx: ServingContext, status: Callable[[]
 
     def the_facts() -> ModelFacts:
         if not facts:
-            facts.append(model_facts(ctx.client.config.model or "", ctx.ready_info().architecture))
+            facts.append(model_facts(ctx.client.config.model, ctx.ready_info().architecture))
         return facts[0]
 
     @app.middleware("http")
