@@ -43,7 +43,7 @@ from freetoken.server.context import DEFAULT_MODEL_ALIAS, ServingContext
 from freetoken.server.errors import APIError, bad_request, from_pydantic, http_error, install_error_handlers
 from freetoken.server.openai_chat import create_chat_completion
 from freetoken.server.openai_completions import create_completion
-from freetoken.server.openai_responses import create_response, delete_response, get_response
+from freetoken.server.openai_responses import create_response, delete_response, get_response, list_input_items
 from freetoken.server.generation import sse
 from freetoken.server.protocol import ChatCompletionRequest, CompletionRequest
 from freetoken.server.responses_protocol import ResponsesRequest
@@ -203,6 +203,10 @@ def build_app(ctx: ServingContext, *, manage_client: bool = True) -> FastAPI:
     @app.get("/v1/responses/{response_id}")
     async def get_response_route(response_id: str) -> Response:
         return get_response(responses, response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items_route(response_id: str, limit: int = 20, order: str = "desc", after: str | None = None) -> Response:
+        return list_input_items(responses, response_id, limit=limit, order=order, after=after)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response_route(response_id: str) -> Response:

@@ -1,4 +1,4 @@
-"""`POST /v1/responses`, `GET /v1/responses/{id}` and `DELETE /v1/responses/{id}`.
+"""`POST /v1/responses`, `GET` / `DELETE /v1/responses/{id}` and `GET /v1/responses/{id}/input_items`.
 
 Owns the OpenAI Responses route over the shared generation core: the request's items, tools and
 `text.format` (via `responses_items` / `responses_tools`) become a chat conversation, rendered
@@ -23,7 +23,7 @@ from freetoken.server.errors import APIError, bad_request
 from freetoken.server.generation import ChoiceSpec, Clock, collect, first_piece, merge, run_choice
 from freetoken.server.protocol import check_context
 from freetoken.server.request_hygiene import engine_rid
-from freetoken.server.responses_items import call_names, items_to_messages
+from freetoken.server.responses_items import call_names, items_to_messages, listed_items
 from freetoken.server.responses_output import OutputItems, new_id, response_body, usage
 from freetoken.server.responses_prompt import Prompt, build_prompt
 from freetoken.server.responses_protocol import ResponsesRequest
@@ -107,6 +107,7 @@ async def create_response(ctx: ServingContext, store: ResponseStore, req: Respon
     echo = echo_fields(req, tools)
     headers = {IGNORED_TOOLS_HEADER: ",".join(tools.ignored)} if tools.ignored else {}
     kept = history + conversation.messages
+    inputs = tuple(listed_items(req.input))
 
     def body(status: str, output: list[dict[str, Any]], usage_doc: dict[str, Any] | None) -> dict[str, Any]:
         incomplete = "max_output_tokens" if status == "incomplete" else None
@@ -119,7 +120,7 @@ async def create_response(ctx: ServingContext, store: ResponseStore, req: Respon
 
     def keep(final: dict[str, Any], output_ids: list[int]) -> None:
         if req.stores:
-            store.put(response_id, stored(final, kept, prompt, output_ids))
+            store.put(response_id, stored(final, kept, prompt, output_ids, inputs))
 
     if not req.stream:
         result = (await collect(ctx.client, pieces, 1, clock))[0]
@@ -143,7 +144,9 @@ async def create_response(ctx: ServingContext, store: ResponseStore, req: Respon
     return response
 
 
-def stored(final: dict[str, Any], messages: list[dict[str, Any]], prompt: Prompt, output_ids: list[int]) -> StoredResponse:
+def stored(
+    final: dict[str, Any], messages: list[dict[str, Any]], prompt: Prompt, output_ids: list[int], inputs: tuple[dict[str, Any], ...]
+) -> StoredResponse:
     """What a later turn needs: the conversation (with this response's output as messages) and the exact tokens."""
     output = items_to_messages(final["output"], "output", names=call_names(messages)).messages
     return StoredResponse(
@@ -154,6 +157,7 @@ def stored(final: dict[str, Any], messages: list[dict[str, Any]], prompt: Prompt
         output_ids=array("i", output_ids),
         boundaries=prompt.boundaries,
         plain_output=[item["type"] for item in final["output"]] == ["message"],
+        input_items=inputs,
     )
 
 
@@ -162,6 +166,31 @@ def get_response(store: ResponseStore, response_id: str) -> Response:
     if entry is None:
         raise not_found(response_id)
     return JSONResponse(entry.body)
+
+
+def list_input_items(store: ResponseStore, response_id: str, *, limit: int, order: str, after: str | None) -> Response:
+    """A stored response's input items, newest first unless `order` is "asc", `limit` at a time after the item `after`."""
+    entry = store.get(response_id)
+    if entry is None:
+        raise not_found(response_id)
+    if not 1 <= limit <= 100:
+        raise bad_request(f"limit must be in [1, 100], got {limit}", param="limit")
+    if order not in ("asc", "desc"):
+        raise bad_request(f"order must be 'asc' or 'desc', got {order!r}", param="order")
+    items = list(entry.input_items if order == "asc" else reversed(entry.input_items))
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise bad_request(f"after: no input item {after!r} in response '{response_id}'", param="after")
+        items = items[ids.index(after) + 1 :]
+    page = items[:limit]
+    return JSONResponse({
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(items) > limit,
+    })
 
 
 def delete_response(store: ResponseStore, response_id: str) -> Response:

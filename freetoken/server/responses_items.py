@@ -7,11 +7,13 @@ assistant message before them as `tool_calls`), `function_call_output` items (`t
 named after their call), `reasoning` items (dropped: the model's earlier reasoning is not
 re-rendered), and the items of hosted tools this server cannot run (dropped, and reported). The
 same function reads a stored response's `output`, whose items are input items too. A wrong shape
-is a 400 naming the exact key (`input[2].content[0].type`). It renders and tokenizes nothing.
+is a 400 naming the exact key (`input[2].content[0].type`). Also `listed_items`, the items as
+`GET /v1/responses/{id}/input_items` shows them. It renders and tokenizes nothing.
 """
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +29,8 @@ HOSTED_ITEMS = frozenset({
     "mcp_list_tools", "mcp_approval_request", "mcp_approval_response", "tool_search_call", "tool_search_output",
     "compaction", "compaction_trigger", "additional_tools", "program", "program_output",
 })
+
+_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 
 
 @dataclass
@@ -74,6 +78,23 @@ def items_to_messages(value: str | list[Any], param: str = "input", *, names: di
             raise bad_request(f"{where}: item references are not supported; send the item itself", param=f"{where}.type")
         else:
             raise bad_request(f"{where}.type: unknown input item type {kind!r}", param=f"{where}.type")
+    return out
+
+
+def listed_items(value: str | list[Any]) -> list[dict[str, Any]]:
+    """`input` as `GET /v1/responses/{id}/input_items` lists it: each item typed, with an id, and
+    message content as parts (call after `items_to_messages` accepted it)."""
+    if isinstance(value, str):
+        value = [{"role": "user", "content": value}]
+    out = []
+    for item in value:
+        kind = item.get("type", "message")
+        listed = {**item, "type": kind}
+        if kind == "message" and isinstance(item.get("content"), str):
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            listed["content"] = [{"type": part, "text": item["content"]}]
+        listed.setdefault("id", f"{_ID_PREFIX.get(kind, 'item')}_{uuid.uuid4().hex}")
+        out.append(listed)
     return out
 
 

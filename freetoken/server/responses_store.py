@@ -35,6 +35,7 @@ class StoredResponse:
     output_ids: array[int]
     boundaries: tuple[int, ...]
     plain_output: bool
+    input_items: tuple[dict[str, Any], ...] = ()  # this request's `input`, as input_items lists it
 
 
 class ResponseStore:

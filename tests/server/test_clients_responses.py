@@ -40,6 +40,8 @@ def test_openai_responses_create_and_chain(oa: openai.OpenAI, server: ServeProce
     earlier = first.usage.input_tokens + first.usage.output_tokens
     assert second.usage.input_tokens_details.cached_tokens >= (earlier - 1) // PAGE * PAGE
     assert oa.responses.retrieve(second.id).id == second.id
+    [item] = oa.responses.input_items.list(second.id).data
+    assert item.type == "message" and item.content[0].text == "And two more?"  # type: ignore[union-attr]
     oa.responses.delete(second.id)
     with pytest.raises(openai.NotFoundError):
         oa.responses.retrieve(second.id)

@@ -247,6 +247,28 @@ def test_get_and_delete(server: ServeProcess) -> None:
     assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
 
 
+def test_input_items_are_listed(server: ServeProcess) -> None:
+    body = create(server, max_output_tokens=2, input=[
+        {"role": "user", "content": "one"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "two", "annotations": []}]},
+        {"role": "user", "content": "three"},
+    ])
+    url = f"/v1/responses/{body['id']}/input_items"
+    with server.http() as c:
+        newest = c.get(url).json()
+        assert newest["object"] == "list" and not newest["has_more"]
+        assert [item["content"][0]["text"] for item in newest["data"]] == ["three", "two", "one"]
+        assert newest["data"][0]["content"][0]["type"] == "input_text" and newest["data"][1]["content"][0]["type"] == "output_text"
+        first = c.get(url, params={"order": "asc", "limit": 2}).json()
+        assert [i["id"] for i in first["data"]] == [i["id"] for i in reversed(newest["data"])][:2] and first["has_more"]
+        rest = c.get(url, params={"order": "asc", "after": first["last_id"]}).json()
+        assert [i["content"][0]["text"] for i in rest["data"]] == ["three"] and not rest["has_more"]
+        for params, param in (({"limit": 0}, "limit"), ({"order": "up"}, "order"), ({"after": "msg_x"}, "after")):
+            r = c.get(url, params=params)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param
+        assert c.get("/v1/responses/resp_missing/input_items").status_code == 404
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
