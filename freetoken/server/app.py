@@ -2,7 +2,7 @@
 
 Owns the HTTP surface of DESIGN.md §4: `/v1/completions`, `/v1/chat/completions`, `/v1/messages`
 (+ `/count_tokens`, Anthropic error bodies), `/v1/tokenize`, `/v1/detokenize`, `/v1/models`,
-`/v1/responses` (+ `GET`/`DELETE /v1/responses/{id}`, with the app's response store), `/health`,
+`/v1/responses` (+ `GET`/`DELETE /v1/responses/{id}` and `/input_items`, over the app's response store), `/health`,
 `/v1/cache/status`, `/metrics`, `POST /admin/drain` (docs/operations.md), vLLM's render routes
 (`/v1/chat/completions/render`, `/v1/completions/render`: render_api.py) and the router probes
 of worker_info.py (`/server_info`, `/model_info`, `/get_load`, ...; docs/scale-out.md). The API
