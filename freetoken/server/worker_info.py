@@ -14,6 +14,7 @@ serving context's client and never imports torch.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import uuid
@@ -32,7 +33,9 @@ from freetoken.server.errors import APIError
 from freetoken.weights.source import resolve_model
 
 REPLICA_HEADER = "x-freetoken-replica"
-PROBE_PATHS = ("/server_info", "/get_server_info", "/model_info", "/get_model_info", "/get_load", "/health_generate")
+SERVER_INFO_PATHS = ("/server_info", "/get_server_info")
+MODEL_INFO_PATHS = ("/model_info", "/get_model_info")
+PROBE_PATHS = (*SERVER_INFO_PATHS, *MODEL_INFO_PATHS, "/get_load", "/health_generate")
 HEALTH_GENERATE_TIMEOUT_S = 30.0  # a hang guard: one token on an idle engine takes milliseconds
 HEALTH_PROMPT = "ping"
 
@@ -112,7 +115,7 @@ async def generate_one_token(ctx: ServingContext) -> None:
     """Run one greedy token through the engine; raises FreeTokenError or TimeoutError if it cannot."""
     ids = ctx.tokenizer.encode(HEALTH_PROMPT)
     stream = ctx.client.generate(f"health-{uuid.uuid4().hex}", ids, SamplingParams(max_tokens=1, temperature=0.0), eos_ids=())
-    async with asyncio.timeout(HEALTH_GENERATE_TIMEOUT_S):
+    async with contextlib.aclosing(stream), asyncio.timeout(HEALTH_GENERATE_TIMEOUT_S):  # closing aborts it
         async for update in stream:
             if update.finished:
                 if update.error is not None or update.finish_reason == "error":
@@ -136,9 +139,9 @@ def install_worker_routes(app: FastAPI, ctx: ServingContext, status: Callable[[]
         response.headers[REPLICA_HEADER] = replica
         return response
 
-    for path in PROBE_PATHS[:2]:
+    for path in SERVER_INFO_PATHS:
         app.add_api_route(path, lambda: JSONResponse(server_info(ctx, the_facts())), methods=["GET"])
-    for path in PROBE_PATHS[2:4]:
+    for path in MODEL_INFO_PATHS:
         app.add_api_route(path, lambda: JSONResponse(model_info(ctx, the_facts())), methods=["GET"])
 
     @app.get("/get_load")
