@@ -4,10 +4,12 @@ A generation is a run of messages, each `<|channel|>C [to=R] [<|constrain|>json]
 ended by `<|end|>`, `<|call|>` or `<|return|>`; later messages open with `<|start|>assistant`
 (the recipient may also sit there). `analysis` bodies are reasoning, `final` bodies (and
 `commentary` without a recipient) are content, and a `commentary` message `to=functions.NAME`
-is a call whose body is the JSON arguments. Since `<|call|>` is a stop token a server may cut,
-a call body that is valid JSON at the end of the output counts as closed. Output without Harmony
-markers, a header that never ends, broken arguments and unknown tools are returned as text. The
-markers are special tokens, so this format needs `skip_special_tokens=False`.
+is a call whose body is the JSON arguments. A call of a known tool is announced once its header
+is read and its arguments stream out as the body is written; it ends with its body (`<|call|>`
+is a stop token a server may cut, so the end of the output ends it too), whatever the body turns
+out to be. Output without Harmony markers, a header that never ends and unknown tools are
+returned as text. The markers are special tokens, so this format needs
+`skip_special_tokens=False`.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from freetoken.tokenizer.tool_parsers.base import (
     ToolCallDelta,
     ToolCallStream,
     ToolParser,
-    arguments_json,
     new_call_id,
     tools_json,
 )
@@ -47,6 +48,7 @@ class _HarmonyStream(ToolCallStream):
         self._channel = ""
         self._recipient: str | None = None
         self._num_calls = 0
+        self._streamed: str | None = None  # the arguments sent so far of the call being written
 
     def _flush(self, out: StreamDelta) -> None:
         if self._header is not None:
@@ -94,11 +96,36 @@ class _HarmonyStream(ToolCallStream):
             self._end_body(self._buffer[:i], consumed, out)
             self._buffer = self._buffer[i + len(consumed) :]
             return True
-        if self._recipient is None:  # text streams out as it comes
+        if self._recipient is None or self._call_name() is not None:  # text and arguments stream out as they come
             keep = 0 if final else held_back(self._buffer, (*ENDS, *OPENERS))
-            self._text(self._buffer[: len(self._buffer) - keep], out)
-            self._buffer = self._buffer[len(self._buffer) - keep :]
+            ready = self._buffer[: len(self._buffer) - keep]
+            if self._recipient is not None:  # arguments end without trailing whitespace: hold it back
+                ready = ready.rstrip()
+            self._write(ready, out)
+            self._buffer = self._buffer[len(ready) :]
         return False
+
+    def _call_name(self) -> str | None:
+        """The known tool the current message calls, or None."""
+        recipient = self._recipient
+        if recipient is None or not recipient.startswith(FUNCTIONS):
+            return None
+        name = recipient[len(FUNCTIONS) :]
+        return name if name and (self._names is None or name in self._names) else None
+
+    def _write(self, text: str, out: StreamDelta) -> None:
+        name = self._call_name()
+        if name is None:
+            self._text(text, out)
+            return
+        if self._streamed is None:
+            out.tool_calls.append(ToolCallDelta(self._num_calls, ToolCall(new_call_id(), name, "")))
+            self._streamed = ""
+        if not self._streamed:
+            text = text.lstrip()
+        if text:
+            out.tool_calls.append(ToolCallDelta(self._num_calls, ToolCall("", "", text), first=False))
+            self._streamed += text
 
     def _text(self, text: str, out: StreamDelta) -> None:
         if self._channel == "analysis":
@@ -107,19 +134,18 @@ class _HarmonyStream(ToolCallStream):
             out.content += text
 
     def _end_body(self, body: str, end: str, out: StreamDelta) -> None:
-        header, recipient = self._header or "", self._recipient
-        self._header, self._recipient = None, None
-        if recipient is None:
+        header = self._header or ""
+        if self._recipient is None:
             self._text(body, out)
-            return
-        name = recipient[len(FUNCTIONS) :] if recipient.startswith(FUNCTIONS) else None
-        args = arguments_json(body.strip()) if body.strip() else "{}"
-        known = name is not None and (self._names is None or name in self._names)
-        if known and name and args is not None:
-            out.tool_calls.append(ToolCallDelta(self._num_calls, ToolCall(new_call_id(), name, args)))
+        elif self._call_name() is not None:
+            self._write(body.rstrip(), out)
+            if not (self._streamed or "").strip():  # an empty body: no arguments
+                out.tool_calls.append(ToolCallDelta(self._num_calls, ToolCall("", "", "{}"), first=False))
             self._num_calls += 1
-            return
-        out.content += header + body + end
+            self._streamed = None
+        else:
+            out.content += header + body + end
+        self._header, self._recipient = None, None
 
 
 class HarmonyParser(ToolParser):

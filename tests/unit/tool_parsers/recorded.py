@@ -89,8 +89,14 @@ HARMONY: list[Case] = [
     ("<|channel|>commentary<|message|>Checking now.<|end|><|start|>assistant<|channel|>commentary to=functions.search"
      ' <|constrain|>json<|message|>{}<|call|>', "Checking now.", "", [("search", {})]),
 ]
+# A Harmony call of a known tool is announced with its header: it stays a call, arguments as written.
+HARMONY_ANNOUNCED: list[tuple[str, str]] = [
+    ('<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "SF"<|call|>', '{"city": "SF"'),
+    ('<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "S', '{"city": "S'),  # cut off
+    ('<|channel|>commentary to=functions.search <|constrain|>json<|message|> \n<|call|>', "{}"),  # no arguments
+]
 HARMONY_MALFORMED: list[str] = [
-    '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "SF"<|call|>',
+    '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message', # a header that never ends
     '<|channel|>commentary to=functions.rm_rf <|constrain|>json<|message|>{}<|call|>',
     '<|channel|>commentary to=browser.search <|constrain|>json<|message|>{"q": 1}<|call|>',
 ]

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from recorded import (  # noqa: E402
-    GEMMA, GEMMA_MALFORMED, HARMONY, HARMONY_MALFORMED, HERMES, HERMES_ANNOUNCED, HERMES_MALFORMED, LLAMA3, LLAMA3_MALFORMED,
+    GEMMA, GEMMA_MALFORMED, HARMONY, HARMONY_ANNOUNCED, HARMONY_MALFORMED, HERMES, HERMES_ANNOUNCED, HERMES_MALFORMED, LLAMA3, LLAMA3_MALFORMED,
     TOOLS, Case,
 )
 
@@ -94,6 +94,12 @@ def test_hermes_announced_call_stays_a_call(text: str, arguments: str) -> None:
     assert out.content == "" and [(c.name, c.arguments) for c in out.tool_calls] == [(text.split('"')[3], arguments)]
 
 
+@pytest.mark.parametrize(("text", "arguments"), HARMONY_ANNOUNCED)
+def test_harmony_announced_call_stays_a_call(text: str, arguments: str) -> None:
+    out = make_tool_parser("harmony", TOOLS).parse(text)
+    assert out.content == "" and [c.arguments for c in out.tool_calls] == [arguments]
+
+
 def test_hermes_streams_arguments_while_they_are_written() -> None:
     stream = make_tool_parser("hermes", TOOLS).stream()
     first = stream.feed('<tool_call>\n{"name": "get_weather", "arguments": {"ci')
@@ -124,9 +130,10 @@ def test_harmony_streams_reasoning_before_the_call_closes() -> None:
     assert stream.feed("<|channel|>analysis<|message|>Think").reasoning == "Think"
     assert stream.feed("ing<|e").reasoning == "ing"
     d = stream.feed("nd|><|start|>assistant<|channel|>commentary to=functions.search <|constrain|>json<|message|>{\"q\"")
-    assert not d
-    d = stream.feed(': "a"}<|call|>')
-    assert [(c.call.name, c.call.arguments) for c in d.tool_calls] == [("search", '{"q": "a"}')]
+    assert [(c.first, c.call.name, c.call.arguments) for c in d.tool_calls] == [(True, "search", ""), (False, "", '{"q"')]
+    d = stream.feed(': "a"}\n<|ca')
+    assert [c.call.arguments for c in d.tool_calls] == [': "a"}']  # the whitespace and a possible marker wait
+    assert not stream.feed("ll|>").tool_calls
 
 
 def test_llama3_text_streams_at_once() -> None:
