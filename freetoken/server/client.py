@@ -27,7 +27,7 @@ import zmq.asyncio
 from freetoken.config import EngineConfig
 from freetoken.errors import FreeTokenError
 from freetoken.request import SamplingParams
-from freetoken.server.heartbeat import INTERVAL_S as HEARTBEAT_INTERVAL_S, HeartbeatWatch
+from freetoken.server.heartbeat import DEFAULT_HANG_TIMEOUT_S, INTERVAL_S as HEARTBEAT_INTERVAL_S, HeartbeatWatch
 from freetoken.server.messages import (
     AbortRequest, AddRequest, EngineError, FinishRequest, Heartbeat, Ready, Refused, ResizeCache, Shutdown, StatusQuery, StatusReply,
     TokenUpdate, decode, encode,
@@ -37,7 +37,6 @@ from freetoken.server.supervisor import ExitReport, RestartPolicy, Supervisor, W
 log = logging.getLogger("freetoken.server")
 
 STATUS_TIMEOUT_S = 30.0  # a status query waits for the current step to end
-DEFAULT_HANG_TIMEOUT_S = 30.0  # --engine-hang-timeout (docs/operations.md says why this value)
 
 
 class EngineUnavailable(FreeTokenError):
@@ -314,15 +313,15 @@ class EngineClient:
             self._on_give_up(reason)
 
     async def _watch_heartbeat(self) -> None:
-        """Every half interval: has the current engine missed its deadline? Before judging, let
-        the receiver run (beats may be waiting in the socket after a busy spell of this loop)."""
+        """Every half interval: has the current engine missed its deadline? Before judging, give
+        the receiver one more interval (beats may be waiting in the socket after a busy spell of
+        this loop or a starved API process: silence it caused itself is not the engine's)."""
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(HEARTBEAT_INTERVAL_S / 2)
             if self._supervisor is None or self.state == "down" or not self.heartbeat.overdue(loop.time()):
                 continue
-            for _ in range(3):
-                await asyncio.sleep(0.01)
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
             silence = self.heartbeat.silence_s(loop.time())
             if silence is None or silence <= self.hang_timeout_s or self.state == "down":
                 continue

@@ -5,7 +5,11 @@ and engine updates into `TokenUpdate` messages, the serving counters, the period
 busy, and what a failure means. An exception inside a step ends the requests that were running
 with an error and serving goes on if the KV audit then passes; otherwise, and for an integrity
 error that `debug_kv` makes fatal, the process reports `EngineError` and exits non-zero (the
-supervisor restarts it). It never tokenizes, and it never decides HTTP status codes.
+supervisor restarts it). From its first line the process also runs the heartbeat thread
+(heartbeat.py), which beats on its own socket whatever the step loop is doing; the loop only
+publishes its step counter and when the running step began. `run_worker` is the one start-up
+function (sockets, heartbeat, engine, Ready). It never tokenizes, and it never decides HTTP
+status codes.
 """
 
 from __future__ import annotations
