@@ -23,7 +23,7 @@ from freetoken.server.context import ServingContext
 from freetoken.server.errors import bad_request
 from freetoken.server.tool_messages import prepare_messages
 from freetoken.tokenizer import ChatTemplateError, NoChatTemplate
-from freetoken.tokenizer.reasoning import THINK, THINK_START, ThinkStream, detect_reasoning_parser, split_reasoning
+from freetoken.tokenizer.reasoning import THINK, THINK_START, ThinkStream, detect_reasoning_parser
 from freetoken.tokenizer.tool_parsers import (
     ParsedOutput,
     StreamDelta,
