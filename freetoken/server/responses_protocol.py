@@ -7,7 +7,7 @@ Owns which top-level fields a Responses request may carry and what each means he
 and ignored because published clients send them (`reasoning.summary`, `include`,
 `truncation`, `prompt_cache_key`, `client_metadata`, `service_tier`, `safety_identifier`,
 `stream_options`, `top_logprobs`, `max_tool_calls`, `context_management`, `prompt_cache_retention`,
-`text.verbosity`), and refused with a 400 naming them (`background: true`, `conversation`,
+`text.verbosity`, `priority`: sglang-router adds `priority: 0`), and refused with a 400 naming them (`background: true`, `conversation`,
 `prompt`). Unknown fields are refused. Input items, tools and `text` are validated by
 `responses_items.py` and `responses_tools.py`, which know their shapes; this module builds no
 response bodies and knows nothing of the engine.
@@ -54,6 +54,7 @@ class ResponsesRequest(BaseModel):
     top_logprobs: int | None = None
     max_tool_calls: int | None = None
     context_management: list[Any] | None = None
+    priority: int | None = None  # sglang-router adds it to every body it forwards (docs/scale-out.md)
     # refused when set
     background: bool | None = None
     conversation: Any = None
