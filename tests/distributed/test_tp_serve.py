@@ -164,3 +164,16 @@ def test_killing_rank_0_takes_rank_1_with_it(tp_server: ServeProcess, one_proces
     assert health.status_code == 200 and health.json()["restarts"] == healthy["restarts"] + 1, health.text
     tp_server.engine_pids.add(health.json()["pid"])
     assert completion(tp_server, PROMPTS[2]) == one_process_texts[2]
+
+
+def test_heads_are_read_from_gguf_metadata() -> None:
+    """The pre-listen check reads a GGUF's head counts from its metadata alone (no tensors)."""
+    from freetoken.distributed.checks import check_model_heads
+    from freetoken.errors import ModelLoadError
+
+    try:
+        check_model_heads("gemma3-270m", 2)  # 4 heads, 1 KV head: replicated on both ranks
+    except ModelLoadError as err:
+        pytest.skip(str(err))
+    with pytest.raises(ConfigError, match="--tensor-parallel-size 3 does not divide the model's 4 attention heads"):
+        check_model_heads("gemma3-270m", 3)
