@@ -198,17 +198,12 @@ class ToolCalling:
         they are written (`ToolCallDelta.first` opens the call); otherwise each call comes whole,
         once the next one starts or the output ends."""
         think = ThinkStream(in_reasoning=self._opened) if self._splits_reasoning else None
+        forced = self.options.forced and self._constrained
+        tools = self.options.forced_tools() if forced else []
         return ToolStream(
-            self.parser.stream() if self.parses else None, self.options.parallel, think, incremental=incremental, forced=self._forced_name()
+            self.parser.stream() if self.parses else None, self.options.parallel, think, incremental=incremental, forced=forced,
+            forced_name=tools[0]["function"]["name"] if len(tools) == 1 else None,
         )
-
-    def _forced_name(self) -> str | None:
-        """Under a forced-call grammar the output is a call, even cut off before its name was
-        written: the name when only one tool can be called, "" when several can, None unforced."""
-        if not (self.options.forced and self._constrained):
-            return None
-        tools = self.options.forced_tools()
-        return tools[0]["function"]["name"] if len(tools) == 1 else ""
 
 
 class ToolStream:
@@ -222,13 +217,17 @@ class ToolStream:
         think: ThinkStream | None = None,
         *,
         incremental: bool = False,
-        forced: str | None = None,
+        forced: bool = False,
+        forced_name: str | None = None,
     ) -> None:
         self._inner = inner
         self._parallel = parallel
         self._think = think
         self._incremental = incremental
-        self._forced = forced  # a forced call's name ("" when not known): the output is never text
+        # Under a forced-call grammar the output is a call, never text; cut off before the call's
+        # name was written, it is a call of `forced_name` when only one tool could be called.
+        self._forced = forced
+        self._forced_name = forced_name
         self._pending: dict[int, ToolCall] = {}  # calls not yet handed out whole (not incremental)
         self.num_calls = 0
 
@@ -244,15 +243,15 @@ class ToolStream:
             reasoning, text = self._think.finish()
             delta = self._limit(reasoning, self._inner.feed(text) if self._inner is not None else StreamDelta(content=text))
         delta.extend(self._limit("", self._inner.finish() if self._inner is not None else StreamDelta()))
-        if self._forced is not None and not self.num_calls:  # cut off before the call's head was written
-            delta.tool_calls.append(ToolCallDelta(0, ToolCall(new_call_id(), self._forced, "")))
+        if self._forced_name is not None and not self.num_calls:  # cut off before the call's head was written
+            delta.tool_calls.append(ToolCallDelta(0, ToolCall(new_call_id(), self._forced_name, "")))
             self.num_calls = 1
         delta.tool_calls += self._release(None)
         return delta
 
     def _limit(self, reasoning: str, delta: StreamDelta) -> StreamDelta:
         delta.reasoning = reasoning + delta.reasoning
-        if self._forced is not None:
+        if self._forced:
             delta.content = ""
         calls = [d for d in delta.tool_calls if self._parallel or d.index == 0]
         self.num_calls += sum(d.first for d in calls)
