@@ -2,8 +2,9 @@
 
 Owns what a completions or chat request may contain: every accepted field with its type, the
 fields current clients send that have no effect here (typed, then ignored: `store`, `metadata`,
-`service_tier`, `reasoning_effort`, `prompt_cache_key`, `safety_identifier`, `verbosity`,
-`stream_options.include_obfuscation`, `cache_control` on a part; and the response-only keys a
+`service_tier`, `reasoning_effort`, `prompt_cache_key`, `prompt_cache_retention`,
+`prompt_cache_options`, `safety_identifier`, `verbosity`, `stream_options.include_obfuscation`,
+`cache_control` / `prompt_cache_breakpoint` on a part; and the response-only keys a
 client re-sends on an assistant message), the fields the server knows but does not implement
 (each refused with a 400 that names it), and `sampling_params()`, which range-checks the
 sampling fields and `logit_bias`. Types are strict (a string is not a number, 0 is not a
@@ -162,10 +163,18 @@ class CacheControl(_Strict):
     ttl: str | None = None
 
 
+class PromptCacheBreakpoint(_Strict):
+    """OpenAI's explicit cache breakpoint on a part: accepted and unused (the cache is automatic)."""
+
+    mode: Literal["explicit"]
+    ttl: Literal["30m", "12h"] | None = None
+
+
 class TextPart(_Strict):
     type: Literal["text"]
     text: str
     cache_control: CacheControl | None = None
+    prompt_cache_breakpoint: PromptCacheBreakpoint | None = None
 
 
 class RefusalPart(_Strict):
@@ -238,6 +247,13 @@ class ChatMessage(_Strict):
         return out
 
 
+class PromptCacheOptions(_Strict):
+    """Accepted and unused: the prefix cache is automatic and keeps what fits."""
+
+    mode: Literal["implicit", "explicit"] | None = None
+    ttl: Literal["30m"] | None = None
+
+
 _CHAT_UNIMPLEMENTED = ("functions", "function_call", "audio", "modalities", "prediction", "web_search_options")
 
 
@@ -260,9 +276,11 @@ class ChatCompletionRequest(_Sampling):
     # accepted and ignored (docs/agents.md lists them): typed, so a wrong value is still a 400
     store: bool | None = None
     metadata: dict[str, str] | None = None
-    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast"] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: PromptCacheOptions | None = None
     safety_identifier: str | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
     # -- router fields (see _Sampling): reasoning is split out by --reasoning-parser, always --

@@ -56,7 +56,8 @@ def test_resent_assistant_message_and_no_op_fields(server: ServeProcess) -> None
     dumped = {"content": "Sunny.", "refusal": None, "role": "assistant", "annotations": None, "audio": None,
               "function_call": None, "tool_calls": None}
     messages = [
-        {"role": "user", "content": [{"type": "text", "text": "Weather?", "cache_control": {"type": "ephemeral"}}]},
+        {"role": "user", "content": [{"type": "text", "text": "Weather?", "cache_control": {"type": "ephemeral"},
+                                      "prompt_cache_breakpoint": {"mode": "explicit", "ttl": "12h"}}]},
         dumped,
         {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
         {"role": "user", "content": "Again?"},
@@ -64,7 +65,8 @@ def test_resent_assistant_message_and_no_op_fields(server: ServeProcess) -> None
     plain = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "Sunny."},
              {"role": "assistant", "content": "No."}, {"role": "user", "content": "Again?"}]
     no_ops = {"store": False, "metadata": {"team": "a"}, "service_tier": "auto", "reasoning_effort": "low",
-              "prompt_cache_key": "k1", "safety_identifier": "u-1", "verbosity": "low", "user": "u"}
+              "prompt_cache_key": "k1", "prompt_cache_retention": "24h", "prompt_cache_options": {"mode": "implicit", "ttl": "30m"},
+              "safety_identifier": "u-1", "verbosity": "low", "user": "u"}
     out = chat(server, messages=messages, **no_ops)
     assert out["usage"]["prompt_tokens"] == chat(server, messages=plain)["usage"]["prompt_tokens"]
     r = post(server, "/v1/chat/completions", {"model": MODEL, "max_tokens": 2, "messages": messages, "stream": True,
