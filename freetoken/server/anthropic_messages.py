@@ -119,7 +119,7 @@ async def create_message(ctx: ServingContext, req: MessagesRequest, request_id: 
         parsed = tooling.parse(result.text)
         reason, sequence = stop_reason(result.finish_reason, result.stop_string)
         record(ctx, ENDPOINT, 200, tally, clock)
-        content = anthropic_content(parsed, thinking=tooling.thinking)
+        content = anthropic_content(parsed, thinking=tooling.thinking, omit_thinking=req.omits_thinking())
         keep(content)
         return JSONResponse(
             {
@@ -132,7 +132,10 @@ async def create_message(ctx: ServingContext, req: MessagesRequest, request_id: 
         )
 
     first = await first_piece(ctx.client, pieces)
-    events = message_events(ctx, pieces, first, tooling=tooling, head=head, tally=tally, clock=clock, request_id=request_id, on_done=keep)
+    events = message_events(
+        ctx, pieces, first, tooling=tooling, head=head, tally=tally, clock=clock, request_id=request_id, on_done=keep,
+        omit_thinking=req.omits_thinking(),
+    )
     return sse_response(events)
 
 
@@ -164,6 +167,7 @@ async def message_events(
     clock: Clock,
     request_id: str,
     on_done: Callable[[list[dict[str, Any]]], None],
+    omit_thinking: bool = False,
 ) -> AsyncIterator[str]:
     """Anthropic's event stream for one message (its first piece already taken); `on_done` gets
     the message's content blocks once it ended well."""
@@ -173,7 +177,9 @@ async def message_events(
     try:
         start = {**head, "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage(prompt_tokens, cached, 0)}
         yield event("message_start", {"type": "message_start", "message": start})
-        parser, blocks, frame = tooling.stream(incremental=True), AnthropicBlockStream(thinking=bool(tooling.thinking)), _Framer()
+        parser, blocks, frame = tooling.stream(incremental=True), AnthropicBlockStream(
+            thinking=bool(tooling.thinking), omit_thinking=omit_thinking
+        ), _Framer()
         finish: str | None = None
         stop_string: str | None = None
         written: list[StreamDelta] = []
@@ -200,7 +206,7 @@ async def message_events(
         written.append(last)
         for text in frame(blocks.events(last) + blocks.close()):
             yield text
-        on_done(anthropic_content(merge_deltas(written), thinking=tooling.thinking))
+        on_done(anthropic_content(merge_deltas(written), thinking=tooling.thinking, omit_thinking=omit_thinking))
         reason, sequence = stop_reason(finish, stop_string)
         final_usage = usage(prompt_tokens, tally.cached_tokens, tally.completion_tokens)
         delta = {"stop_reason": tool_stop_reason(reason, blocks.num_calls), "stop_sequence": sequence}

@@ -188,6 +188,10 @@ class Conversation(_Strict):
             )
         return not isinstance(self.thinking, ThinkingDisabled)
 
+    def omits_thinking(self) -> bool:
+        """`display: "omitted"`: thinking blocks go out empty (the reasoning still happens)."""
+        return self.thinking is not None and getattr(self.thinking, "display", None) == "omitted"
+
     def output_grammar(self) -> tuple[str, str] | None:
         """The grammar of `output_config.format` / `output_format` (one of them, or both the same)."""
         formats = [f for f in (self.output_config.format if self.output_config else None, self.output_format) if f is not None]

@@ -78,12 +78,13 @@ def thinking_block(text: str) -> dict[str, Any]:
     return {"type": "thinking", "thinking": text, "signature": ""}
 
 
-def anthropic_content(out: ParsedOutput, *, thinking: bool | None = False) -> list[dict[str, Any]]:
-    """A message's `content` blocks: the reasoning first when the request asked to think, the
-    text (if any, or when there is nothing else), then one `tool_use` block per call."""
+def anthropic_content(out: ParsedOutput, *, thinking: bool | None = False, omit_thinking: bool = False) -> list[dict[str, Any]]:
+    """A message's `content` blocks: the reasoning first when the request asked to think (empty
+    with `display: "omitted"`), the text (if any, or when there is nothing else), then one
+    `tool_use` block per call."""
     blocks: list[dict[str, Any]] = []
     if thinking and out.reasoning:
-        blocks.append(thinking_block(out.reasoning))
+        blocks.append(thinking_block("" if omit_thinking else out.reasoning))
     if out.content or not out.tool_calls:
         blocks.append({"type": "text", "text": out.content})
     blocks += [tool_use_block(c) for c in out.tool_calls]
@@ -102,8 +103,9 @@ class AnthropicBlockStream:
     arguments go out as `input_json_delta`s while the model writes them. Like the non-streamed
     body, an output with no block is one empty text block."""
 
-    def __init__(self, *, thinking: bool = False) -> None:
+    def __init__(self, *, thinking: bool = False, omit_thinking: bool = False) -> None:
         self._thinking = thinking
+        self._omit_thinking = omit_thinking  # the thinking block opens and closes with no deltas
         self._next = 0  # index of the next block to open
         self._open: str | None = None  # the kind of the block at index `_next - 1`, while it is open
         self.num_calls = 0
@@ -112,7 +114,8 @@ class AnthropicBlockStream:
         out: list[Event] = []
         if delta.reasoning and self._thinking:
             out += self._ensure("thinking", {"type": "thinking", "thinking": "", "signature": ""})
-            out.append(_delta(self._next - 1, {"type": "thinking_delta", "thinking": delta.reasoning}))
+            if not self._omit_thinking:
+                out.append(_delta(self._next - 1, {"type": "thinking_delta", "thinking": delta.reasoning}))
         if delta.content:
             out += self._ensure("text", {"type": "text", "text": ""})
             out.append(_delta(self._next - 1, {"type": "text_delta", "text": delta.content}))

@@ -258,6 +258,8 @@ def test_unknown_routes_say_they_do_not_exist(server: ServeProcess) -> None:
         assert "does not exist" in r.json()["error"]["message"]
         r = c.post("/chat/completions", json={})  # no unprefixed routes unless the flag asks
         assert r.status_code == 404
+        r = c.get("/v1/chat/completions")
+        assert r.status_code == 405 and "does not take GET" in r.json()["error"]["message"]
 
 
 def test_idle_balanced_after_shape_traffic(server: ServeProcess) -> None:

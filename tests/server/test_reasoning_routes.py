@@ -76,6 +76,8 @@ def test_messages_thinking_blocks_only_when_asked(think_server: ServeProcess) ->
     assert starts[0] == "thinking", starts
     streamed = "".join(d["delta"]["thinking"] for d in datas if d["type"] == "content_block_delta" and d["delta"]["type"] == "thinking_delta")
     assert streamed == thinking["content"][0]["thinking"]
+    omitted = post(think_server, "/v1/messages", {**body, "thinking": {"type": "adaptive", "display": "omitted"}}).json()
+    assert omitted["content"][0] == {"type": "thinking", "thinking": "", "signature": ""}
 
 
 def test_cors(think_server: ServeProcess) -> None:
