@@ -41,3 +41,20 @@ def test_detection() -> None:
     assert detect_reasoning_parser(chat_template="{{ '<think>' }}...</think>", tokens=[]) == "think"
     assert detect_reasoning_parser(chat_template=None, tokens=["<|im_start|>", "</think>"]) == "think"
     assert detect_reasoning_parser(chat_template="<|im_start|>", tokens=["<|im_start|>"]) is None
+
+
+def test_reasoning_then_a_call_through_the_tool_stream() -> None:
+    """The chat routes' stream: reasoning split off first, then the content's tool calls, the
+    same whole as streamed in pieces."""
+    from freetoken.server.tool_calling import ToolStream
+    from freetoken.tokenizer.tool_parsers import make_tool_parser
+    from freetoken.tokenizer.tool_parsers.base import merge_deltas
+
+    text = '<think>Need the weather.</think>\n<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    parser = make_tool_parser("hermes", ["get_weather"])
+    for size in (1, 4, len(text)):
+        stream = ToolStream(parser.stream(), True, ThinkStream(in_reasoning=False), incremental=True)
+        out = merge_deltas([stream.feed(text[i : i + size]) for i in range(0, len(text), size)] + [stream.finish()])
+        assert (out.reasoning, out.content) == ("Need the weather.", "")
+        assert [(c.name, c.arguments) for c in out.tool_calls] == [("get_weather", '{"city": "Oslo"}')]
+        assert stream.num_calls == 1
