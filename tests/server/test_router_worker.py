@@ -46,6 +46,17 @@ def test_forwarded_bodies_are_served(server: ServeProcess, path: str, body: dict
     server.assert_balanced_idle()
 
 
+def test_forwarded_responses_body_is_served(server: ServeProcess) -> None:
+    """sglang-router's /v1/responses body for {"model", "input", "max_output_tokens"}."""
+    body = {"input": "hello there", "max_output_tokens": 4, "model": MODEL, "store": True, "stream": None, "temperature": 1.0,
+            "top_p": 1.0, "priority": 0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+    with server.http() as c:
+        r = c.post("/v1/responses", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["output_tokens"] == 4
+    server.assert_balanced_idle()
+
+
 def test_no_stop_trim_keeps_the_stop_string(server: ServeProcess) -> None:
     base = {"model": MODEL, "prompt": "Hello", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
     with server.http() as c:
