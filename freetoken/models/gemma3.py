@@ -19,7 +19,7 @@ from freetoken.models.config import ModelConfig
 from freetoken.models.linear import Weight
 from freetoken.models.layers import (
     GatedMLP, RMSNorm, Rotary, apply_rope, embedding, linear, load_named, output_logits, paged_self_attention,
-    qkv_linear, split_qkv, strip_prefix,
+    qkv_linear, residual, split_qkv, strip_prefix,
 )
 
 # Tensors of the multimodal checkpoint that the text model does not use.
@@ -68,9 +68,9 @@ class Gemma3Block(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, batch: ForwardBatch, kv: KVTensors
     ) -> torch.Tensor:
         h = self.self_attn(self.input_layernorm(x), cos, sin, layer, batch, kv)
-        x = x + self.post_attention_layernorm(h)
-        h = self.mlp(self.pre_feedforward_layernorm(x))
-        return x + self.post_feedforward_layernorm(h)
+        x, y = residual(x, h, self.post_attention_layernorm, self.pre_feedforward_layernorm)
+        x, _ = residual(x, self.mlp(y), self.post_feedforward_layernorm, None)
+        return x
 
 
 class Gemma3ForCausalLM(nn.Module):

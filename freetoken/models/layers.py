@@ -21,7 +21,7 @@ from freetoken.errors import ModelLoadError
 from freetoken.kv.tensors import KVTensors
 from freetoken.models.config import ModelConfig, RopeConfig
 from freetoken.models.linear import Embedding, Linear, QuantizableWeight, Weight, apply_policy, check_policy
-from freetoken.ops.layers import rms_norm, rope_
+from freetoken.ops.layers import add_rms_norm, gated_act, rms_norm, rope_
 from freetoken.ops.quantized import QuantizedWeight, concat, dequantize
 
 
@@ -67,10 +67,31 @@ class RMSNorm(nn.Module):
             self._cached = (key, 1.0 + w if self.unit_offset else w)
         return self._cached[1]
 
+    @property
+    def after_cast(self) -> bool:
+        return not (self.scale_in_float or self.unit_offset)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., D] -> the same shape and dtype (one fused op on CPU: `ops.layers.rms_norm`)."""
-        after_cast = not (self.scale_in_float or self.unit_offset)
-        return rms_norm(x, self._float_weight(compute_dtype(x.dtype)), self.eps, weight_after_cast=after_cast)
+        return rms_norm(x, self._float_weight(compute_dtype(x.dtype)), self.eps, weight_after_cast=self.after_cast)
+
+
+def residual(
+    x: torch.Tensor, h: torch.Tensor, h_norm: RMSNorm | None, next_norm: RMSNorm | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The residual step between sub-blocks as one op: x + h_norm(h) (x + h without h_norm), and
+    next_norm of that sum (None without next_norm). x, h [T, D]. Both norms share eps and form."""
+    norms = [n for n in (h_norm, next_norm) if n is not None]
+    if not norms:
+        return x + h, None
+    dtype = compute_dtype(x.dtype)
+    first = norms[0]
+    return add_rms_norm(
+        x, h,
+        h_norm._float_weight(dtype) if h_norm is not None else None,
+        next_norm._float_weight(dtype) if next_norm is not None else None,
+        first.eps, weight_after_cast=first.after_cast,
+    )
 
 
 def _yarn_inv_freq(rope: RopeConfig, dim: int, pos_freqs: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -154,6 +175,7 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu": F.gelu,
 }
+_FUSED_ACTS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 class GatedMLP(nn.Module):
@@ -166,12 +188,16 @@ class GatedMLP(nn.Module):
         if act not in ACTIVATIONS:
             raise ModelLoadError(f"unsupported activation {act!r}")
         self.act = ACTIVATIONS[act]
+        self.fused_act = _FUSED_ACTS.get(act)  # the name `ops.layers.gated_act` knows it by, if any
         self.intermediate = intermediate
         self.gate_up_proj = linear(hidden, 2 * intermediate, bias, dtype, device)  # gate rows, then up rows
         self.down_proj = linear(intermediate, hidden, bias, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)  # [T, inter] each
+        gate_up = self.gate_up_proj(x)  # [T, 2 inter]: gate, then up
+        if self.fused_act is not None and gate_up.dim() == 2:
+            return self.down_proj(gated_act(gate_up, self.fused_act))
+        gate, up = gate_up.split(self.intermediate, dim=-1)  # [T, inter] each
         return self.down_proj(self.act(gate) * up)
 
 

@@ -17,7 +17,7 @@ from freetoken.models.config import ModelConfig
 from freetoken.models.linear import Weight
 from freetoken.models.layers import (
     GatedMLP, RMSNorm, Rotary, apply_rope, embedding, linear, load_named, output_logits, paged_self_attention,
-    qkv_linear, split_qkv, strip_prefix,
+    qkv_linear, residual, split_qkv, strip_prefix,
 )
 
 
@@ -52,8 +52,9 @@ class LlamaBlock(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, batch: ForwardBatch, kv: KVTensors
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, batch, kv)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x), cos, sin, layer, batch, kv)
+        x, y = residual(x, h, None, self.post_attention_layernorm)
+        return x + self.mlp(y)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -7,6 +7,9 @@ float64 inputs) and round once to the input dtype:
 - `rms_norm(x, w, eps)`: round(x / rms(x) * w); with `weight_after_cast` (Llama's form)
   round(round(x / rms(x)) * w), the weight then being the model-dtype values held in float32.
 - `rope_(x, cos, sin)`: each head's halves (x1, x2) become (x1 c - x2 s, x2 c + x1 s), in place.
+- `add_rms_norm(x, h, h_weight, weight, eps)`: the residual step between sub-blocks, x + norm(h)
+  (or x + h) rounded as torch rounds each term, then the norm of the sum for the next sub-block.
+- `gated_act(gate_up, act)`: act(gate) * up, the activation rounded before the product.
 
 transformers rounds the rotary tables to bfloat16 before multiplying in a bfloat16 model; here
 the rotation is done in float32 and rounded once (a little closer to the float32 model). No
@@ -63,3 +66,31 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     c, s = cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]  # [T, 1, D / 2]
     x.copy_(torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1))
     return x
+
+
+def add_rms_norm(
+    x: torch.Tensor, h: torch.Tensor, h_weight: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
+    weight_after_cast: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x_out = x + rms_norm(h, h_weight) (x + h without h_weight); y = rms_norm(x_out, weight)
+    (None without weight). x, h [T, D]; weights [D] in the compute dtype."""
+    if _fast(x) and x.dim() == 2 and x.is_contiguous() and h.is_contiguous() and h.dtype == x.dtype and all(
+        w is None or w.dtype == torch.float32 for w in (h_weight, weight)
+    ):
+        out = _KERNEL.add_rms_norm(x, h, h_weight, weight, eps, weight_after_cast)  # type: ignore[union-attr]
+        return out[0], (out[1] if len(out) > 1 else None)
+    if h_weight is not None:
+        h = rms_norm(h, h_weight, eps, weight_after_cast)
+    x = x + h
+    return x, (rms_norm(x, weight, eps, weight_after_cast) if weight is not None else None)
+
+
+_TORCH_ACTS = {"silu": F.silu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}
+
+
+def gated_act(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """gate_up [T, 2 I] (gate columns first) -> act(gate) * up [T, I]; act "silu" or "gelu_tanh"."""
+    if _fast(gate_up) and gate_up.dim() == 2 and gate_up.is_contiguous() and act in _TORCH_ACTS:
+        return _KERNEL.gated_act(gate_up, act)  # type: ignore[union-attr]
+    gate, up = gate_up.chunk(2, dim=-1)
+    return _TORCH_ACTS[act](gate) * up

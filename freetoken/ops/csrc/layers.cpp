@@ -1,5 +1,6 @@
-// The small per-layer ops of a decode step, each one call instead of five to ten torch ops:
-// RMSNorm (computed in float32, as transformers does) and rotary embedding applied in place.
+// The small per-layer ops of a decode step, each one call instead of two to ten torch ops:
+// RMSNorm (computed in float32, as transformers does), rotary embedding applied in place, the
+// residual add fused with the norms around it, and the gated activation of the MLP.
 //
 // Owns the arithmetic only; freetoken/ops/layers.py chooses between these and the torch
 // reference (float64, other devices) and documents the rounding. Rows (every dimension but the
@@ -10,6 +11,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <string>
+#include <vector>
 
 namespace {
 
@@ -115,6 +118,106 @@ void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
   }
 }
 
+template <typename T>
+float row_inv_rms(const T* src, int64_t D, float eps) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < D; ++i) {
+    const float v = static_cast<float>(src[i]);
+    ss += v * v;
+  }
+  return 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
+}
+
+template <typename T>
+void norm_row(const T* src, const float* w, float inv, int64_t D, bool weight_after_cast, T* o) {
+  if (weight_after_cast) {
+    for (int64_t i = 0; i < D; ++i) o[i] = T(static_cast<float>(T(static_cast<float>(src[i]) * inv)) * w[i]);
+  } else {
+    for (int64_t i = 0; i < D; ++i) o[i] = T(static_cast<float>(src[i]) * inv * w[i]);
+  }
+}
+
+// The residual step between two sub-blocks, one call instead of two to four ops:
+//   x_out = x + (h_weight ? rms_norm(h) * h_weight : h)      (each term rounded as torch rounds it)
+//   y     = rms_norm(x_out) * weight                          (when weight is given)
+// x, h [T, D] contiguous; weights float32 [D]; the norms in the form of `rms_norm` (both with the
+// same eps and weight_after_cast). Returns (x_out, y) or (x_out,) without weight.
+std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& h, const c10::optional<at::Tensor>& h_weight,
+                                     const c10::optional<at::Tensor>& weight, double eps, bool weight_after_cast) {
+  check_rows(x, "add_rms_norm");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && h.is_contiguous() && h.sizes() == x.sizes() &&
+                  h.scalar_type() == x.scalar_type(),
+              "add_rms_norm: x and h must be contiguous [T, D] of one dtype");
+  const int64_t T = x.size(0), D = x.size(1);
+  for (const c10::optional<at::Tensor>* w : {&h_weight, &weight}) {
+    TORCH_CHECK(!w->has_value() || ((*w)->scalar_type() == at::kFloat && (*w)->is_contiguous() && (*w)->numel() == D),
+                "add_rms_norm: weights must be float32 [D]");
+  }
+  at::Tensor x_out = at::empty_like(x);
+  at::Tensor y = weight.has_value() ? at::empty_like(x) : at::Tensor();
+  const float* hw = h_weight.has_value() ? h_weight->data_ptr<float>() : nullptr;
+  const float* w = weight.has_value() ? weight->data_ptr<float>() : nullptr;
+  const float e = static_cast<float>(eps);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "add_rms_norm", [&] {
+    using T_ = scalar_t;
+    const T_* xp = x.data_ptr<T_>();
+    const T_* hp = h.data_ptr<T_>();
+    T_* xo = x_out.data_ptr<T_>();
+    T_* yo = w ? y.data_ptr<T_>() : nullptr;
+    at::parallel_for(0, T, kGrainRows, [&](int64_t begin, int64_t end) {
+      std::vector<T_> normed(hw ? size_t(D) : 0);
+      for (int64_t r = begin; r < end; ++r) {
+        const T_* hr = hp + r * D;
+        if (hw) {
+          norm_row<T_>(hr, hw, row_inv_rms<T_>(hr, D, e), D, weight_after_cast, normed.data());
+          hr = normed.data();
+        }
+        T_* xr = xo + r * D;
+        for (int64_t i = 0; i < D; ++i) xr[i] = T_(static_cast<float>(xp[r * D + i]) + static_cast<float>(hr[i]));
+        if (w) norm_row<T_>(xr, w, row_inv_rms<T_>(xr, D, e), D, weight_after_cast, yo + r * D);
+      }
+    });
+  });
+  if (w) return {x_out, y};
+  return {x_out};
+}
+
+// act(gate) * up for gate_up [T, 2 I] (gate columns first), as torch rounds it: the activation
+// rounded to the dtype, then the product. act: "silu" or "gelu_tanh". Returns [T, I].
+at::Tensor gated_act(const at::Tensor& gate_up, const std::string& act) {
+  check_rows(gate_up, "gated_act");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "gated_act: expected contiguous [T, 2 I]");
+  TORCH_CHECK(act == "silu" || act == "gelu_tanh", "gated_act: act must be silu or gelu_tanh");
+  const bool silu = act == "silu";
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({T, I}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gate_up.scalar_type(), "gated_act", [&] {
+    using T_ = scalar_t;
+    const T_* g = gate_up.data_ptr<T_>();
+    T_* o = out.data_ptr<T_>();
+    at::parallel_for(0, T, kGrainRows, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const T_* gr = g + r * 2 * I;
+        const T_* ur = gr + I;
+        for (int64_t i = 0; i < I; ++i) {
+          const float a = static_cast<float>(gr[i]);
+          float y;
+          if (silu) {
+            y = a / (1.f + std::exp(-a));
+          } else {
+            const float cube = a * a * a;  // torch's order of operations
+            const float inner = 0.7978845608028654f * (a + 0.044715f * cube);  // sqrt(2 / pi)
+            y = 0.5f * a * (1.f + std::tanh(inner));
+          }
+          o[r * I + i] = T_(static_cast<float>(T_(y)) * static_cast<float>(ur[i]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -122,4 +225,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "x / rms(x) * w in float32", py::arg("x"), py::arg("weight"), py::arg("eps"),
         py::arg("weight_after_cast"));
   m.def("rope_", &rope_, "rotary embedding in place", py::arg("x"), py::arg("cos"), py::arg("sin"));
+  m.def("add_rms_norm", &add_rms_norm, "x + norm(h) (or x + h), then norm of the sum", py::arg("x"), py::arg("h"),
+        py::arg("h_weight"), py::arg("weight"), py::arg("eps"), py::arg("weight_after_cast"));
+  m.def("gated_act", &gated_act, "act(gate) * up", py::arg("gate_up"), py::arg("act"));
 }
