@@ -29,7 +29,6 @@ class ServerConfig:
     enable_cache_report: bool = False
     max_running_requests: int = 16
     max_waiting_requests: int = 256
-    startup_timeout_s: float = 900.0  # how long `run_server` waits for the first engine start
     tool_call_parser: str | None = None  # --tool-call-parser: hermes|gemma|llama3_json|harmony (None: from the model)
     request_timeout_s: float | None = None  # --request-timeout: a generation request running longer ends with a 504
     responses_store_size: int = 1024  # --responses-store-size: responses kept for previous_response_id (LRU)
