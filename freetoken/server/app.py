@@ -51,6 +51,7 @@ from freetoken.server.responses_store import ResponseStore
 from freetoken.server.request_hygiene import CLIENT_CLOSED, Deadline, RequestIdMiddleware, cancel_on_disconnect, request_id_of
 from freetoken.server.tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from freetoken.server.render_api import render_chat_request, render_completion_request
+from freetoken.server.middleware import Gate
 from freetoken.server.worker_info import PROBE_PATHS, install_worker_routes
 
 log = logging.getLogger(__name__)
@@ -125,8 +126,7 @@ def build_app(ctx: ServingContext, *, manage_client: bool = True) -> FastAPI:
 
     app.add_exception_handler(StarletteHTTPException, on_http)
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+    def check_api_key(request: Request) -> Response | None:
         key = ctx.config.api_key
         path = request.url.path
         keyed = path.startswith(KEYED_PREFIXES) or (ctx.config.unprefixed_routes and path not in OPEN_PATHS)
@@ -137,7 +137,9 @@ def build_app(ctx: ServingContext, *, manage_client: bool = True) -> FastAPI:
             if request.url.path.startswith("/v1/messages"):
                 return anthropic_error_response(err, request_id_of(request))
             return err.response()
-        return await call_next(request)
+        return None
+
+    app.add_middleware(Gate, check=check_api_key)  # pure ASGI: streamed chunks pass untouched
 
     app.add_middleware(RequestIdMiddleware)  # every response carries x-request-id
     if ctx.config.allowed_origins:  # outermost: preflight requests are answered before the key check

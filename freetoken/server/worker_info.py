@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from freetoken import __version__
@@ -30,6 +30,7 @@ from freetoken.errors import FreeTokenError
 from freetoken.request import SamplingParams
 from freetoken.server.context import ServingContext
 from freetoken.server.errors import APIError
+from freetoken.server.middleware import ResponseHeader
 from freetoken.weights.source import resolve_model
 
 REPLICA_HEADER = "x-freetoken-replica"
@@ -133,11 +134,7 @@ def install_worker_routes(app: FastAPI, ctx: ServingContext, status: Callable[[]
             facts.append(model_facts(ctx.client.config.model, ctx.ready_info().architecture))
         return facts[0]
 
-    @app.middleware("http")
-    async def replica_header(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        response = await call_next(request)
-        response.headers[REPLICA_HEADER] = replica
-        return response
+    app.add_middleware(ResponseHeader, name=REPLICA_HEADER, value=replica)
 
     for path in SERVER_INFO_PATHS:
         app.add_api_route(path, lambda: JSONResponse(server_info(ctx, the_facts())), methods=["GET"])
