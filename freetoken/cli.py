@@ -85,6 +85,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
     p.add_argument("--swa-full-tokens-ratio", type=float, default=None, help="SWA pool size as a share of the FULL pool")
     p.add_argument("--swa-pool-tokens", type=_swa_pool_tokens, default=None, metavar="N|floor", help="SWA pool size in tokens, or 'floor'")
+    p.add_argument("--max-pinned-tokens", type=int, default=None, metavar="N",
+                   help="cap on prefix-cache tokens held by cache_control / prompt_cache_key pins (default: a quarter of the FULL pool; 0 = no pins)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="auto = bfloat16 where the hardware is fast at it, else float32")
     p.add_argument("--threads", type=int, default=None, help="the engine process's torch threads (default: the physical cores it may use)")
     p.add_argument("--prefill-weights", default="bf16", choices=["bf16", "quantized"],
@@ -152,6 +154,7 @@ def _serve(args: argparse.Namespace) -> None:
         swa_full_tokens_ratio=args.swa_full_tokens_ratio,
         swa_pool_tokens=args.swa_pool_tokens,
         debug_kv=args.debug_kv,
+        max_pinned_tokens=args.max_pinned_tokens,
         threads=args.threads,
         tensor_parallel_size=args.tensor_parallel_size,
     )

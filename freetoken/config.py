@@ -44,6 +44,7 @@ class EngineConfig:
     swa_full_tokens_ratio: float | None = None
     swa_pool_tokens: int | str | None = None  # N tokens or "floor"
     debug_kv: bool = False
+    max_pinned_tokens: int | None = None  # retention pins' cap (kv/pins.py); None: a quarter of the FULL pool
     threads: int | None = None
     tensor_parallel_size: int = 1  # engine processes, one per rank (freetoken.distributed)
 
@@ -67,6 +68,8 @@ class EngineConfig:
         for flag, value in positive.items():
             if value < 1:
                 raise ConfigError(f"{flag} must be at least 1, got {value}")
+        if self.max_pinned_tokens is not None and self.max_pinned_tokens < 0:
+            raise ConfigError(f"--max-pinned-tokens must be >= 0, got {self.max_pinned_tokens}")
         if self.max_waiting_requests < 0:
             raise ConfigError(f"--max-waiting-requests must be >= 0, got {self.max_waiting_requests}")
         if self.num_tokens is not None and self.num_tokens < self.page_size:

@@ -124,6 +124,9 @@ class Request:
     cached_tokens: int = 0  # prefix-cache hit at (first) admission
     matched_tokens: int = 0  # whole pages of the prompt the prefix cache held at (first) admission
     miss_reason: str | None = None  # why the hit stopped there (kv/miss.py); None: no prefix cache used
+    pins: tuple[tuple[int, float], ...] = ()  # retention pins: (prompt position, TTL seconds), ascending
+    pins_done: int = 0  # pins already applied (each once, when its prefix is committed)
+    cache_creation_tokens: int = 0  # prompt tokens past the hit that this request's pins keep
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     error: str | None = None

@@ -63,6 +63,7 @@ def build_engine_for(config: EngineConfig, loaded: LoadedModel, peers: Peers | N
         page_size=config.page_size,
         window=window,
         cache_type=resolved.cache_type,
+        max_pinned_pages=None if config.max_pinned_tokens is None else config.max_pinned_tokens // config.page_size,
     )
     tensors = KVTensors(  # this rank's KV heads: the model's own config (a shard's under TP)
         loaded.model.config.kv_layout(), resolved.full_pages, resolved.swa_pages or 0, config.page_size, loaded.dtype, loaded.device

@@ -51,13 +51,15 @@ class RequestUpdate:
     cached_tokens: int = 0  # prefix-cache hit of the request's (first) admission
     matched_tokens: int = 0  # whole prompt pages the cache held then (kv/miss.py)
     miss_reason: str | None = None  # why the hit stopped there
+    cache_creation_tokens: int = 0  # prompt tokens past the hit that the request's pins keep
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first update, when asked
 
 
 def _update_of(req: Request) -> RequestUpdate:
     """A new update of `req`, carrying its admission's cache report."""
     return RequestUpdate(
-        req.rid, cached_tokens=req.cached_tokens, matched_tokens=req.matched_tokens, miss_reason=req.miss_reason
+        req.rid, cached_tokens=req.cached_tokens, matched_tokens=req.matched_tokens, miss_reason=req.miss_reason,
+        cache_creation_tokens=req.cache_creation_tokens,
     )
 
 
@@ -215,7 +217,18 @@ class Engine:
             # whole prompt can hit it while this one decodes); decode steps commit at finish.
             if prompt_chunk:
                 self.kv.commit(req.rid, req.all_ids[: req.num_computed], boundaries=req.boundaries)
+                self._pin(req, updates)
             self.kv.release_out_of_window(req.rid, req.num_computed)
+
+    def _pin(self, req: Request, updates: dict[str, RequestUpdate]) -> None:
+        """Apply the request's retention pins whose prefix is now committed (kv/pins.py)."""
+        while req.pins_done < len(req.pins) and req.pins[req.pins_done][0] <= req.num_computed:
+            end, ttl_s = req.pins[req.pins_done]
+            req.pins_done += 1
+            pinned = self.kv.pin(req.prompt_ids, int(end), float(ttl_s))
+            req.cache_creation_tokens = max(req.cache_creation_tokens, pinned - req.cached_tokens)
+        if req.rid in updates:
+            updates[req.rid].cache_creation_tokens = req.cache_creation_tokens
 
     def _record_prompt_logprobs(self, item: ScheduledItem, chunk: torch.Tensor) -> None:
         prompt = item.req.prompt_ids

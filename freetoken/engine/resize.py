@@ -1,7 +1,9 @@
 """Resizing the KV pools at run time: the policy over `KVManager.resize` (DESIGN.md §3).
 
-Owns what a resize may do: sizes in tokens -> pages; the floors (FULL: every request in flight
-must still fit alone, so that preemption always ends and no waiting request waits forever;
+Owns what a resize may do: sizes in tokens -> pages; the floors (FULL: twice the pages of the
+largest request in flight -- alone it must still fit, and a request that does not read the
+cache, prompt logprobs, may commit its own pages beneath a tree prefix it duplicates, which then
+cannot be evicted while it runs -- so that preemption always ends and no request waits forever;
 SWA: the concurrency floor of `--max-running-requests` and `--max-prefill-length`); never below
 the pages running requests hold; one shrink of a pool at a time; both pools checked before
 either changes. The K/V tensors follow the pools: grown before a grow, shrunk once a shrink has
@@ -62,7 +64,7 @@ def resize_pools(
     the pages still held above it. Raises ResizeRefused (nothing changed) naming what blocks it."""
     targets = _targets(kv, full_tokens, swa_tokens, page_size)
     needs = [math.ceil((len(r.prompt_ids) + r.params.max_tokens) / page_size) for r in requests]
-    floors = {"full": max(needs, default=1), "swa": swa_floor or 1}
+    floors = {"full": 2 * max(needs, default=1) if needs else 1, "swa": swa_floor or 1}
     for kind, pages in targets.items():
         key = f"{kind}_tokens"
         pool = kv.full_pool if kind == "full" else kv.swa_pool
@@ -73,7 +75,7 @@ def resize_pools(
                 f"{pool.pending_release()} pages above it; retry when /v1/cache/status shows pending_release 0", key,
             )
         if pages < floors[kind]:
-            why = ("a request in flight needs that many pages alone" if kind == "full"
+            why = ("twice the pages the largest request in flight needs" if kind == "full"
                    else "the concurrency floor of --max-running-requests and --max-prefill-length")
             raise ResizeRefused(
                 f"{key} {pages * page_size} is below the {kind} pool's floor of {floors[kind]} pages "

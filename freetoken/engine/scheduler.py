@@ -86,6 +86,8 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             budget -= item.n
             items.append(item)
+        if not items and self.waiting and not self.running and self.kv.release_pins():
+            return self.schedule()  # pins held the pages the first waiting request needs alone
         return items
 
     def _admit(self, req: Request, budget: int) -> ScheduledItem | None:
@@ -112,6 +114,8 @@ class Scheduler:
             # Requests are refused up front when they could never fit alone, so preempting the
             # youngest requests (at worst `req` itself) always ends this loop.
             victim = self.running[-1]
+            if victim is req and self.kv.release_pins():
+                continue  # pins held the pages `req` needs alone: a pin never starves a request
             self.preempt(victim)
             items[:] = [it for it in items if it.req is not victim]
             if victim is req:

@@ -24,7 +24,8 @@ request holds. Checked transfers raise `KVIntegrityError`; `audit` recounts ever
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -32,6 +33,7 @@ from freetoken.errors import ConfigError
 from freetoken.kv.audit import AuditReport, holders_of, run_audit
 from freetoken.kv.errors import KVIntegrityError
 from freetoken.kv.miss import CacheMiss, explain
+from freetoken.kv.pins import pin_path, pinned_pages, pinned_swa_pages, release_all
 from freetoken.kv.pool import PagePool
 from freetoken.kv.table import RequestTables
 from freetoken.kv.tree import RadixTree
@@ -66,6 +68,8 @@ class KVManager:
         page_size: int,
         window: int | None,
         cache_type: str,
+        max_pinned_pages: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if page_size < 1:
             raise ConfigError(f"page size must be >= 1, got {page_size}")
@@ -85,6 +89,14 @@ class KVManager:
         self.tree: RadixTree | None = None
         if self.resolved_cache_type != "naive":
             self.tree = RadixTree(self.full_pool, self.swa_pool, page_size, window)
+            self.tree.clock = clock
+        # Retention pins (kv/pins.py): by default at most a quarter of the FULL pool is pinned.
+        self.max_pinned_pages = full_pages // 4 if max_pinned_pages is None else max_pinned_pages
+        # SWA pages a pin keeps live (the window before each breakpoint): a quarter of that pool.
+        self.max_pinned_swa_pages = (swa_pages or 0) // 4
+        self.pins_made = 0
+        self.pins_refused = 0
+        self.pins_released = 0  # times every pin was ended so that a request could be admitted
         self._requests: dict[str, RequestTables] = {}
         self.audits = 0
         self.violations = 0
@@ -257,6 +269,30 @@ class KVManager:
             return self.tree.evict_full(num_pages_wanted)
         return self.tree.evict_swa(num_pages_wanted)
 
+    # -- retention pins ---------------------------------------------------------------------
+
+    def pin(self, tokens: Sequence[int], end: int, ttl_s: float) -> int:
+        """Pin the committed path of `tokens[:end]` (whole pages) for `ttl_s` seconds, renewed on
+        each hit; returns the tokens pinned, 0 when refused (past `max_pinned_pages`, counted) or
+        when the path is not committed. Changes no reference."""
+        if self.tree is None:
+            return 0
+        pinned = pin_path(self.tree, tokens, end, ttl_s, self.max_pinned_pages, self.max_pinned_swa_pages)
+        if pinned is None:
+            return 0
+        if pinned:
+            self.pins_made += 1
+        else:
+            self.pins_refused += 1
+        return pinned
+
+    def release_pins(self) -> bool:
+        """End every pin (a pin must never keep a request out); True when there was one."""
+        if self.tree is None or not release_all(self.tree):
+            return False
+        self.pins_released += 1
+        return True
+
     # -- resizing ---------------------------------------------------------------------------
 
     def capacity(self, kind: str) -> int:
@@ -360,6 +396,14 @@ class KVManager:
             "cache_type": self.resolved_cache_type,
             "page_size": self.page_size,
             "pools": pools,
+            "pins": {
+                "pinned_pages": 0 if self.tree is None else pinned_pages(self.tree),
+                "max_pinned_pages": self.max_pinned_pages,
+                "pinned_swa_pages": 0 if self.tree is None else pinned_swa_pages(self.tree),
+                "made": self.pins_made,
+                "refused": self.pins_refused,
+                "released": self.pins_released,
+            },
             "integrity": {
                 "ok": self.violations == 0,
                 "audits": self.audits,

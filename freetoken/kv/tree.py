@@ -9,7 +9,9 @@ and must not release any reference but its own (DESIGN.md §3, rules 3, 4 and 6)
   it changes no count (the manager takes the request's references before anyone else runs);
 - `insert` (commit) only adds the tree's references: new nodes and healed tombstones;
 - `evict_swa` / `evict_full` drop only the tree's references, oldest first, skipping entries a
-  request still holds (evicting them would free nothing).
+  request still holds (evicting them would free nothing) and nodes pinned until later than now
+  (a retention pin, kv/pins.py: `pin_until` on the clock the manager gives the tree; a hit
+  renews it).
 
 Nodes are split at page boundaries only, so every node holds whole pages.
 """
@@ -18,7 +20,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from freetoken.kv.miss import EvictedPaths, page_hashes, path_tokens
@@ -43,6 +46,8 @@ class Node:
     last_access: int = 0
     marked: bool = False  # a request marked a boundary at this node's end
     live: int = 0  # number of live SWA entries
+    pin_until: float = 0.0  # retention pin: eviction skips the node while the clock is before it
+    pin_ttl: float = 0.0  # how long a hit renews the pin for
 
     @property
     def npages(self) -> int:
@@ -81,6 +86,8 @@ class RadixTree:
         self._full_at: dict[int, Node] = {}
         self._swa_at: dict[int, Node] = {}
         self.evicted = EvictedPaths(4 * full_pool.capacity)  # for the cache report's miss reason
+        self.clock: Callable[[], float] = time.monotonic  # the pins' clock (tests give a fake one)
+        self.swa_pinned: dict[int, float] = {}  # SWA page -> pin deadline (the window before a pin's end)
 
     # -- bookkeeping ------------------------------------------------------------------------
 
@@ -161,8 +168,14 @@ class RadixTree:
         length = hit_length(len(entries), live, len(tokens), p, self.window)
         k = length // p
         stamp = self._tick()
+        now = self.clock()
         for node, _ in entries[:k]:
             node.last_access = stamp
+            if node.pin_until > now:  # a hit renews a live pin, its window's SWA entries too
+                node.pin_until = now + node.pin_ttl
+                for s in node.swa:
+                    if self.swa_pinned.get(s, 0.0) > now:
+                        self.swa_pinned[s] = node.pin_until
         full = [n.full[j] for n, j in entries[:k]]
         if self.swa_pool is None or self.window is None:
             return TreeMatch(length, full, None)
@@ -186,6 +199,7 @@ class RadixTree:
         upper = Node(
             next(self._uids), node.start, node.key[: m * p], node.full[:m], node.swa[:m],
             node.pri[:m], node.parent, last_access=node.last_access,
+            pin_until=node.pin_until, pin_ttl=node.pin_ttl,
         )
         upper.live = sum(1 for s in upper.swa if s)
         node.key, node.full, node.swa, node.pri = (
@@ -316,6 +330,7 @@ class RadixTree:
             del self._full_at[page]
         for page in swa:
             del self._swa_at[page]
+            self.swa_pinned.pop(page, None)
         if k == node.npages and node.parent is not None:
             del node.parent.children[node.key[: self.page_size]]
             self._refresh(node.parent)
@@ -336,12 +351,13 @@ class RadixTree:
     def evict_full(self, need: int) -> int:
         """Full pass: remove tree-only pages from leaves, oldest first; returns pages freed."""
         rc = self.full_pool.rc
+        now = self.clock()
         heap = [(n.last_access, n.uid, n) for n in self._leaves]
         heapq.heapify(heap)
         freed = 0
         while heap and freed < need:
             _, _, node = heapq.heappop(heap)
-            if node.parent is None or node.children:
+            if node.parent is None or node.children or node.pin_until > now:
                 continue
             k = 0
             while k < node.npages and rc[node.full[-1 - k]] == 1:
@@ -365,11 +381,12 @@ class RadixTree:
         if self.swa_pool is None or need <= 0:
             return 0
         rc = self.swa_pool.rc
+        now = self.clock()
         cands = [
             (n.pri[j], n.last_access, n.start + j * self.page_size, n.uid, j, n)
             for n in self._swa_nodes
             for j, s in enumerate(n.swa)
-            if s and rc[s] == 1
+            if s and rc[s] == 1 and self.swa_pinned.get(s, 0.0) <= now
         ]
         cands.sort(key=lambda c: c[:5])
         victims: list[int] = []
@@ -386,10 +403,13 @@ class RadixTree:
         """FULL pages repeated full passes could free now: tree-only pages with no
         request-held page below them in their subtree."""
         rc = self.full_pool.rc
+        now = self.clock()
         clean: dict[Node, bool] = {}
         total = 0
         for node in reversed(list(self.nodes())):  # children before parents
-            if all(clean[c] for c in node.children.values()):
+            if node.pin_until > now:
+                clean[node] = False
+            elif all(clean[c] for c in node.children.values()):
                 run = 0
                 while run < node.npages and rc[node.full[-1 - run]] == 1:
                     run += 1
@@ -404,7 +424,9 @@ class RadixTree:
         if self.swa_pool is None:
             return 0
         rc = self.swa_pool.rc
-        return sum(1 for n in self._swa_nodes for s in n.swa if s and rc[s] == 1)
+        now = self.clock()
+        pinned = self.swa_pinned
+        return sum(1 for n in self._swa_nodes for s in n.swa if s and rc[s] == 1 and pinned.get(s, 0.0) <= now)
 
     def pages_above(self, kind: str, limit: int) -> list[int]:
         """The tree's pages of pool `kind` with an index above `limit` (a shrink drops them)."""
@@ -420,6 +442,7 @@ class RadixTree:
                     continue
                 node.swa[node.swa.index(page)] = 0
                 node.live -= 1
+                self.swa_pinned.pop(page, None)
                 self._refresh(node)
                 self.swa_pool.decref([page])
                 continue

@@ -17,6 +17,7 @@ conversations, prompt-logprob requests, aborts, forced eviction passes) on small
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -72,8 +73,10 @@ class Setup:
     cache_type: str = "radix"
 
 
-def make_engine(setup: Setup, kv_class: type[CheckedKV] = CheckedKV, debug_kv: bool = True) -> Engine:
-    """`debug_kv`: the engine's own audit after every step, fatal (as in all engine tests)."""
+def make_engine(setup: Setup, kv_class: type[CheckedKV] = CheckedKV, debug_kv: bool = True,
+                clock: Callable[[], float] = time.monotonic) -> Engine:
+    """`debug_kv`: the engine's own audit after every step, fatal (as in all engine tests);
+    `clock`: the retention pins' clock."""
     p = setup.page_size
     swa_tokens: int | str | None = None
     if setup.window is not None:
@@ -86,15 +89,18 @@ def make_engine(setup: Setup, kv_class: type[CheckedKV] = CheckedKV, debug_kv: b
     resolved = config.resolve(model_context_length=4096, window=setup.window,
                               kv_bytes_per_token=1, available_bytes=1 << 30)
     kv = kv_class(full_pages=resolved.full_pages, swa_pages=resolved.swa_pages, page_size=p,
-                  window=setup.window, cache_type=resolved.cache_type)
+                  window=setup.window, cache_type=resolved.cache_type, clock=clock)
     return Engine(resolved, NullRunner(kv), kv, None)
 
 
 def submit(engine: Engine, rid: str, prompt: list[int], max_tokens: int,
-           boundaries: tuple[int, ...] = (), prompt_logprobs: int | None = None) -> Request:
+           boundaries: tuple[int, ...] = (), prompt_logprobs: int | None = None,
+           pins: tuple[tuple[int, float], ...] = ()) -> Request:
+    """A greedy request; a pin's position is also a boundary, as the server marks it."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
                             prompt_logprobs=prompt_logprobs)
-    req = Request(rid, list(prompt), params, boundaries=boundaries)
+    marks = tuple(sorted(set(boundaries) | {int(end) for end, _ in pins}))
+    req = Request(rid, list(prompt), params, boundaries=marks, pins=pins)
     engine.add_request(req)
     return req
 

@@ -294,6 +294,12 @@ class CheckedKV(KVManager):
         self.verify(f"evict({kind}, {num_pages_wanted}) -> {freed}")
         return freed
 
+    def pin(self, tokens: Sequence[int], end: int, ttl_s: float) -> int:
+        pinned = super().pin(tokens, end, ttl_s)
+        self.counts["pin" if pinned else "pin refused or not committed"] += 1
+        self.verify(f"pin({len(tokens)} tokens, end {end}) -> {pinned}")
+        return pinned
+
     def resize(self, kind: str, pages: int) -> int:
         before = self._pool(kind).capacity
         pending = super().resize(kind, pages)

@@ -56,13 +56,13 @@ def test_shrink_waits_for_running_requests_and_admissions_see_the_new_size() -> 
     drain(engine)
     submit(engine, "a", list(range(1, 11)), 30)  # 40 tokens: 10 pages each, above the tree's
     submit(engine, "b", list(range(50, 60)), 30)
-    while engine.kv.held_pages("full") < 12:
+    while engine.kv.held_pages("full") < 14:
         step(engine)
     held = engine.kv.held_pages("full")
-    with pytest.raises(ResizeRefused, match="running requests hold"):
-        engine.resize(full_tokens=10 * P)  # the floor (10 pages, a or b alone) but below what they hold
+    with pytest.raises(ValueError, match="running requests hold"):  # the manager's own check
+        engine.kv.resize("full", held - 1)
     assert pools(engine)["full"]["target"] == 24  # the refusal changed nothing
-    target = held
+    target = max(held, 20)  # the floor: twice a's (or b's) 10 pages
     out = engine.resize(full_tokens=target * P)
     assert out["full"]["pending_release"] > 0, "a and b hold pages above the target"
     status = pools(engine)["full"]
@@ -90,9 +90,19 @@ def test_refusals_name_the_key_and_change_nothing() -> None:
         engine.resize(full_tokens=2)
     assert err.value.param == "full_tokens" and not err.value.conflict
     submit(engine, "long", list(range(1, 60)), 20)  # needs 20 pages alone
-    with pytest.raises(ResizeRefused, match="a request in flight needs"):
-        engine.resize(full_tokens=19 * P)
+    with pytest.raises(ResizeRefused, match="twice the pages the largest request"):
+        engine.resize(full_tokens=39 * P)
     assert pools(engine) == before
+    drain(engine)
+    three = make_engine(Setup(P, None, 40, max_running=3))
+    for i in range(3):
+        submit(three, f"t{i}", [20 * i + k for k in range(1, 11)], 30)  # 10 pages each, floor 20
+    while three.kv.held_pages("full") < 22:
+        step(three)
+    with pytest.raises(ResizeRefused, match="running requests hold") as err:
+        three.resize(full_tokens=21 * P)
+    assert err.value.param == "full_tokens" and err.value.conflict
+    drain(three)
     full_only = make_engine(Setup(P, None, 24))
     with pytest.raises(ResizeRefused, match="no sliding-window layers") as err:
         full_only.resize(swa_tokens=64)

@@ -1,7 +1,8 @@
 """Hypothesis drives the real engine (its scheduler, shared prefill budget, commit points,
 preemption) over a null model: arrivals over shared prefixes (long prompts of several windows,
 short prompts sharing their first tokens, continuations, prompt-logprob requests), steps,
-aborts, forced eviction passes and run-time resizes of either pool (grow, shrink below what the
+aborts, forced eviction passes, retention pins (a request's breakpoint, on a fake clock that
+rules advance; no eviction may remove a live pin) and run-time resizes of either pool (grow, shrink below what the
 tree holds, shrink while running requests hold pages above the new size), on small pools. Every KV call is followed by the shadow
 check (each holder holds the tokens it claims) and the full audit; the machine's teardown
 drains the engine and checks the idle state (A5).
@@ -21,6 +22,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 from engine_sim import VOCAB, Setup, drain, make_engine, step, submit
 from freetoken.engine.engine import RequestRefused
 from freetoken.engine.resize import ResizeRefused
+from freetoken.kv.pins import live_pins
 from freetoken.request import Request
 
 LONG = [1 + (i * 29) % (VOCAB - 1) for i in range(40)]
@@ -48,7 +50,9 @@ class EngineMachine(RuleBasedStateMachine):
 
     @initialize()
     def start(self) -> None:
-        self.engine = make_engine(self.setup_)
+        self.now = 0.0
+        self.engine = make_engine(self.setup_, clock=lambda: self.now)
+        self.pinned: list = []  # nodes pinned at the last check (a shrink may drop them)
         self.live: dict[str, Request] = {}
         self.finished: list[list[int]] = []
         self.serial = 0
@@ -61,8 +65,9 @@ class EngineMachine(RuleBasedStateMachine):
 
     @rule(which=st.integers(0, len(PREFIXES) - 1), share=st.integers(0, 40),
           tail=st.lists(st.integers(0, VOCAB - 1), max_size=8), max_tokens=st.integers(1, 12),
-          boundary=st.booleans(), logprobs=st.booleans(), follow=st.booleans())
-    def arrive(self, which, share, tail, max_tokens, boundary, logprobs, follow) -> None:
+          boundary=st.booleans(), logprobs=st.booleans(), follow=st.booleans(),
+          pin=st.one_of(st.none(), st.tuples(st.integers(1, 40), st.sampled_from([5.0, 30.0, 300.0]))))
+    def arrive(self, which, share, tail, max_tokens, boundary, logprobs, follow, pin) -> None:
         if follow and self.finished:
             base = self.finished[share % len(self.finished)]
             prompt, bounds = base + tail[:3] + [5], (len(base),)
@@ -75,17 +80,34 @@ class EngineMachine(RuleBasedStateMachine):
         self.serial += 1
         rid = f"r{self.serial}"
         try:
+            pins = ((min(pin[0], len(prompt)), pin[1]),) if pin is not None else ()
             self.live[rid] = submit(self.engine, rid, prompt, max_tokens, bounds,
-                                    0 if logprobs and share % 5 == 0 else None)
+                                    0 if logprobs and share % 5 == 0 else None, pins)
         except RequestRefused:  # past a pool shrunk below it
             event("arrival refused after a shrink")
 
     @precondition(lambda self: self.engine.has_work())
     @rule(n=st.integers(1, 4))
     def run_steps(self, n: int) -> None:
+        self._snapshot_pins()
         for _ in range(n):
             step(self.engine)
+        self._check_pins()
         self._collect()
+
+    def _snapshot_pins(self) -> None:
+        tree = self.engine.kv.tree
+        self.pinned = [] if tree is None else live_pins(tree)
+
+    def _check_pins(self) -> None:
+        gone = [n for n in self.pinned if n.parent is None and n.pin_until > self.now]
+        assert not gone, f"eviction removed {len(gone)} pinned nodes"
+        if self.pinned:
+            event("a live pin survived steps or an eviction pass")
+
+    @rule(dt=st.sampled_from([1.0, 10.0, 100.0]))
+    def advance_clock(self, dt: float) -> None:
+        self.now += dt
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -99,7 +121,9 @@ class EngineMachine(RuleBasedStateMachine):
     def evict(self, swa: bool, n: int) -> None:
         kv = self.engine.kv
         if kv.tree is not None:
+            self._snapshot_pins()
             kv.evict("swa" if swa and kv.swa_pool is not None else "full", n)
+            self._check_pins()
 
     @rule(swa=st.booleans(), share=st.floats(0.25, 1.75))
     def resize(self, swa: bool, share: float) -> None:
