@@ -27,6 +27,7 @@ from freetoken.errors import FreeTokenError
 from freetoken.server.anthropic_errors import error_event, event
 from freetoken.server.anthropic_protocol import AnthropicMessage, Conversation, CountTokensRequest, MessagesRequest
 from freetoken.server.anthropic_threads import KeptThread, ThreadStore
+from freetoken.server.cache_pins import anthropic_pins
 from freetoken.server.context import ServingContext
 from freetoken.server.errors import bad_request
 from freetoken.server.generation import ChoiceSpec, Clock, Piece, _close, collect, engine_error, failed_choice, first_piece, merge, run_choice
@@ -61,14 +62,15 @@ def stop_reason(finish_reason: str | None, stop_string: str | None) -> tuple[str
     return "end_turn", None
 
 
-def usage(prompt_tokens: int, cached_tokens: int, output_tokens: int) -> dict[str, int]:
-    """Anthropic's usage: `input_tokens` are the prompt tokens not read from the cache, so
-    input + cache_read (+ cache_creation, always 0 here) is the whole prompt."""
+def usage(prompt_tokens: int, cached_tokens: int, output_tokens: int, created_tokens: int = 0) -> dict[str, int]:
+    """Anthropic's usage: `cache_read_input_tokens` is the prefix-cache hit,
+    `cache_creation_input_tokens` the prompt tokens past it that the request's `cache_control`
+    pins keep (kv/pins.py), `input_tokens` the rest: the three add up to the whole prompt."""
     return {
-        "input_tokens": prompt_tokens - cached_tokens,
+        "input_tokens": prompt_tokens - cached_tokens - created_tokens,
         "output_tokens": output_tokens,
         "cache_read_input_tokens": cached_tokens,
-        "cache_creation_input_tokens": 0,
+        "cache_creation_input_tokens": created_tokens,
     }
 
 
@@ -108,7 +110,10 @@ async def create_message(ctx: ServingContext, req: MessagesRequest, request_id: 
     check_context(len(ids), req.max_tokens, info.context_length, prompt_param="messages", max_param="max_tokens")
     ctx.check_capacity(1)
     message_id = f"msg_{uuid.uuid4().hex}"
-    spec = ChoiceSpec(0, engine_rid(request_id, message_id, 0), ids, params, frozenset(ctx.tokenizer.stop_ids), boundaries)
+    spec = ChoiceSpec(
+        0, engine_rid(request_id, message_id, 0), ids, params, frozenset(ctx.tokenizer.stop_ids), boundaries,
+        pins=anthropic_pins(req, boundaries),
+    )
     tally = Tally([len(ids)], [0])
     pieces = merge([run_choice(ctx.client, spec, ctx.tokenizer)])
     head = {"id": message_id, "type": "message", "role": "assistant", "model": ctx.served_name}
@@ -127,7 +132,7 @@ async def create_message(ctx: ServingContext, req: MessagesRequest, request_id: 
                 "content": content,
                 "stop_reason": tool_stop_reason(reason, len(parsed.tool_calls)),
                 "stop_sequence": sequence,
-                "usage": usage(len(ids), result.cached_tokens, len(result.token_ids)),
+                "usage": usage(len(ids), result.cached_tokens, len(result.token_ids), result.cache_creation_tokens),
             }
         )
 
@@ -174,8 +179,9 @@ async def message_events(
     status = CLIENT_CLOSED
     prompt_tokens = tally.prompt_tokens
     cached = 0 if first is None else first.cached_tokens
+    created = 0 if first is None else first.cache_creation_tokens  # pins are applied before the first token
     try:
-        start = {**head, "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage(prompt_tokens, cached, 0)}
+        start = {**head, "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage(prompt_tokens, cached, 0, created)}
         yield event("message_start", {"type": "message_start", "message": start})
         parser, blocks, frame = tooling.stream(incremental=True), AnthropicBlockStream(
             thinking=bool(tooling.thinking), omit_thinking=omit_thinking
@@ -208,7 +214,7 @@ async def message_events(
             yield text
         on_done(anthropic_content(merge_deltas(written), thinking=tooling.thinking, omit_thinking=omit_thinking))
         reason, sequence = stop_reason(finish, stop_string)
-        final_usage = usage(prompt_tokens, tally.cached_tokens, tally.completion_tokens)
+        final_usage = usage(prompt_tokens, tally.cached_tokens, tally.completion_tokens, created)
         delta = {"stop_reason": tool_stop_reason(reason, blocks.num_calls), "stop_sequence": sequence}
         yield event("message_delta", {"type": "message_delta", "delta": delta, "usage": final_usage})
         status = 200

@@ -182,13 +182,14 @@ class EngineClient:
         *,
         eos_ids: Sequence[int],
         boundaries: Sequence[int] = (),
+        pins: Sequence[tuple[int, float]] = (),
     ) -> AsyncIterator[TokenUpdate]:
         """Stream `rid`'s updates until one has `finished`. Raises EngineUnavailable now if the
         engine is not ready; EngineRefused (on the first iteration) if the engine refuses it.
         Closing the stream early aborts the request."""
         self._require_ready()
         params_dict = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(params).items()}
-        add = AddRequest(rid, list(prompt_ids), params_dict, list(eos_ids), list(boundaries))
+        add = AddRequest(rid, list(prompt_ids), params_dict, list(eos_ids), list(boundaries), [[e, t] for e, t in pins])
         return self._stream(add)
 
     async def _stream(self, add: AddRequest) -> AsyncIterator[TokenUpdate]:

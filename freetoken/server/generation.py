@@ -40,6 +40,7 @@ class ChoiceSpec:
     eos_ids: frozenset[int]
     boundaries: tuple[int, ...] = ()
     include_stop: bool = False  # `no_stop_trim`: a matched stop string stays at the end of the text
+    pins: tuple[tuple[int, float], ...] = ()  # retention pins (server/cache_pins.py): (position, TTL s)
 
 
 @dataclass
@@ -57,6 +58,7 @@ class Piece:
     stop_string: str | None = None  # the stop string that ended the choice (finish_reason "stop")
     matched_tokens: int = 0  # the cache report: prompt pages the cache held at admission
     miss_reason: str | None = None  # and why the hit stopped there (kv/miss.py)
+    cache_creation_tokens: int = 0  # prompt tokens past the hit that the request's pins keep
 
 
 @dataclass
@@ -72,12 +74,14 @@ class ChoiceResult:
     stop_string: str | None = None
     matched_tokens: int = 0
     miss_reason: str | None = None
+    cache_creation_tokens: int = 0
 
     def add(self, piece: Piece) -> None:
         self.text += piece.text
         self.token_ids += piece.token_ids
         self.logprobs += piece.logprobs
         self.cached_tokens = max(self.cached_tokens, piece.cached_tokens)
+        self.cache_creation_tokens = max(self.cache_creation_tokens, piece.cache_creation_tokens)
         if piece.miss_reason is not None:
             self.matched_tokens, self.miss_reason = piece.matched_tokens, piece.miss_reason
         if piece.prompt_logprobs is not None:
@@ -104,13 +108,14 @@ async def run_choice(client: EngineClient, spec: ChoiceSpec, tokenizer: Tokenize
         tokenizer, skip_special_tokens=params.skip_special_tokens, stop=params.stop, include_stop_string=spec.include_stop,
         context_ids=spec.prompt_ids[-_CONTEXT_IDS:],
     )
-    stream = client.generate(spec.rid, spec.prompt_ids, params, eos_ids=spec.eos_ids, boundaries=spec.boundaries)
+    stream = client.generate(spec.rid, spec.prompt_ids, params, eos_ids=spec.eos_ids, boundaries=spec.boundaries, pins=spec.pins)
     finished = False
     try:
         async for upd in stream:
             piece = Piece(
                 spec.index, cached_tokens=upd.cached_tokens, prompt_logprobs=upd.prompt_logprobs,
                 matched_tokens=upd.matched_tokens, miss_reason=upd.miss_reason,
+                cache_creation_tokens=upd.cache_creation_tokens,
             )
             if not detok.stopped:
                 piece.text = detok.add_many(upd.token_ids).text

@@ -24,6 +24,7 @@ class AddRequest:
     params: dict[str, Any]  # SamplingParams fields (tuples as lists)
     eos_ids: list[int] = field(default_factory=list)
     boundaries: list[int] = field(default_factory=list)
+    pins: list[list[float]] = field(default_factory=list)  # retention pins: [prompt position, TTL s]
 
 
 @dataclass
@@ -92,6 +93,7 @@ class TokenUpdate:
     prompt_logprobs: list[Any] | None = None
     matched_tokens: int = 0  # the cache report (kv/miss.py)
     miss_reason: str | None = None
+    cache_creation_tokens: int = 0  # prompt tokens past the hit that the request's pins keep
 
 
 @dataclass

@@ -17,6 +17,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, Response
 
+from freetoken.server.cache_pins import openai_pins
 from freetoken.server.context import ServingContext
 from freetoken.server.errors import bad_request
 from freetoken.server.generation import ChoiceSpec, Clock, Piece, collect, first_piece, merge, run_choice
@@ -100,7 +101,9 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     req.sampling_params(1 if requested is None else requested, logprobs=logprobs_k)  # range checks first
     info = ctx.ready_info()
     tooling = ToolCalling(ctx, openai_tool_options(req.tools, req.tool_choice, req.parallel_tool_calls))
-    ids, boundaries = render_chat(ctx.tokenizer, *tooling.template_inputs(req.template_messages()), tooling.template_context())
+    template_messages = req.template_messages()
+    ids, boundaries = render_chat(ctx.tokenizer, *tooling.template_inputs(template_messages), tooling.template_context())
+    pins = openai_pins(template_messages, boundaries, req.prompt_cache_key, req.prompt_cache_retention)
     max_tokens = requested if requested is not None else info.context_length - len(ids)
     check_context(len(ids), max(max_tokens, 1), info.context_length, prompt_param="messages", max_param=max_param)
     base = tooling.sampling(req.sampling_params(max_tokens, logprobs=logprobs_k, vocab_size=info.vocab_size))
@@ -111,7 +114,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     specs = [
         ChoiceSpec(
             j, engine_rid(request_id, response_id, j), ids, base if base.seed is None or j == 0 else replace(base, seed=base.seed + j), eos, boundaries,
-            include_stop=bool(req.no_stop_trim),
+            include_stop=bool(req.no_stop_trim), pins=pins,
         )
         for j in range(n)
     ]

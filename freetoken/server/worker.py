@@ -67,6 +67,7 @@ def token_update(u: RequestUpdate) -> TokenUpdate:
         prompt_logprobs=None if u.prompt_logprobs is None else [flat_logprob(lp) for lp in u.prompt_logprobs],
         matched_tokens=u.matched_tokens,
         miss_reason=u.miss_reason,
+        cache_creation_tokens=u.cache_creation_tokens,
     )
 
 
@@ -123,6 +124,7 @@ class WorkerLoop:
             req = Request(
                 msg.rid, list(msg.prompt_ids), sampling_params(msg.params),
                 eos_ids=frozenset(msg.eos_ids), boundaries=tuple(msg.boundaries),
+                pins=tuple((int(end), float(ttl)) for end, ttl in msg.pins),
             )
             self._check_queue()
             self.engine.add_request(req)

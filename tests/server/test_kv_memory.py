@@ -145,3 +145,75 @@ def test_a_shrink_drops_the_tree_path_above_it_and_the_miss_says_evicted(small_s
                          json={"model": MODEL, "prompt": fresh_prompt(50), "max_tokens": 4})
     assert too_big.status_code == 400, too_big.text  # new admissions see the 13-page pool
     small_server.assert_balanced_idle()
+
+
+PINNED_FLAGS = [*SMALL_FLAGS, "--max-pinned-tokens", "64"]
+
+
+@pytest.fixture
+def pinned_server(tiny_gemma_dir: Path, tmp_path: Path) -> Iterator[ServeProcess]:
+    """A fresh 32-page server whose pins may hold 16 pages."""
+    with serving(str(tiny_gemma_dir), PINNED_FLAGS, tmp_path / "pinned.log", api_key=API_KEY) as proc:
+        proc.begin_test()
+        yield proc
+
+
+def message(server: ServeProcess, system: Any, user: str) -> dict[str, Any]:
+    body = {"model": MODEL, "max_tokens": 2, "temperature": 0, "system": system,
+            "messages": [{"role": "user", "content": user}]}
+    with server.http() as c:
+        r = c.post("/v1/messages", json=body)
+        count = c.post("/v1/messages/count_tokens", json={k: body[k] for k in ("model", "system", "messages")})
+    assert r.status_code == 200 and count.status_code == 200, (r.text, count.text)
+    u = r.json()["usage"]
+    assert u["input_tokens"] + u["cache_read_input_tokens"] + u["cache_creation_input_tokens"] == count.json()["input_tokens"], u
+    return u
+
+
+def flood(server: ServeProcess) -> None:
+    """Fresh prompts of 16 pages each: eviction takes every unpinned page of the 32-page pool."""
+    for _ in range(3):
+        complete(server, fresh_prompt(60), max_tokens=2)
+
+
+def test_cache_control_pins_the_system_prompt_through_eviction(pinned_server: ServeProcess) -> None:
+    text = "You are a careful assistant. Be brief."
+    pinned = [{"type": "text", "text": text, "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
+    first = message(pinned_server, pinned, "Hello there")
+    created = first["cache_creation_input_tokens"]
+    assert first["cache_read_input_tokens"] == 0 and created > 0 and created % 4 == 0, first
+    pins = pinned_server.cache_status()["pins"]
+    assert pins["made"] == 1 and pins["pinned_pages"] == created // 4, pins
+    flood(pinned_server)
+    again = message(pinned_server, pinned, "What time is it")
+    assert again["cache_read_input_tokens"] == created and again["cache_creation_input_tokens"] == 0, again
+    # The same system prompt without cache_control (a fresh one, or the pin would hit): evicted.
+    plain = text.replace("careful", "patient")
+    message(pinned_server, plain, "Hello there")
+    flood(pinned_server)
+    unpinned = message(pinned_server, plain, "What time is it")
+    assert unpinned["cache_read_input_tokens"] < created and unpinned["cache_creation_input_tokens"] == 0, unpinned
+    r = httpx.post(f"{pinned_server.base}/v1/messages", headers=pinned_server.headers, timeout=60, json={
+        "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral", "ttl": "2h"}}]}]})
+    assert r.status_code == 400 and "ttl" in r.json()["error"]["message"], r.text
+    pinned_server.assert_balanced_idle()
+
+
+def test_prompt_cache_key_pins_the_system_message(pinned_server: ServeProcess) -> None:
+    system = {"role": "system", "content": "You are a careful assistant. Be brief."}
+
+    def chat(user: str) -> dict[str, Any]:
+        with pinned_server.http() as c:
+            r = c.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, "temperature": 0,
+                                                     "prompt_cache_key": "agent-1",
+                                                     "messages": [system, {"role": "user", "content": user}]})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]
+
+    chat("Hello there")
+    pins = pinned_server.cache_status()["pins"]
+    assert pins["made"] == 1 and pins["pinned_pages"] > 0, pins
+    flood(pinned_server)
+    assert chat("What time is it")["cached_tokens"] == 4 * pins["pinned_pages"]
+    pinned_server.assert_balanced_idle()

@@ -1,0 +1,73 @@
+"""Where a request's retention pins go (kv/pins.py): Anthropic `cache_control` breakpoints and
+OpenAI `prompt_cache_key`.
+
+Owns turning a request into `(prompt position, TTL seconds)` pins. A breakpoint pins the prefix
+up to the end of the chat message that holds the marked block (a block of `system` or a marked
+tool definition: the end of the system message; the top-level `cache_control`, Anthropic's
+automatic caching: the end of the last message), so positions are message boundaries from
+`render_chat`, and the SWA window before each stays live. When the template's boundaries do not
+line up one per message (a template that rewrites a prefix), no pin is placed: the request is
+served, the prefix cache works as always. `prompt_cache_key` pins the end of a leading system
+(or developer) message. TTLs: `"5m"` (the default) 300 s, `"1h"` 3600 s; OpenAI's
+`prompt_cache_retention` `"24h"` 86400 s, else 300 s. Another `ttl` is a 400 naming the key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from freetoken.server.anthropic_protocol import CacheControl, Conversation, convert_message
+from freetoken.server.errors import bad_request
+
+ANTHROPIC_TTL_S = {None: 300.0, "5m": 300.0, "1h": 3600.0}
+OPENAI_TTL_S = {None: 300.0, "in_memory": 300.0, "24h": 86400.0}
+
+Pins = tuple[tuple[int, float], ...]
+
+
+def _ttl(control: CacheControl, where: str) -> float:
+    if control.ttl not in ANTHROPIC_TTL_S:
+        raise bad_request(f"{where}.cache_control.ttl must be '5m' or '1h', got {control.ttl!r}", param=f"{where}.cache_control.ttl")
+    return ANTHROPIC_TTL_S[control.ttl]
+
+
+def _blocks(content: Any) -> list[Any]:
+    return content if isinstance(content, list) else []
+
+
+def anthropic_pins(req: Conversation, boundaries: Sequence[int]) -> Pins:
+    """Pins of the request's `cache_control` breakpoints, as (message-end position, TTL)."""
+    marks: dict[int, float] = {}  # chat-message count up to the breakpoint -> TTL
+    has_system = bool(req.system)
+    count = 1 if has_system else 0
+    if has_system and not isinstance(req.system, str):
+        for i, block in enumerate(req.system or []):
+            if block.cache_control is not None:
+                marks[1] = max(marks.get(1, 0.0), _ttl(block.cache_control, f"system[{i}]"))
+    for i, tool in enumerate(req.tools or []):
+        control = tool.get("cache_control") if isinstance(tool, dict) else None
+        if isinstance(control, dict) and has_system:
+            marks[1] = max(marks.get(1, 0.0), _ttl(CacheControl.model_validate(control), f"tools[{i}]"))
+    for i, message in enumerate(req.messages):
+        count += len(convert_message(message, f"messages[{i}]"))
+        for j, block in enumerate(_blocks(message.content)):
+            control = getattr(block, "cache_control", None)
+            if control is not None:
+                marks[count] = max(marks.get(count, 0.0), _ttl(control, f"messages[{i}].content[{j}]"))
+    if req.cache_control is not None:
+        marks[count] = max(marks.get(count, 0.0), _ttl(req.cache_control, "request"))
+    return _at_boundaries(marks, boundaries, count)
+
+
+def openai_pins(messages: Sequence[dict[str, Any]], boundaries: Sequence[int], key: str | None, retention: str | None) -> Pins:
+    """`prompt_cache_key`: a pin at the end of a leading system / developer message."""
+    if key is None or not messages or messages[0].get("role") not in ("system", "developer"):
+        return ()
+    return _at_boundaries({1: OPENAI_TTL_S.get(retention, 300.0)}, boundaries, len(messages))
+
+
+def _at_boundaries(marks: dict[int, float], boundaries: Sequence[int], num_messages: int) -> Pins:
+    if not marks or len(boundaries) != num_messages:
+        return ()
+    return tuple((boundaries[k - 1], ttl) for k, ttl in sorted(marks.items()) if 1 <= k <= num_messages)
