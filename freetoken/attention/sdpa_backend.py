@@ -85,6 +85,11 @@ def paged_attention(
     if Lq == 1:  # a decode batch: one query per request
         return _decode(q, k, v, visible, scale)
     unpadded = T == B * Lq  # every request has Lq new tokens (all decodes, or one prefill)
+    if B == 1 and Lq >= 2 * QUERY_BLOCK:  # one long prefill chunk: attend block by block
+        blocks = batch.memo.get(key + ("blocks",))
+        if blocks is None:
+            blocks = batch.memo[key + ("blocks",)] = _query_blocks(visible)
+        return _blocked(q.view(1, Lq, H, D).transpose(1, 2), k, v, visible, blocks, scale, H > n_kv).view(T, H, D)
     if unpadded:
         q_pad = q.view(B, Lq, H, D)
     else:
@@ -97,6 +102,41 @@ def paged_attention(
     if unpadded:
         return out.reshape(T, H, D)
     return out[batch.token_request, batch.token_offset]  # [T, H, D]
+
+
+# Queries per block of a long single-request chunk: each block reads only the keys its rows can see
+# (the window's on sliding layers, up to its last row on causal ones), so a chunk costs about
+# half of one masked call over all the chunk's keys; 256 keeps each call large enough to be efficient.
+QUERY_BLOCK = 256
+
+
+def _query_blocks(visible: torch.Tensor) -> list[tuple[int, int, int, int]]:
+    """(q0, q1, k0, k1) per block of QUERY_BLOCK query rows of visible [1, 1, Lq, S]: the key
+    columns [k0, k1) hold every key those rows see (each row's keys are one contiguous run)."""
+    rows = visible[0, 0]  # [Lq, S]
+    Lq, S = rows.shape
+    blocks = []
+    for q0 in range(0, Lq, QUERY_BLOCK):
+        q1 = min(q0 + QUERY_BLOCK, Lq)
+        cols = rows[q0:q1].any(dim=0).nonzero()
+        k0, k1 = (int(cols[0]), int(cols[-1]) + 1) if cols.numel() else (0, S)
+        blocks.append((q0, q1, k0, k1))
+    return blocks
+
+
+def _blocked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+    blocks: list[tuple[int, int, int, int]], scale: float, gqa: bool,
+) -> torch.Tensor:
+    """q [1, H, Lq, D], k and v [1, n_kv, S, D], visible [1, 1, Lq, S] -> [1, Lq, H, D], one SDPA
+    call per block over its key columns only."""
+    out = q.new_empty(1, q.shape[2], q.shape[1], q.shape[3])  # [1, Lq, H, D]
+    for q0, q1, k0, k1 in blocks:
+        out[:, q0:q1] = F.scaled_dot_product_attention(
+            q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], attn_mask=visible[:, :, q0:q1, k0:k1],
+            scale=scale, enable_gqa=gqa,
+        ).transpose(1, 2)
+    return out
 
 
 def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:

@@ -95,3 +95,19 @@ def test_backend_choice() -> None:
     assert attention_fn("meta", "sdpa") is sdpa_backend.paged_attention
     with pytest.raises(ConfigError, match="unknown attention backend"):
         attention_fn("cpu", "flash")
+
+
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("shapes", [[(0, 600)], [(300, 700)], [(37, 513)]])
+def test_long_chunks_attend_block_by_block(window: int | None, shapes) -> None:
+    """A single request's long chunk goes block by block over only the keys each block sees,
+    with the reference's result; on a sliding layer the blocks read far fewer keys than the chunk's."""
+    q, k_pages, v_pages, table, batch = _case(11, 16, 4, 1, window, shapes, True)
+    assert batch.max_query_len >= 2 * sdpa_backend.QUERY_BLOCK
+    got = sdpa_backend.paged_attention(q, k_pages, v_pages, table, batch, 0.3, window)
+    want = torch_backend.paged_attention(q, k_pages, v_pages, table, batch, 0.3, window)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    (blocks,) = [v for k, v in batch.memo.items() if k[-1] == "blocks"]
+    read = sum((q1 - q0) * (k1 - k0) for q0, q1, k0, k1 in blocks)
+    S = batch.memo[next(k for k in batch.memo if k[-1] != "blocks")][2]
+    assert read < batch.max_query_len * S * (0.6 if window else 0.8)
