@@ -85,6 +85,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
     p.add_argument("--swa-full-tokens-ratio", type=float, default=None, help="SWA pool size as a share of the FULL pool")
     p.add_argument("--swa-pool-tokens", type=_swa_pool_tokens, default=None, metavar="N|floor", help="SWA pool size in tokens, or 'floor'")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "int8", "q8_0", "fp8_e4m3"],
+                   help="K/V storage: auto = the model's dtype; int8 (q8_0) / fp8_e4m3 (CUDA) hold about twice the tokens per byte")
     p.add_argument("--max-pinned-tokens", type=int, default=None, metavar="N",
                    help="cap on prefix-cache tokens held by cache_control / prompt_cache_key pins (default: a quarter of the FULL pool; 0 = no pins)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="auto = bfloat16 where the hardware is fast at it, else float32")
@@ -155,6 +157,7 @@ def _serve(args: argparse.Namespace) -> None:
         swa_pool_tokens=args.swa_pool_tokens,
         debug_kv=args.debug_kv,
         max_pinned_tokens=args.max_pinned_tokens,
+        kv_cache_dtype=args.kv_cache_dtype,
         threads=args.threads,
         tensor_parallel_size=args.tensor_parallel_size,
     )

@@ -15,6 +15,7 @@ from freetoken.errors import ConfigError
 CACHE_TYPES = ("naive", "radix", "swa_radix")
 # The --weights policies (kept here, below models, so validation needs no model import).
 WEIGHT_POLICIES = ("auto", "bf16", "int8", "int4")
+KV_CACHE_DTYPES = ("auto", "bf16", "int8", "q8_0", "fp8_e4m3")  # kv/tensors.py stores them (q8_0 = int8)
 
 
 def swa_floor_pages(max_running: int, max_prefill: int, window: int, page_size: int) -> int:
@@ -45,6 +46,7 @@ class EngineConfig:
     swa_pool_tokens: int | str | None = None  # N tokens or "floor"
     debug_kv: bool = False
     max_pinned_tokens: int | None = None  # retention pins' cap (kv/pins.py); None: a quarter of the FULL pool
+    kv_cache_dtype: str = "auto"  # auto | bf16 | int8 (q8_0) | fp8_e4m3 (CUDA): kv/tensors.py
     threads: int | None = None
     tensor_parallel_size: int = 1  # engine processes, one per rank (freetoken.distributed)
 
@@ -68,6 +70,8 @@ class EngineConfig:
         for flag, value in positive.items():
             if value < 1:
                 raise ConfigError(f"{flag} must be at least 1, got {value}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.max_pinned_tokens is not None and self.max_pinned_tokens < 0:
             raise ConfigError(f"--max-pinned-tokens must be >= 0, got {self.max_pinned_tokens}")
         if self.max_waiting_requests < 0:

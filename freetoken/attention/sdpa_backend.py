@@ -11,7 +11,9 @@ SDPA cannot do exactly (attention sinks, logit soft-capping) go to the reference
 (one query per request) takes `ops.decode_attention` (one C++ call reading only the visible K/V
 rows) where it runs, else two plain matmuls instead of the fused kernel. The slots and
 the mask depend only on the batch and the layer kind, so they are built once per step and kept in
-the batch's memo. It does not write K/V and holds no state of its own.
+the batch's memo. An 8-bit or narrower cache is dequantized row by row as it is gathered
+(`kv_read.py`; the fused decode op reads only a cache in the query's dtype). It does not write
+K/V and holds no state of its own.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from freetoken.attention import torch_backend
+from freetoken.attention.kv_read import take_rows
 from freetoken.attention.metadata import ForwardBatch
 from freetoken.ops.attention import decode_attention
 
@@ -75,12 +78,12 @@ def paged_attention(
         plan = batch.memo[key] = _plan(page_table, batch, sliding_window, k_pages.shape[1], q.device)
     flat, visible, S = plan
     B, Lq = batch.num_requests, batch.max_query_len
-    if Lq == 1:  # a decode batch: one query per request; the fused op reads the visible rows in place
+    if Lq == 1 and k_pages.dtype == q.dtype:  # a decode batch: the fused op reads the visible rows in place
         out = decode_attention(q, k_pages, v_pages, flat.view(B, S), visible.view(B, S), scale)
         if out is not None:
             return out
-    k = k_pages.view(-1, n_kv, D).index_select(0, flat).view(B, S, n_kv, D).transpose(1, 2)  # [B, n_kv, S, D]
-    v = v_pages.view(-1, n_kv, D).index_select(0, flat).view(B, S, n_kv, D).transpose(1, 2)  # [B, n_kv, S, D]
+    k = take_rows(k_pages, flat, q.dtype).view(B, S, n_kv, D).transpose(1, 2)  # [B, n_kv, S, D], dequantized
+    v = take_rows(v_pages, flat, q.dtype).view(B, S, n_kv, D).transpose(1, 2)  # [B, n_kv, S, D]
 
     if Lq == 1:  # a decode batch: one query per request
         return _decode(q, k, v, visible, scale)

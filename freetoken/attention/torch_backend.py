@@ -2,7 +2,8 @@
 
 Owns computing softmax(q k^T) v for a batch of requests whose keys and values live in pages:
 causal, sliding window, attention sinks (a learned per-head logit that joins the softmax
-denominator), logit soft-capping and grouped-query attention. Batched over requests: the table
+denominator), logit soft-capping and grouped-query attention, over a float or 8-bit cache
+(`kv_read.py` dequantizes the gathered pages). Batched over requests: the table
 columns are gathered into a padded [B, S, n_kv_heads, D] and masked by absolute position
 (key position = column * P + offset; valid iff k <= q, and q - k < W on sliding layers), so NULL
 entries, unwritten page tails and out-of-window keys never contribute. It does not write K/V
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from freetoken.attention.kv_read import take_pages
 from freetoken.attention.metadata import ForwardBatch
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -56,8 +58,8 @@ def paged_attention(
     in_table = cols < width
     pages = page_table.long().gather(1, cols.clamp(max=width - 1))  # [B, C]
     pages = torch.where(in_table, pages, torch.zeros_like(pages))
-    k = k_pages[pages].view(B, C * P, n_kv, D)  # [B, S, n_kv, D]
-    v = v_pages[pages].view(B, C * P, n_kv, D)  # [B, S, n_kv, D]
+    k = take_pages(k_pages, pages, q.dtype).view(B, C * P, n_kv, D)  # [B, S, n_kv, D], dequantized
+    v = take_pages(v_pages, pages, q.dtype).view(B, C * P, n_kv, D)  # [B, S, n_kv, D]
     k_pos = (cols[:, :, None] * P + torch.arange(P, device=device)).view(B, C * P)  # [B, S]
 
     # Keys past a request's length are stale or unwritten: zero V there so that even non-finite

@@ -38,8 +38,9 @@ def resolve_for_model(
     the whole model's). CPU ranks share one memory, so there every rank's K/V counts."""
     layout = rank_layout or model_config.kv_layout()
     ranks_here = 1 if device.type == "cuda" else config.tensor_parallel_size
-    full_bytes = ranks_here * KVTensors.bytes_per_page(layout, 1, dtype, sliding=False)
-    swa_bytes = ranks_here * KVTensors.bytes_per_page(layout, 1, dtype, sliding=True) if model_config.has_swa else 0
+    cache = config.kv_cache_dtype
+    full_bytes = ranks_here * KVTensors.bytes_per_page(layout, 1, dtype, False, cache, device)
+    swa_bytes = ranks_here * KVTensors.bytes_per_page(layout, 1, dtype, True, cache, device) if model_config.has_swa else 0
     if device.type == "cuda":
         available = torch.cuda.mem_get_info(device)[0]
     else:
@@ -65,9 +66,15 @@ def build_engine_for(config: EngineConfig, loaded: LoadedModel, peers: Peers | N
         cache_type=resolved.cache_type,
         max_pinned_pages=None if config.max_pinned_tokens is None else config.max_pinned_tokens // config.page_size,
     )
-    tensors = KVTensors(  # this rank's KV heads: the model's own config (a shard's under TP)
-        loaded.model.config.kv_layout(), resolved.full_pages, resolved.swa_pages or 0, config.page_size, loaded.dtype, loaded.device
+    layout = loaded.model.config.kv_layout()  # this rank's KV heads: the model's own config (a shard's under TP)
+    tensors = KVTensors(
+        layout, resolved.full_pages, resolved.swa_pages or 0, config.page_size, loaded.dtype, loaded.device,
+        config.kv_cache_dtype,
     )
+    kv.bytes_per_token = {
+        kind: KVTensors.bytes_per_page(layout, 1, loaded.dtype, kind == "swa", config.kv_cache_dtype, loaded.device)
+        for kind in (("full", "swa") if loaded.config.has_swa else ("full",))
+    }
     log.info(
         "KV pools: full %d pages, swa %s pages of %d tokens; cache %s; context %d",
         resolved.full_pages, resolved.swa_pages, config.page_size, resolved.cache_type, resolved.context_length,

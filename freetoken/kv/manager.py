@@ -97,6 +97,7 @@ class KVManager:
         self.pins_made = 0
         self.pins_refused = 0
         self.pins_released = 0  # times every pin was ended so that a request could be admitted
+        self.bytes_per_token: dict[str, int] = {}  # per pool, set by whoever allocates the K/V (status only)
         self._requests: dict[str, RequestTables] = {}
         self.audits = 0
         self.violations = 0
@@ -391,6 +392,8 @@ class KVManager:
                 "target": pool.target,
                 "pending_release": pool.pending_release(),
             }
+            if pool.kind in self.bytes_per_token:
+                pools[pool.kind]["bytes_per_token"] = self.bytes_per_token[pool.kind]
             quarantined_total += len(q)
         return {
             "cache_type": self.resolved_cache_type,

@@ -5,6 +5,17 @@ sliding-window layers) and writing / gathering them by slot or page. A layer's t
 `[num_pages + 1, page_size, n_kv_heads, head_dim]` where page 0 is the NULL sentinel: zero-filled
 and never written. It does not decide which page belongs to whom (that is the KV core's page
 pool and manager) and it does not compute attention.
+
+The cache dtype (`--kv-cache-dtype`): `auto` stores K/V in the model's dtype, `bf16` in
+bfloat16, `int8` (CPU and CUDA; `q8_0` is accepted as its name) and `fp8_e4m3` (CUDA) in 8 bits
+with one float16 scale per block of 32 values of each (slot, head), as GGML's q8_0: quantized on
+write (scale = max |x| over the block / qmax), dequantized by attention as it gathers rows
+(attention/kv_read.py). The scale tensor `[pages + 1, P, n_kv, D / 32]` is attached to each
+layer's tensor as `.kv_scale`; page 0's scales stay zero, so NULL reads as zero either way.
+Scales per slot, not per page: a page is written a token at a time during decode, so a page
+scale would have to rescale rows already written whenever a larger value arrives; blocks of 32
+rather than one scale per head: on Gemma 3 270M one scale per head lost greedy agreement within
+two tokens on 2 of 6 prompts (docs/kv-cache.md).
 """
 
 from __future__ import annotations
@@ -12,6 +23,36 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from freetoken.config import KV_CACHE_DTYPES
+from freetoken.errors import ConfigError
+
+_QMAX = {torch.int8: 127.0}
+if hasattr(torch, "float8_e4m3fn"):
+    _QMAX[torch.float8_e4m3fn] = 448.0
+BLOCK = 32  # values per scale along head_dim (q8_0's block); the whole head when D is not a multiple
+SCALE_DTYPE = torch.float16
+SCALE_BYTES = 2
+
+
+def scale_blocks(head_dim: int) -> int:
+    """Scales per (slot, head): one per BLOCK values of head_dim."""
+    return head_dim // BLOCK if head_dim % BLOCK == 0 else 1
+
+
+def storage_dtype(cache_dtype: str, model_dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
+    """The dtype K/V are stored in for `--kv-cache-dtype`; ConfigError naming the flag."""
+    if cache_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {cache_dtype!r}")
+    if cache_dtype == "auto":
+        return model_dtype
+    if cache_dtype == "bf16":
+        return torch.bfloat16
+    if cache_dtype in ("int8", "q8_0"):
+        return torch.int8
+    if torch.device(device).type != "cuda" or not hasattr(torch, "float8_e4m3fn"):
+        raise ConfigError("--kv-cache-dtype fp8_e4m3 needs a CUDA device; use int8 on CPU")
+    return torch.float8_e4m3fn
 
 
 @dataclass(frozen=True)
@@ -39,6 +80,7 @@ class KVTensors:
         page_size: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        cache_dtype: str = "auto",
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -49,38 +91,75 @@ class KVTensors:
         self.page_size = page_size
         self.num_full_pages = full_pages
         self.num_swa_pages = swa_pages if config.has_swa else 0
-        self.dtype = dtype
         self.device = torch.device(device)
+        self.dtype = storage_dtype(cache_dtype, dtype, self.device)  # what the pages hold
+        self.quantized = self.dtype in _QMAX
         self.sliding = config.sliding
         self.k: list[torch.Tensor] = []  # per layer: [pages + 1, P, n_kv_heads, head_dim]
         self.v: list[torch.Tensor] = []
         for sliding in self.sliding:
             pages = self.num_swa_pages if sliding else self.num_full_pages
             shape = (pages + 1, page_size, config.num_kv_heads, config.head_dim)
-            self.k.append(torch.zeros(shape, dtype=dtype, device=self.device))
-            self.v.append(torch.zeros(shape, dtype=dtype, device=self.device))
+            self.k.append(self._zeros(shape))
+            self.v.append(self._zeros(shape))
+
+    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """A zero pool tensor of `shape`, with its zero scales when the cache is 8-bit."""
+        t = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.quantized:
+            blocks = scale_blocks(shape[3])
+            t.kv_scale = torch.zeros((*shape[:3], blocks), dtype=SCALE_DTYPE, device=self.device)  # type: ignore[attr-defined]
+        return t
+
+    def _quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, n_kv, D] -> (stored [T, n_kv, D], scale [T, n_kv, G]), G blocks of D."""
+        qmax = _QMAX[self.dtype]
+        t, n_kv, d = x.shape
+        g = scale_blocks(d)
+        xf = x.float().view(t, n_kv, g, d // g)  # [T, n_kv, G, D / G]
+        scale = (xf.abs().amax(dim=-1) / qmax).to(SCALE_DTYPE).clamp_min(1e-7)  # [T, n_kv, G], as stored
+        q = xf / scale.float().unsqueeze(-1)
+        if self.dtype == torch.int8:
+            q = q.round_().clamp_(-qmax, qmax)
+        return q.to(self.dtype).view(t, n_kv, d), scale
 
     @staticmethod
-    def bytes_per_page(config: KVLayout, page_size: int, dtype: torch.dtype, sliding: bool) -> int:
-        """Bytes one page of the SWA (`sliding`) or FULL pool takes over all layers of its kind."""
+    def bytes_per_page(
+        config: KVLayout, page_size: int, dtype: torch.dtype, sliding: bool, cache_dtype: str = "auto",
+        device: torch.device | str = "cpu",
+    ) -> int:
+        """Bytes one page of the SWA (`sliding`) or FULL pool takes over all layers of its kind
+        (`dtype` is the model's; an 8-bit cache adds its scales)."""
         layers = sum(1 for s in config.sliding if s == sliding)
-        element = torch.empty((), dtype=dtype).element_size()
-        return 2 * layers * page_size * config.num_kv_heads * config.head_dim * element
+        stored = storage_dtype(cache_dtype, dtype, device)
+        element = torch.empty((), dtype=stored).element_size()
+        per_head = config.head_dim * element + (SCALE_BYTES * scale_blocks(config.head_dim) if stored in _QMAX else 0)
+        return 2 * layers * page_size * config.num_kv_heads * per_head
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the K/V of T tokens: slots [T] int64 (>= page_size), k and v [T, n_kv_heads, head_dim]."""
-        k_flat = self.k[layer].view(-1, *self.k[layer].shape[2:])  # [(pages + 1) * P, n_kv, D]
-        v_flat = self.v[layer].view(-1, *self.v[layer].shape[2:])  # [(pages + 1) * P, n_kv, D]
-        k_flat.index_copy_(0, slots, k.to(self.dtype))
-        v_flat.index_copy_(0, slots, v.to(self.dtype))
+        for pool, x in ((self.k[layer], k), (self.v[layer], v)):
+            flat = pool.view(-1, *pool.shape[2:])  # [(pages + 1) * P, n_kv, D]
+            if self.quantized:
+                stored, scale = self._quantize(x)
+                flat.index_copy_(0, slots, stored)
+                pool.kv_scale.view(-1, *pool.kv_scale.shape[2:]).index_copy_(0, slots, scale)  # type: ignore[attr-defined]
+            else:
+                flat.index_copy_(0, slots, x.to(self.dtype))
 
     def gather(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the pages `pages` [B, C] -> each [B, C * P, n_kv_heads, head_dim]."""
         b, c = pages.shape
         idx = pages.long()
-        k = self.k[layer][idx]  # [B, C, P, n_kv, D]
-        v = self.v[layer][idx]  # [B, C, P, n_kv, D]
+        k = self._read(self.k[layer], idx)  # [B, C, P, n_kv, D]
+        v = self._read(self.v[layer], idx)  # [B, C, P, n_kv, D]
         return k.view(b, c * self.page_size, *k.shape[3:]), v.view(b, c * self.page_size, *v.shape[3:])
+
+    def _read(self, pool: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """pool[idx], dequantized to float32 when the cache is 8-bit."""
+        if not self.quantized:
+            return pool[idx]
+        return dequantize(pool[idx], pool.kv_scale[idx], torch.float32)  # type: ignore[attr-defined]
 
     def resize(self, sliding: bool, pages: int) -> None:
         """Give every layer of one pool (SWA when `sliding`) `pages` pages: pages 1..min(old,
@@ -92,11 +171,12 @@ class KVTensors:
                 continue
             for kv in (self.k, self.v):
                 old = kv[i]
-                if pages + 1 <= old.shape[0]:
-                    kv[i] = old[: pages + 1].clone()  # a copy, so the old memory is freed
-                else:
-                    extra = torch.zeros((pages + 1 - old.shape[0], *old.shape[1:]), dtype=old.dtype, device=old.device)
-                    kv[i] = torch.cat([old, extra])
+                new = self._zeros((pages + 1, *old.shape[1:]))  # the old memory is freed with `old`
+                keep = min(pages + 1, old.shape[0])
+                new[:keep] = old[:keep]
+                if self.quantized:
+                    new.kv_scale[:keep] = old.kv_scale[:keep]  # type: ignore[attr-defined]
+                kv[i] = new
         if sliding:
             self.num_swa_pages = pages
         else:
