@@ -18,8 +18,8 @@ from freetoken.kv.tensors import KVTensors
 from freetoken.models.config import ModelConfig
 from freetoken.models.linear import Weight
 from freetoken.models.layers import (
-    GatedMLP, RMSNorm, Rotary, apply_rope, embedding, linear, load_named, output_logits, paged_self_attention,
-    qkv_linear, residual, split_qkv, strip_prefix,
+    GatedMLP, RMSNorm, Rotary, attention_inputs, embedding, linear, load_named, output_logits, paged_self_attention,
+    qkv_linear, residual, strip_prefix,
 )
 
 # Tensors of the multimodal checkpoint that the text model does not use.
@@ -46,9 +46,8 @@ class Gemma3Attention(nn.Module):
     ) -> torch.Tensor:
         c = self.config
         T = x.shape[0]
-        q, k, v = split_qkv(self.qkv_proj(x), c)  # [T, H, D], [T, n_kv, D], [T, n_kv, D]
-        q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        qkv = self.qkv_proj(x)  # [T, (H + 2 n_kv) D]
+        q, k, v = attention_inputs(qkv, c, cos, sin, self.q_norm, self.k_norm)  # [T, H, D], [T, n_kv, D] x 2
         out = paged_self_attention(q, k, v, layer, c, batch, kv)  # [T, H, D]
         return self.o_proj(out.reshape(T, c.num_heads * c.head_dim))  # [T, hidden]
 

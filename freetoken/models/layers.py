@@ -21,7 +21,7 @@ from freetoken.errors import ModelLoadError
 from freetoken.kv.tensors import KVTensors
 from freetoken.models.config import ModelConfig, RopeConfig
 from freetoken.models.linear import Embedding, Linear, QuantizableWeight, Weight, apply_policy, check_policy
-from freetoken.ops.layers import add_rms_norm, gated_act, rms_norm, rope_
+from freetoken.ops.layers import add_rms_norm, gated_act, qk_norm_rope_, rms_norm, rope_
 from freetoken.ops.quantized import QuantizedWeight, concat, dequantize
 
 
@@ -213,6 +213,37 @@ def split_qkv(qkv: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, tor
     T = qkv.shape[0]
     q, k, v = qkv.split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim], dim=-1)
     return q.view(T, c.num_heads, c.head_dim), k.view(T, c.num_kv_heads, c.head_dim), v.view(T, c.num_kv_heads, c.head_dim)
+
+
+def attention_inputs(
+    qkv: torch.Tensor, config: ModelConfig, cos: torch.Tensor, sin: torch.Tensor,
+    q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused projection [T, (H + 2 n_kv) D] -> q [T, H, D], k, v [T, n_kv, D], with the query
+    and key heads normed (Gemma's q/k norms, when given) and rotated: one op on CPU."""
+    c = config
+    norm = q_norm or k_norm
+    dtype = compute_dtype(qkv.dtype)
+    qw = q_norm._float_weight(dtype) if q_norm is not None else None
+    kw = k_norm._float_weight(dtype) if k_norm is not None else None
+    fused = qkv_fusable(q_norm, k_norm) and qk_norm_rope_(
+        qkv, c.num_heads, c.num_kv_heads, qw, kw, norm.eps if norm else 0.0, norm.after_cast if norm else False, cos, sin,
+    )
+    q, k, v = split_qkv(qkv, c)
+    if not fused:
+        if q_norm is not None:
+            q = q_norm(q)
+        if k_norm is not None:
+            k = k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    return q, k, v
+
+
+def qkv_fusable(q_norm: RMSNorm | None, k_norm: RMSNorm | None) -> bool:
+    """Whether both norms (those given) share eps and form, as the fused op assumes."""
+    if q_norm is None or k_norm is None:
+        return True
+    return q_norm.eps == k_norm.eps and q_norm.after_cast == k_norm.after_cast
 
 
 def paged_self_attention(

@@ -16,8 +16,8 @@ from freetoken.kv.tensors import KVTensors
 from freetoken.models.config import ModelConfig
 from freetoken.models.linear import Weight
 from freetoken.models.layers import (
-    GatedMLP, RMSNorm, Rotary, apply_rope, embedding, linear, load_named, output_logits, paged_self_attention,
-    qkv_linear, residual, split_qkv, strip_prefix,
+    GatedMLP, RMSNorm, Rotary, attention_inputs, embedding, linear, load_named, output_logits, paged_self_attention,
+    qkv_linear, residual, strip_prefix,
 )
 
 
@@ -34,8 +34,7 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         c = self.config
         T = x.shape[0]
-        q, k, v = split_qkv(self.qkv_proj(x), c)  # [T, H, D], [T, n_kv, D], [T, n_kv, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = attention_inputs(self.qkv_proj(x), c, cos, sin)  # [T, H, D], [T, n_kv, D], [T, n_kv, D]
         out = paged_self_attention(q, k, v, layer, c, batch, kv)  # [T, H, D]
         return self.o_proj(out.reshape(T, c.num_heads * c.head_dim))  # [T, hidden]
 

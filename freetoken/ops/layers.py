@@ -10,6 +10,8 @@ float64 inputs) and round once to the input dtype:
 - `add_rms_norm(x, h, h_weight, weight, eps)`: the residual step between sub-blocks, x + norm(h)
   (or x + h) rounded as torch rounds each term, then the norm of the sum for the next sub-block.
 - `gated_act(gate_up, act)`: act(gate) * up, the activation rounded before the product.
+- `qk_norm_rope_(qkv, ...)`: a layer's query and key heads normed (optionally) and rotated in place
+  in its fused projection output, the rounding of `rms_norm` then `rope_`.
 
 transformers rounds the rotary tables to bfloat16 before multiplying in a bfloat16 model; here
 the rotation is done in float32 and rounded once (a little closer to the float32 model). No
@@ -94,3 +96,15 @@ def gated_act(gate_up: torch.Tensor, act: str) -> torch.Tensor:
         return _KERNEL.gated_act(gate_up, act)  # type: ignore[union-attr]
     gate, up = gate_up.chunk(2, dim=-1)
     return _TORCH_ACTS[act](gate) * up
+
+
+def qk_norm_rope_(
+    qkv: torch.Tensor, heads: int, kv_heads: int, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+    eps: float, weight_after_cast: bool, cos: torch.Tensor, sin: torch.Tensor,
+) -> bool:
+    """Norm (where a weight is given) and rotate the query and key heads of qkv [T, (H + 2 n_kv) D]
+    in place; False (nothing done) where only the caller's unfused path can run."""
+    if not (_fast(qkv) and qkv.dim() == 2 and all(w is None or w.dtype == torch.float32 for w in (q_weight, k_weight))):
+        return False
+    _KERNEL.qk_norm_rope_(qkv, heads, kv_heads, q_weight, k_weight, eps, weight_after_cast, cos, sin)  # type: ignore[union-attr]
+    return True

@@ -218,6 +218,55 @@ at::Tensor gated_act(const at::Tensor& gate_up, const std::string& act) {
   return out;
 }
 
+// The attention input of a layer, in place on its fused projection qkv [T, (H + 2 n_kv) D] (rows
+// strided, the last dimension contiguous): each of the H query heads and n_kv key heads RMS-normed
+// by its weight when given (q_w, k_w float32 [D]; the form of `rms_norm`), rounded, then rotated
+// like `rope_` by cos, sin float32 [T, D / 2]. One call for what is two to four.
+void qk_norm_rope_(at::Tensor qkv, int64_t H, int64_t n_kv, const c10::optional<at::Tensor>& q_w,
+                   const c10::optional<at::Tensor>& k_w, double eps, bool weight_after_cast,
+                   const at::Tensor& cos, const at::Tensor& sin) {
+  check_rows(qkv, "qk_norm_rope_");
+  TORCH_CHECK(qkv.dim() == 2, "qk_norm_rope_: expected qkv [T, (H + 2 n_kv) D]");
+  const int64_t T = qkv.size(0), heads = H + n_kv;
+  TORCH_CHECK(H > 0 && n_kv > 0 && qkv.size(1) % (H + 2 * n_kv) == 0, "qk_norm_rope_: width is not (H + 2 n_kv) D");
+  const int64_t D = qkv.size(1) / (H + 2 * n_kv), half = D / 2;
+  TORCH_CHECK(D % 2 == 0, "qk_norm_rope_: head_dim must be even");
+  for (const c10::optional<at::Tensor>* w : {&q_w, &k_w}) {
+    TORCH_CHECK(!w->has_value() || ((*w)->scalar_type() == at::kFloat && (*w)->is_contiguous() && (*w)->numel() == D),
+                "qk_norm_rope_: norm weights must be float32 [D]");
+  }
+  for (const at::Tensor* t : {&cos, &sin}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == T &&
+                    t->size(1) == half,
+                "qk_norm_rope_: cos and sin must be float32 [T, D / 2]");
+  }
+  const float* qw = q_w.has_value() ? q_w->data_ptr<float>() : nullptr;
+  const float* kw = k_w.has_value() ? k_w->data_ptr<float>() : nullptr;
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  const int64_t stride = qkv.stride(0);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, qkv.scalar_type(), "qk_norm_rope_", [&] {
+    using T_ = scalar_t;
+    T_* base = qkv.data_ptr<T_>();
+    at::parallel_for(0, T * heads, kGrainRows, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const int64_t t = r / heads, h = r % heads;
+        T_* v = base + t * stride + h * D;
+        const float* w = h < H ? qw : kw;
+        if (w) norm_row<T_>(v, w, row_inv_rms<T_>(v, D, e), D, weight_after_cast, v);
+        const float* c = cp + t * half;
+        const float* s = sp + t * half;
+        for (int64_t j = 0; j < half; ++j) {
+          const float a = static_cast<float>(v[j]), b = static_cast<float>(v[j + half]);
+          v[j] = T_(a * c[j] - b * s[j]);
+          v[j + half] = T_(b * c[j] + a * s[j]);
+        }
+      }
+    });
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -228,4 +277,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "x + norm(h) (or x + h), then norm of the sum", py::arg("x"), py::arg("h"),
         py::arg("h_weight"), py::arg("weight"), py::arg("eps"), py::arg("weight_after_cast"));
   m.def("gated_act", &gated_act, "act(gate) * up", py::arg("gate_up"), py::arg("act"));
+  m.def("qk_norm_rope_", &qk_norm_rope_, "q/k head norms and rope in place on the fused projection", py::arg("qkv"),
+        py::arg("heads"), py::arg("kv_heads"), py::arg("q_weight"), py::arg("k_weight"), py::arg("eps"),
+        py::arg("weight_after_cast"), py::arg("cos"), py::arg("sin"));
 }

@@ -106,3 +106,24 @@ def test_gated_act_matches_torch(dtype: torch.dtype, act: str) -> None:
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     if dtype == torch.bfloat16:
         assert (got != want).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("norms", [False, True])
+def test_qk_norm_rope_equals_norms_then_rope(dtype: torch.dtype, norms: bool) -> None:
+    """In place on the fused projection, bit for bit the unfused norms and rope; v untouched."""
+    torch.manual_seed(5)
+    T, H, n_kv, D = 3, 4, 2, 64
+    qkv = (torch.randn(T, (H + 2 * n_kv) * D) * 2).to(dtype)
+    wq, wk = torch.randn(D).to(dtype).float(), torch.randn(D).to(dtype).float()
+    cos, sin = torch.randn(T, D // 2), torch.randn(T, D // 2)
+    q, k = qkv[:, : H * D].reshape(T, H, D), qkv[:, H * D : (H + n_kv) * D].reshape(T, n_kv, D)
+    if norms:
+        q, k = layers.rms_norm(q, wq, 1e-6), layers.rms_norm(k, wk, 1e-6)
+    want_q, want_k = layers.rope_(q.clone(), cos, sin), layers.rope_(k.clone(), cos, sin)
+    want_v = qkv[:, (H + n_kv) * D :].clone()
+    got = qkv.clone()
+    assert layers.qk_norm_rope_(got, H, n_kv, wq if norms else None, wk if norms else None, 1e-6, False, cos, sin)
+    assert torch.equal(got[:, : H * D].view(T, H, D), want_q)
+    assert torch.equal(got[:, H * D : (H + n_kv) * D].view(T, n_kv, D), want_k)
+    assert torch.equal(got[:, (H + n_kv) * D :], want_v)
