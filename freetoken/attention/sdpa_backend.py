@@ -89,22 +89,64 @@ def paged_attention(
         return _decode(q, k, v, visible, scale)
     unpadded = T == B * Lq  # every request has Lq new tokens (all decodes, or one prefill)
     if B == 1 and Lq >= 2 * QUERY_BLOCK:  # one long prefill chunk: attend block by block
-        blocks = batch.memo.get(key + ("blocks",))
-        if blocks is None:
-            blocks = batch.memo[key + ("blocks",)] = _query_blocks(visible)
+        blocks = _memo_blocks(key + ("blocks",), visible, batch.memo)
         return _blocked(q.view(1, Lq, H, D).transpose(1, 2), k, v, visible, blocks, scale, H > n_kv).view(T, H, D)
-    if unpadded:
-        q_pad = q.view(B, Lq, H, D)
-    else:
-        q_pad = q.new_zeros(B, Lq, H, D)
-        q_pad[batch.token_request, batch.token_offset] = q
+    if not unpadded:  # decode rows beside prefill chunks: padding every request to Lq would waste most of it
+        split = batch.memo.get(("split",))
+        if split is None:
+            split = batch.memo[("split",)] = _Split.of(batch)
+        return _mixed(q, k, v, k_pages, v_pages, flat.view(B, S), visible, split, scale, key, batch.memo)
     out = F.scaled_dot_product_attention(
-        q_pad.transpose(1, 2), k, v, attn_mask=visible, scale=scale, enable_gqa=H > n_kv,
+        q.view(B, Lq, H, D).transpose(1, 2), k, v, attn_mask=visible, scale=scale, enable_gqa=H > n_kv,
     )  # [B, H, Lq, D]
-    out = out.transpose(1, 2)  # [B, Lq, H, D]
-    if unpadded:
-        return out.reshape(T, H, D)
-    return out[batch.token_request, batch.token_offset]  # [T, H, D]
+    return out.transpose(1, 2).reshape(T, H, D)
+
+
+class _Split:
+    """A mixed batch's requests by kind: decode rows (one query) and prefill chunks."""
+
+    def __init__(self, starts: list[int], decode: list[int], chunks: list[int]) -> None:
+        self.starts, self.decode, self.chunks = starts, decode, chunks
+        self.decode_idx = torch.tensor(decode, dtype=torch.long)
+        self.decode_tok = torch.tensor([starts[b] for b in decode], dtype=torch.long)
+
+    @staticmethod
+    def of(batch: ForwardBatch) -> _Split:
+        starts = batch.query_start.tolist()
+        lens = [starts[b + 1] - starts[b] for b in range(batch.num_requests)]
+        return _Split(starts, [b for b, n in enumerate(lens) if n == 1], [b for b, n in enumerate(lens) if n > 1])
+
+
+def _mixed(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+    slots: torch.Tensor, visible: torch.Tensor, split: _Split, scale: float, key: tuple, memo: dict,
+) -> torch.Tensor:
+    """q [T, H, D]; k, v [B, n_kv, S, D] gathered; slots [B, S]; visible [B, 1, Lq, S] -> [T, H, D].
+    The decode rows go to the decode op (or the matmuls) together, each prefill chunk to SDPA on
+    its own rows and keys (block by block when long)."""
+    T, H, D = q.shape
+    gqa = H > k.shape[1]
+    out = q.new_empty(T, H, D)
+    device = q.device
+    if split.decode:
+        idx, tok = split.decode_idx.to(device), split.decode_tok.to(device)
+        qd = q.index_select(0, tok)  # [Bd, H, D]
+        od = decode_attention(qd, k_pages, v_pages, slots.index_select(0, idx), visible[:, 0, 0].index_select(0, idx), scale)
+        if od is None:
+            od = _decode(qd, k.index_select(0, idx), v.index_select(0, idx), visible.index_select(0, idx)[:, :, :1], scale)
+        out.index_copy_(0, tok, od)
+    for b in split.chunks:
+        s, e = split.starts[b], split.starts[b + 1]
+        L = e - s
+        qb = q[s:e].view(1, L, H, D).transpose(1, 2)  # [1, H, L, D]
+        vis = visible[b : b + 1, :, :L]  # [1, 1, L, S]
+        if L >= 2 * QUERY_BLOCK:
+            blocks = _memo_blocks(key + ("blocks", b), vis, memo)
+            out[s:e] = _blocked(qb, k[b : b + 1], v[b : b + 1], vis, blocks, scale, gqa)[0]
+        else:
+            ob = F.scaled_dot_product_attention(qb, k[b : b + 1], v[b : b + 1], attn_mask=vis, scale=scale, enable_gqa=gqa)
+            out[s:e] = ob[0].transpose(0, 1)
+    return out
 
 
 # Queries per block of a long single-request chunk: each block reads only the keys its rows can see
@@ -125,6 +167,14 @@ def _query_blocks(visible: torch.Tensor) -> list[tuple[int, int, int, int]]:
         k0, k1 = (int(cols[0]), int(cols[-1]) + 1) if cols.numel() else (0, S)
         blocks.append((q0, q1, k0, k1))
     return blocks
+
+
+def _memo_blocks(key: tuple, visible: torch.Tensor, memo: dict) -> list[tuple[int, int, int, int]]:
+    """`_query_blocks(visible)`, made once per step for every layer of a kind."""
+    blocks = memo.get(key)
+    if blocks is None:
+        blocks = memo[key] = _query_blocks(visible)
+    return blocks  # type: ignore[return-value]
 
 
 def _blocked(

@@ -15,7 +15,7 @@ from freetoken.errors import ConfigError
 D = 8
 
 
-def _case(seed: int, P: int, n_heads: int, n_kv: int, window: int | None, shapes, pass_window: bool):
+def _case(seed: int, P: int, n_heads: int, n_kv: int, window: int | None, shapes, pass_window: bool, D: int = D):
     """Random pools, tables and queries for requests of (cached, new) tokens; tails of last pages are NaN."""
     g = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
@@ -111,3 +111,18 @@ def test_long_chunks_attend_block_by_block(window: int | None, shapes) -> None:
     read = sum((q1 - q0) * (k1 - k0) for q0, q1, k0, k1 in blocks)
     S = batch.memo[next(k for k in batch.memo if k[-1] != "blocks")][2]
     assert read < batch.max_query_len * S * (0.6 if window else 0.8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 100])
+def test_mixed_batches_split_by_kind(dtype: torch.dtype, window: int | None) -> None:
+    """Decode rows beside short and long prefill chunks: the decode rows together (the decode op in
+    float32 / bfloat16), each chunk on its own keys, as the reference computes the whole batch."""
+    shapes = [(11, 1), (0, 600), (6, 7), (300, 1), (40, 30)]
+    q, k_pages, v_pages, table, batch = _case(13, 16, 4, 2, window, shapes, True, D=16)  # the decode op takes D % 16 == 0
+    q, k_pages, v_pages = (t.to(dtype) for t in (q, k_pages, v_pages))
+    got = sdpa_backend.paged_attention(q, k_pages, v_pages, table, batch, 0.3, window)
+    want = torch_backend.paged_attention(q, k_pages, v_pages, table, batch, 0.3, window)
+    assert got.dtype == dtype and torch.isfinite(got).all()
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 3e-2}[dtype]
+    torch.testing.assert_close(got.double(), want.double(), atol=tol, rtol=tol)
