@@ -370,8 +370,27 @@ class EngineClient:
                 future.set_exception(EngineUnavailable(why))
 
     async def _receive(self, pull: zmq.asyncio.Socket) -> None:
-        while True:
-            self._dispatch(await pull.recv())
+        """Dispatch every message as it arrives, until cancelled. The socket's FD is watched
+        directly and drained with non-blocking receives: zmq.asyncio's awaitable recv costs a
+        future and two epoll registrations per message, and a token stream is a message a token."""
+        sync = zmq.Socket.shadow(pull.underlying)
+        loop = asyncio.get_running_loop()
+        fd = sync.getsockopt(zmq.FD)
+
+        def drain() -> None:  # the FD is edge-triggered: read until EVENTS shows nothing left
+            while sync.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                try:
+                    data = sync.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._dispatch(data)
+
+        loop.add_reader(fd, drain)
+        try:
+            drain()  # messages queued before the reader was added raise no edge
+            await loop.create_future()  # until cancelled
+        finally:
+            loop.remove_reader(fd)
 
     def _dispatch(self, data: bytes) -> None:
         try:
@@ -390,6 +409,7 @@ class EngineClient:
             if future is not None and not future.done():
                 future.set_result(msg.status)
         elif isinstance(msg, Ready):
+            self.heartbeat.ready(asyncio.get_running_loop().time())
             self.info = msg
             log.info("engine process %d ready: %s (%s), context %d", msg.pid, msg.model_name, msg.architecture, msg.context_length)
             self._set_state("ready", None)
