@@ -87,8 +87,9 @@ class HeartbeatSender:
 
 
 class HeartbeatWatch:
-    """The API side of one engine incarnation. The deadline counts only from the first beat of a
-    serving engine: the interpreter's start (importing torch) sends none, and the model load
+    """The API side of one engine incarnation. The deadline counts from the engine's Ready (an
+    engine that freezes before its first serving beat is judged too), then from each serving
+    beat; never before: the interpreter's start (importing torch) sends none, and the model load
     holds the GIL in long C calls (gaps of ~8 s were measured loading Gemma 3 270M on a busy
     2-core machine; a large model's would be longer). A process that dies meanwhile is seen by
     the supervisor; loading beats are kept only for the logs."""
@@ -115,6 +116,11 @@ class HeartbeatWatch:
             )
         elif beat.step_running_s < self._long_step_logged:
             self._long_step_logged = 0.0
+
+    def ready(self, now: float) -> None:
+        """The engine said Ready: from now on its beats are due."""
+        if self.last_at is None:
+            self.last_at = now
 
     def silence_s(self, now: float) -> float | None:
         """Seconds since the last beat; None before the first one."""

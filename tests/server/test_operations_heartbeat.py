@@ -1,5 +1,5 @@
-"""The heartbeat judgement without processes: the deadline counts only between beats of a
-serving engine (never during the model load), a long-running step keeps an engine alive as long
+"""The heartbeat judgement without processes: the deadline counts from Ready and between beats
+of a serving engine (never during the model load), a long-running step keeps an engine alive as long
 as its beats come, and the longest gap is kept for /metrics."""
 
 from __future__ import annotations
@@ -19,6 +19,16 @@ def test_loading_beats_start_no_deadline() -> None:
     watch.saw(beat("serving"), now=1000.0)
     assert not watch.overdue(now=1004.0)
     assert watch.overdue(now=1005.5)
+
+
+def test_the_deadline_starts_at_ready_even_without_a_serving_beat() -> None:
+    watch = HeartbeatWatch(timeout_s=5.0)
+    watch.saw(beat("loading"), now=0.0)
+    watch.ready(now=10.0)  # then frozen before its first serving beat
+    assert not watch.overdue(now=14.0) and watch.overdue(now=15.5)
+    watch.saw(beat("serving"), now=15.0)
+    watch.ready(now=99.0)  # a late Ready does not move the clock
+    assert watch.silence_s(16.0) == 1.0
 
 
 def test_a_long_step_with_beats_is_alive_and_gaps_are_kept() -> None:
