@@ -26,6 +26,7 @@ import torch
 
 from freetoken.config import KV_CACHE_DTYPES
 from freetoken.errors import ConfigError
+from freetoken.ops.attention import write_kv
 
 _QMAX = {torch.int8: 127.0}
 if hasattr(torch, "float8_e4m3fn"):
@@ -138,6 +139,8 @@ class KVTensors:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the K/V of T tokens: slots [T] int64 (>= page_size), k and v [T, n_kv_heads, head_dim]."""
+        if not self.quantized and write_kv(self.k[layer], self.v[layer], slots, k, v):
+            return  # both pools in one C++ call (a float cache of k's dtype on CPU)
         for pool, x in ((self.k[layer], k), (self.v[layer], v)):
             flat = pool.view(-1, *pool.shape[2:])  # [(pages + 1) * P, n_kv, D]
             if self.quantized:

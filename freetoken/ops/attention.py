@@ -1,5 +1,6 @@
-"""Decode attention over a paged KV cache as one op: the C++ kernel of csrc/attention.cpp on an
-AVX-512 CPU, `None` (the caller's torch path) everywhere else.
+"""Decode attention over a paged KV cache as one op, and a step's K/V rows written into the pools
+as one: the C++ code of csrc/attention.cpp on an AVX-512 CPU; elsewhere `None` / False, and the
+caller takes its torch path.
 
 Owns the choice. The kernel takes each request's key slots and their visibility as the SDPA
 backend plans them (built once per step and layer kind) and reads only the visible K/V rows in
@@ -52,3 +53,20 @@ def decode_attention(
     ):
         return None
     return _KERNEL.decode_attention(q, k_cache, v_cache, slots, visible, scale)
+
+
+def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """k_pool[slots] = k and v_pool[slots] = v (pools [..., n_kv, D], k and v [T, n_kv, D] of the
+    pools' dtype) in one call; False (nothing written) where only the torch path can."""
+    if (
+        _KERNEL is None
+        or k_pool.device.type != "cpu"
+        or not (k.dtype == v.dtype == k_pool.dtype == v_pool.dtype)
+        or k.dim() != 3
+        or k.stride(-1) != 1 or v.stride(-1) != 1
+        or k.stride(1) != k.shape[2] or v.stride(1) != v.shape[2]
+        or not (k_pool.is_contiguous() and v_pool.is_contiguous())
+    ):
+        return False
+    _KERNEL.write_kv_(k_pool, v_pool, slots, k, v)
+    return True

@@ -1,4 +1,5 @@
-// Decode attention over a paged KV cache: one query token per request, in one call.
+// Decode attention over a paged KV cache: one query token per request, in one call; and the
+// step's K/V rows written into the pools, one call for both.
 //
 // Owns the arithmetic only; freetoken/ops/attention.py decides when it runs (CPU, bfloat16 or
 // float32 with K/V of the same dtype, head_dim a multiple of 16, an AVX-512 CPU) and falls back to
@@ -185,6 +186,36 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   return out;
 }
 
+// k_pool[slots[t]] = k[t] and v_pool[slots[t]] = v[t] for the T tokens of a step. Pools [..., n_kv, D]
+// contiguous; k, v [T, n_kv, D] of the pools' dtype with each token's heads packed (row stride
+// free: views of the fused projection output); slots int64 [T], each a row of the pools.
+void write_kv_(at::Tensor k_pool, at::Tensor v_pool, const at::Tensor& slots, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.sizes() == v_pool.sizes(),
+              "write_kv_: pools must be contiguous and of one shape");
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.scalar_type() == k_pool.scalar_type() &&
+                  v.scalar_type() == k_pool.scalar_type() && v_pool.scalar_type() == k_pool.scalar_type(),
+              "write_kv_: k and v must be [T, n_kv, D] of the pools' dtype");
+  const int64_t T = k.size(0), n_kv = k.size(1), D = k.size(2), row = n_kv * D;
+  TORCH_CHECK(k_pool.size(-2) == n_kv && k_pool.size(-1) == D, "write_kv_: k and v do not match the pools' heads");
+  for (const at::Tensor* x : {&k, &v})
+    TORCH_CHECK(x->stride(2) == 1 && x->stride(1) == D, "write_kv_: each token's heads must be packed");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.dim() == 1 && slots.size(0) == T,
+              "write_kv_: slots must be int64 [T]");
+  const int64_t rows = k_pool.numel() / row;
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const size_t elt = k.element_size(), bytes = size_t(row) * elt;
+  auto* kd = static_cast<char*>(k_pool.data_ptr());
+  auto* vd = static_cast<char*>(v_pool.data_ptr());
+  const auto* ks = static_cast<const char*>(k.data_ptr());
+  const auto* vs = static_cast<const char*>(v.data_ptr());
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t slot = sp[t];
+    TORCH_CHECK(slot >= 0 && slot < rows, "write_kv_: slot ", slot, " is outside the pool (", rows, " rows)");
+    std::memcpy(kd + size_t(slot) * bytes, ks + size_t(t * k.stride(0)) * elt, bytes);
+    std::memcpy(vd + size_t(slot) * bytes, vs + size_t(t * v.stride(0)) * elt, bytes);
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -192,4 +223,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supported", &cpu_supported, "whether this CPU has AVX-512 F/BW/VL and FMA");
   m.def("decode_attention", &decode_attention, "one query per request over its visible key slots",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("visible"), py::arg("scale"));
+  m.def("write_kv_", &write_kv_, "a step's K/V rows into the pools", py::arg("k_pool"), py::arg("v_pool"),
+        py::arg("slots"), py::arg("k"), py::arg("v"));
 }

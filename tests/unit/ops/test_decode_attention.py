@@ -71,3 +71,20 @@ def test_tensors_it_cannot_take_fall_back() -> None:
     assert attention.decode_attention(q, k_cache.bfloat16(), v_cache.bfloat16(), slots, visible, 1.0) is None
     odd = torch.randn(1, 2, 24)
     assert attention.decode_attention(odd, torch.randn(4, 1, 24), torch.randn(4, 1, 24), slots[:, :2], visible[:, :2], 1.0) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_write_kv_stores_rows_like_index_copy(dtype: torch.dtype) -> None:
+    """Strided k / v views of a fused projection land in the slots given, nothing else changes;
+    a slot outside the pool is refused before anything is written past it."""
+    g = torch.Generator().manual_seed(2)
+    pools = [torch.randn(9, 4, 2, 32, generator=g).to(dtype) for _ in range(2)]
+    qkv = torch.randn(3, 6 * 64, generator=g).to(dtype)
+    k, v = qkv[:, 128:192].view(3, 2, 32), qkv[:, 192:256].view(3, 2, 32)
+    slots = torch.tensor([5, 17, 30])
+    want = [p.clone().view(-1, 2, 32).index_copy_(0, slots, x) for p, x in zip(pools, (k, v))]
+    assert attention.write_kv(pools[0], pools[1], slots, k, v)
+    assert torch.equal(pools[0].view(-1, 2, 32), want[0]) and torch.equal(pools[1].view(-1, 2, 32), want[1])
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        attention.write_kv(pools[0], pools[1], torch.tensor([1, 2, 36]), k, v)
+    assert not attention.write_kv(pools[0], pools[1], slots, k.float() if dtype == torch.bfloat16 else k.double(), v)
