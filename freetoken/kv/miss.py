@@ -1,7 +1,7 @@
 """Why a prompt's prefix-cache hit stopped where it did (the cache report's miss reason).
 
 Owns `CacheMiss` (tokens the tree matched, the reason) and `EvictedPaths`, a bounded record of
-the page paths full eviction removed, so that "the tree once held the next page" can be told
+the page paths the tree dropped, so that "the tree once held the next page" can be told
 from "no cached path goes further". It reads the radix tree and changes nothing in it: no count,
 no node, no access stamp. Reasons, in the order they are decided:
 
@@ -10,7 +10,7 @@ no node, no access stamp. Reasons, in the order they are decided:
 - `window_evicted`: the tree holds more whole pages of the prompt, but the sliding window
   before every longer prefix has a tombstone;
 - `evicted`: the tree's path ends at the hit and the next page of the prompt was in the tree
-  until full eviction removed it;
+  until full eviction, a pool shrink or a quarantine removed it;
 - `diverged_at_token N`: no cached path goes further; token N of the prompt is the first that
   no cached path holds.
 """
