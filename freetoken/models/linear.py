@@ -97,9 +97,26 @@ class QuantizableWeight(nn.Module):
         """x [T, in] -> x W^T (+ bias) [T, out]."""
         if self.packed is not None:
             if self.dense is not None and x.shape[0] >= PREFILL_ROWS:
-                return F.linear(x, self.dense, bias)
+                return dense_linear(x, self.dense, bias)
             return qlinear(x, self.packed, bias)
-        return F.linear(x, self.weight, bias)
+        return dense_linear(x, self.weight, bias)
+
+
+# Prefill row counts are rounded up to a multiple of this for the dense GEMM on CPU: oneDNN keeps
+# a primitive (and its memory) per shape it has seen, so every distinct chunk length grew the
+# engine's RSS (+356 MiB over the hour-long soak); rounded, the shapes are few and reused.
+ROW_BUCKET = 32
+
+
+def dense_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, w, bias), with x's rows padded to a multiple of ROW_BUCKET on CPU from
+    PREFILL_ROWS rows on (the padding rows are dropped: y is x's rows only)."""
+    rows = x.shape[0]
+    if x.device.type != "cpu" or x.dim() != 2 or rows < PREFILL_ROWS or rows % ROW_BUCKET == 0:
+        return F.linear(x, w, bias)
+    padded = x.new_zeros(-(-rows // ROW_BUCKET) * ROW_BUCKET, x.shape[1])
+    padded[:rows] = x
+    return F.linear(padded, w, bias)[:rows]
 
 
 class Linear(QuantizableWeight):

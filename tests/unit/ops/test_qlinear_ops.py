@@ -171,3 +171,27 @@ def test_a_missing_extension_means_the_torch_fallback_and_one_log_line() -> None
     assert done.returncode == 0, done.stderr
     lines = [ln for ln in done.stderr.splitlines() if ln.startswith("freetoken.ops")]
     assert len(lines) == 1 and "torch fallback" in lines[0], done.stderr
+
+
+def test_dense_prefill_rows_are_padded_to_a_bucket() -> None:
+    """Prefill-sized GEMMs see row counts in multiples of ROW_BUCKET only (oneDNN keeps memory per
+    shape: unbounded chunk lengths grew RSS), and the result is x's rows."""
+    from freetoken.models import linear as lin
+
+    seen: list[int] = []
+    real = lin.F.linear
+
+    def spy(x, w, b=None):  # type: ignore[no-untyped-def]
+        seen.append(x.shape[0])
+        return real(x, w, b)
+
+    torch.manual_seed(0)
+    w, b = torch.randn(48, 32, dtype=torch.float64), torch.randn(48, dtype=torch.float64)
+    lin.F.linear = spy
+    try:
+        for rows in (8, 64, 65, 100, 128):
+            x = torch.randn(rows, 32, dtype=torch.float64)
+            torch.testing.assert_close(lin.dense_linear(x, w, b), x @ w.T + b)
+    finally:
+        lin.F.linear = real
+    assert seen == [8, 64, 96, 128, 128]
