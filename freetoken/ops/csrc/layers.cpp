@@ -1,6 +1,6 @@
 // The small per-layer ops of a decode step, each one call instead of two to ten torch ops:
-// RMSNorm (computed in float32, as transformers does), rotary embedding applied in place, the
-// residual add fused with the norms around it, and the gated activation of the MLP.
+// RMSNorm (computed in float32, as transformers does), rotary embedding applied in place, q/k
+// norms with rope, and the residual add fused with the norms around it.
 //
 // Owns the arithmetic only; freetoken/ops/layers.py chooses between these and the torch
 // reference (float64, other devices) and documents the rounding. Rows (every dimension but the
@@ -182,42 +182,6 @@ std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& h, c
   return {x_out};
 }
 
-// act(gate) * up for gate_up [T, 2 I] (gate columns first), as torch rounds it: the activation
-// rounded to the dtype, then the product. act: "silu" or "gelu_tanh". Returns [T, I].
-at::Tensor gated_act(const at::Tensor& gate_up, const std::string& act) {
-  check_rows(gate_up, "gated_act");
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
-              "gated_act: expected contiguous [T, 2 I]");
-  TORCH_CHECK(act == "silu" || act == "gelu_tanh", "gated_act: act must be silu or gelu_tanh");
-  const bool silu = act == "silu";
-  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
-  at::Tensor out = at::empty({T, I}, gate_up.options());
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gate_up.scalar_type(), "gated_act", [&] {
-    using T_ = scalar_t;
-    const T_* g = gate_up.data_ptr<T_>();
-    T_* o = out.data_ptr<T_>();
-    at::parallel_for(0, T, kGrainRows, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const T_* gr = g + r * 2 * I;
-        const T_* ur = gr + I;
-        for (int64_t i = 0; i < I; ++i) {
-          const float a = static_cast<float>(gr[i]);
-          float y;
-          if (silu) {
-            y = a / (1.f + std::exp(-a));
-          } else {
-            const float cube = a * a * a;  // torch's order of operations
-            const float inner = 0.7978845608028654f * (a + 0.044715f * cube);  // sqrt(2 / pi)
-            y = 0.5f * a * (1.f + std::tanh(inner));
-          }
-          o[r * I + i] = T_(static_cast<float>(T_(y)) * static_cast<float>(ur[i]));
-        }
-      }
-    });
-  });
-  return out;
-}
-
 // The attention input of a layer, in place on its fused projection qkv [T, (H + 2 n_kv) D] (rows
 // strided, the last dimension contiguous): each of the H query heads and n_kv key heads RMS-normed
 // by its weight when given (q_w, k_w float32 [D]; the form of `rms_norm`), rounded, then rotated
@@ -276,7 +240,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, "rotary embedding in place", py::arg("x"), py::arg("cos"), py::arg("sin"));
   m.def("add_rms_norm", &add_rms_norm, "x + norm(h) (or x + h), then norm of the sum", py::arg("x"), py::arg("h"),
         py::arg("h_weight"), py::arg("weight"), py::arg("eps"), py::arg("weight_after_cast"));
-  m.def("gated_act", &gated_act, "act(gate) * up", py::arg("gate_up"), py::arg("act"));
   m.def("qk_norm_rope_", &qk_norm_rope_, "q/k head norms and rope in place on the fused projection", py::arg("qkv"),
         py::arg("heads"), py::arg("kv_heads"), py::arg("q_weight"), py::arg("k_weight"), py::arg("eps"),
         py::arg("weight_after_cast"), py::arg("cos"), py::arg("sin"));
