@@ -132,9 +132,13 @@ def _mixed(
     out = q.new_empty(T, H, D)
     device = q.device
     if split.decode:
-        idx, tok = split.decode_idx.to(device), split.decode_tok.to(device)
+        rows = memo.get(key + ("decode",))
+        if rows is None:  # the decode rows' tokens, slots and mask: the same for every layer of this kind
+            idx, tok = split.decode_idx.to(device), split.decode_tok.to(device)
+            rows = memo[key + ("decode",)] = (idx, tok, slots.index_select(0, idx), visible[:, 0, 0].index_select(0, idx))
+        idx, tok, slots_d, visible_d = rows  # type: ignore[misc]
         qd = q.index_select(0, tok)  # [Bd, H, D]
-        od = decode_attention(qd, k_pages, v_pages, slots.index_select(0, idx), visible[:, 0, 0].index_select(0, idx), scale)
+        od = decode_attention(qd, k_pages, v_pages, slots_d, visible_d, scale)
         if od is None:
             od = _decode(qd, k.index_select(0, idx), v.index_select(0, idx), visible.index_select(0, idx)[:, :, :1], scale)
         out.index_copy_(0, tok, od)
