@@ -52,14 +52,20 @@ def object_head(body: str, keys: tuple[str, str], tool_names: frozenset[str] | N
             return None if text.startswith(body[i:]) else False
         return i + len(text) if body.startswith(text, i) else False
 
-    for text in ("{", json.dumps(keys[0]), ":"):
-        got = literal(i, text)
-        if not got:
-            return got
-        i = got
-    i = skip(i)
-    if i == n:
-        return None
+    def expect(i: int, texts: tuple[str, ...]) -> int | Literal[False] | None:
+        """Past `texts` in order and the blanks after them; None where the body ends first."""
+        for text in texts:
+            got = literal(i, text)
+            if not got:
+                return got
+            i = got
+        i = skip(i)
+        return None if i == n else i
+
+    got = expect(i, ("{", json.dumps(keys[0]), ":"))
+    if not got:
+        return got
+    i = got
     if body[i] != '"':
         return False
     try:
@@ -68,14 +74,10 @@ def object_head(body: str, keys: tuple[str, str], tool_names: frozenset[str] | N
         return None if "\"" not in body[i + 1 :] else False
     if tool_names is not None and name not in tool_names:
         return False
-    for text in (",", json.dumps(keys[1]), ":"):
-        got = literal(i, text)
-        if not got:
-            return got
-        i = got
-    i = skip(i)
-    if i == n:
-        return None
+    got = expect(i, (",", json.dumps(keys[1]), ":"))
+    if not got:
+        return got
+    i = got
     return (name, i) if body[i] == "{" else False
 
 
