@@ -42,7 +42,10 @@ def test_forwarded_bodies_are_served(server: ServeProcess, path: str, body: dict
     with server.http() as c:
         r = c.post(path, json=body)
     assert r.status_code == 200, r.text
-    assert r.json()["usage"]["completion_tokens"] == 4
+    # The routers' defaults sample at temperature 1 without a seed, so the random-weight model
+    # may end early on its end-of-turn token; the token budget is what must hold either way.
+    used, finish = r.json()["usage"]["completion_tokens"], r.json()["choices"][0]["finish_reason"]
+    assert (finish, used) == ("length", 4) or (finish == "stop" and 1 <= used <= 4), (finish, used)
     server.assert_balanced_idle()
 
 
@@ -53,7 +56,11 @@ def test_forwarded_responses_body_is_served(server: ServeProcess) -> None:
     with server.http() as c:
         r = c.post("/v1/responses", json=body)
     assert r.status_code == 200, r.text
-    assert r.json()["usage"]["output_tokens"] == 4
+    out = r.json()
+    if out["status"] == "incomplete":  # the budget ran out, as it does unless the model ends its turn first
+        assert (out["incomplete_details"]["reason"], out["usage"]["output_tokens"]) == ("max_output_tokens", 4)
+    else:
+        assert out["status"] == "completed" and 1 <= out["usage"]["output_tokens"] <= 4, out
     server.assert_balanced_idle()
 
 
