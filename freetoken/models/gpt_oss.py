@@ -2,8 +2,10 @@
 
 Owns the gpt-oss module tree (parameter names follow transformers' GptOssForCausalLM without the
 `model.` prefix) and its forward: biased GQA attention with a learned sink logit per head, YaRN
-rope, and a mixture of experts routed by softmax over the top-k router logits, each expert a
-clamped SwiGLU `(up + 1) * gate * sigmoid(alpha * gate)`. It does not read files.
+rope, and a mixture of experts (`models.experts`) routed by softmax over the top-k router logits,
+each expert a clamped SwiGLU `(up + 1) * gate * sigmoid(alpha * gate)`; and the translation of
+HF's expert tensors (float interleaved gate/up, or MXFP4 blocks kept packed) into the Experts'
+per-projection stacks. It does not read files.
 """
 
 from __future__ import annotations
@@ -14,13 +16,17 @@ import torch
 from torch import nn
 
 from freetoken.attention.metadata import ForwardBatch
+from freetoken.errors import ModelLoadError
 from freetoken.kv.tensors import KVTensors
 from freetoken.models.config import ModelConfig
+from freetoken.models.experts import Activation, Experts, ExpertStack, every_other_row, with_policy
 from freetoken.models.linear import Weight
 from freetoken.models.layers import (
     RMSNorm, Rotary, apply_rope, compute_dtype, embedding, linear, load_named, output_logits, paged_self_attention,
     qkv_linear, split_qkv, strip_prefix,
 )
+from freetoken.ops.quantized import QuantizedWeight
+from freetoken.weights.dequant import hf_mxfp4_codes, mxfp4_matrix
 
 
 def _norm(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> RMSNorm:
@@ -48,40 +54,64 @@ class GptOssAttention(nn.Module):
         return self.o_proj(out.reshape(T, c.num_heads * c.head_dim))  # [T, hidden]
 
 
-class GptOssExperts(nn.Module):
-    """The experts' weights, stacked: gate/up columns interleaved (gate at even, up at odd)."""
+def clamped_swiglu(config: ModelConfig) -> Activation:
+    """gpt-oss's expert activation: `(up + 1) * gate * sigmoid(alpha * gate)`, both clamped."""
+    limit, alpha = config.swiglu_limit, config.swiglu_alpha
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
-        super().__init__()
-        E, h, i = config.num_experts, config.hidden_size, config.intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(E, h, 2 * i, dtype=dtype, device=device))
-        self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * i, dtype=dtype, device=device))
-        self.down_proj = nn.Parameter(torch.empty(E, i, h, dtype=dtype, device=device))
-        self.down_proj_bias = nn.Parameter(torch.empty(E, h, dtype=dtype, device=device))
+    def act(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:  # [n, I] each -> [n, I]
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+    return act
+
+
+def _mxfp4_stack(blocks: torch.Tensor, scales: torch.Tensor, name: str) -> list[torch.Tensor | QuantizedWeight]:
+    """HF MXFP4 `blocks` [E, N, G, 16] and `scales` [E, N, G] -> E matrices [N, 32 G]."""
+    codes = hf_mxfp4_codes(blocks)  # [E, N, K]
+    return [mxfp4_matrix(codes[e], scales[e], f"{name} expert {e}") for e in range(codes.shape[0])]
+
+
+def split_experts(tensors: dict[str, Weight], layer: int, weights: str) -> tuple[ExpertStack, ...]:
+    """Take layer `layer`'s expert tensors out of `tensors` (HF names, `model.` optional): HF's
+    float `gate_up_proj` [E, H, 2I] (gate at even columns) and `down_proj` [E, I, H], or their
+    MXFP4 `*_blocks` / `*_scales` [E, out, in / 32, (16)], plus the biases -> Experts.load's
+    (gate [E, I, H], up, down [E, H, I], gate_bias [E, I], up_bias, down_bias), `weights` applied."""
+    take: dict[str, Weight] = {}
+    for prefix in (f"model.layers.{layer}.mlp.experts.", f"layers.{layer}.mlp.experts."):
+        for key in [k for k in tensors if k.startswith(prefix)]:
+            take[key[len(prefix):]] = tensors.pop(key)
+    name = f"layers.{layer}.mlp.experts"
+    if "gate_up_proj_blocks" in take and "gate_up_proj_scales" in take:
+        gate_up = _mxfp4_stack(take.pop("gate_up_proj_blocks"), take.pop("gate_up_proj_scales"), name)  # E x [2I, H]
+        down = _mxfp4_stack(take.pop("down_proj_blocks"), take.pop("down_proj_scales"), name)  # E x [H, I]
+        gate = [every_other_row(w, 0) for w in gate_up]
+        up = [every_other_row(w, 1) for w in gate_up]
+    elif "gate_up_proj" in take and "down_proj" in take:
+        stacked = take.pop("gate_up_proj").transpose(1, 2)  # [E, 2I, H]
+        gate, up = stacked[:, 0::2], stacked[:, 1::2]  # [E, I, H] each
+        down = take.pop("down_proj").transpose(1, 2)  # [E, H, I]
+    else:
+        raise ModelLoadError(f"missing tensors: {name}.gate_up_proj / down_proj (or their MXFP4 _blocks / _scales)")
+    bias, down_bias = take.pop("gate_up_proj_bias", None), take.pop("down_proj_bias", None)
+    if bias is None or down_bias is None or take:
+        raise ModelLoadError(f"{name}: missing biases or unexpected tensors {sorted(take)}")
+    return (with_policy(gate, weights), with_policy(up, weights), with_policy(down, weights),
+            bias[:, 0::2], bias[:, 1::2], down_bias)
 
 
 class GptOssMoE(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
+        c = config
         self.config = config
-        self.router = linear(config.hidden_size, config.num_experts, True, dtype, device, quantizable=False)
-        self.experts = GptOssExperts(config, dtype, device)
+        self.router = linear(c.hidden_size, c.num_experts, True, dtype, device, quantizable=False)
+        self.experts = Experts(c.num_experts, c.hidden_size, c.intermediate_size, clamped_swiglu(c), True, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]: each token through its top-k experts, weighted."""
-        c, ex = self.config, self.experts
-        top_logits, top_idx = torch.topk(self.router(x), c.num_experts_per_tok, dim=-1)  # [T, k] each
-        weights = torch.softmax(top_logits, dim=-1)  # [T, k]
-        out = torch.zeros_like(x)  # [T, hidden]
-        for e in top_idx.unique().tolist():
-            tok, rank = torch.where(top_idx == e)  # tokens routed to e, and e's rank among their k
-            gate_up = x[tok] @ ex.gate_up_proj[e] + ex.gate_up_proj_bias[e]  # [n, 2 * inter]
-            gate = gate_up[:, 0::2].clamp(max=c.swiglu_limit)  # [n, inter]
-            up = gate_up[:, 1::2].clamp(min=-c.swiglu_limit, max=c.swiglu_limit)  # [n, inter]
-            h = (up + 1) * (gate * torch.sigmoid(gate * c.swiglu_alpha))  # [n, inter]
-            y = h @ ex.down_proj[e] + ex.down_proj_bias[e]  # [n, hidden]
-            out.index_add_(0, tok, (y * weights[tok, rank, None]).to(out.dtype))
-        return out
+        top_logits, top_idx = torch.topk(self.router(x), self.config.num_experts_per_tok, dim=-1)  # [T, k] each
+        return self.experts(x, top_idx, torch.softmax(top_logits, dim=-1))
 
 
 class GptOssBlock(nn.Module):
@@ -117,8 +147,12 @@ class GptOssForCausalLM(nn.Module):
 
     def load_weights(self, tensors: Mapping[str, Weight], weights: str = "auto", prefill_dense: bool = False) -> None:
         """Load HF-named tensors (`model.layers.0.mlp.experts.gate_up_proj`, ...); `weights` is the
-        `--weights` policy for the attention projections and embeddings (experts and router stay float)."""
-        load_named(self, tensors, self._rename, weights, prefill_dense)
+        `--weights` policy for the attention projections, embeddings and experts (the router stays
+        float); experts come as HF's interleaved float stacks or MXFP4 `*_blocks` / `*_scales`."""
+        rest = dict(tensors)
+        for i, layer in enumerate(self.layers):
+            layer.mlp.experts.load(*split_experts(rest, i, weights))
+        load_named(self, rest, self._rename, weights, prefill_dense)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv: KVTensors) -> torch.Tensor:

@@ -4,7 +4,9 @@ Owns the block layouts of the GGML types FreeToken reads (F32, F16, BF16, Q8_0, 
 Q4_1, Q4_K, Q5_K, Q6_K, MXFP4) and their decoding, written as vectorised torch code so it runs on
 any device. It knows nothing of tensor names, architectures or files: it is given raw bytes, a
 type and a shape. Results are bit-identical to `gguf.quants.dequantize` (same float operations in
-the same order), then rounded once to the requested dtype.
+the same order), then rounded once to the requested dtype. MXFP4 also converts exactly into the
+8-bit group form the qlinear kernel reads (`mxfp4_to_int8`: ~2x the MXFP4 bytes, no rounding),
+from HF's `*_blocks` / `*_scales` layout or GGUF's.
 
 Speed on CPU: a tensor is decoded in chunks small enough that no torch op inside a chunk is split
 across torch's intra-op threads (on a busy machine each split op can stall for milliseconds), and
@@ -16,6 +18,7 @@ integers are converted to float once, inside the multiply by the block scale.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,8 +28,10 @@ import numpy as np
 import torch
 
 from freetoken.errors import ModelLoadError
+from freetoken.ops.quantized import QuantizedWeight
 
 QType = gguf.GGMLQuantizationType
+log = logging.getLogger(__name__)
 
 # Elements decoded per chunk on CPU: below torch's intra-op grain size (32768), so every op in a
 # chunk runs on the calling thread, and small enough for the temporaries to stay in cache.
@@ -320,3 +325,61 @@ def dequantize(
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dequantize") as pool:
             list(pool.map(run_all, [starts[k::workers] for k in range(workers)]))  # list(): re-raises
     return out.reshape(shape)
+
+
+# MXFP4 block exponents whose halved power of two, and 12 times it, are exact float16 values:
+# scale = 2^(e - 128) needs e >= 104 (2^-24, the smallest subnormal) and minimum = -12 * scale =
+# -3 * 2^(e - 126) needs e <= 140 (3 * 2^14 <= 65504).
+MXFP4_EXACT_EXPONENTS = (104, 140)
+
+
+def mxfp4_to_int8(codes: torch.Tensor, exponents: torch.Tensor) -> QuantizedWeight | None:
+    """One MXFP4 matrix as the exact 8-bit group form, or None when a block's exponent is outside
+    MXFP4_EXACT_EXPONENTS (the caller dequantizes that matrix instead).
+
+    `codes` uint8 [N, K] are the e2m1 nibbles (0-15) in element order, `exponents` uint8
+    [N, K / 32] the e8m0 block exponents. Value = v * 2^(e - 127) with v in +-{0, .5, ..., 6}; with
+    d = 2v in [-12, 12]: q = d + 12 in [0, 24], scale = 2^(e - 128), minimum = -12 * scale. A
+    block of zeros keeps scale 0 whatever its exponent.
+    """
+    n, k = codes.shape
+    doubled = torch.tensor(_MXFP4_VALUES, dtype=torch.int8, device=codes.device)[codes.to(torch.int64)]  # [N, K]
+    e = exponents.to(torch.int32)
+    lo, hi = MXFP4_EXACT_EXPONENTS
+    zero_block = (doubled.reshape(n, k // 32, 32) == 0).all(dim=2)  # [N, G]
+    if bool(((e < lo) | (e > hi))[~zero_block].any()):
+        return None
+    scale = torch.ldexp(torch.ones_like(e, dtype=torch.float32), (e - 128).clamp(min=-30, max=15)).half()
+    scale = torch.where(zero_block, torch.zeros_like(scale), scale)
+    return QuantizedWeight(bits=8, q=doubled + 12, scale=scale, minimum=-12 * scale)
+
+
+def mxfp4_float(codes: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
+    """The reference values of an MXFP4 matrix (codes [N, K], exponents [N, K / 32]) -> float32 [N, K]."""
+    half = torch.tensor(_MXFP4_VALUES, dtype=torch.float32, device=codes.device)[codes.to(torch.int64)]  # 2v
+    return half * torch.exp2(exponents.float() - 128).repeat_interleave(32, dim=1)
+
+
+def mxfp4_matrix(codes: torch.Tensor, exponents: torch.Tensor, name: str) -> QuantizedWeight | torch.Tensor:
+    """`mxfp4_to_int8`, or float32 values (logged) where the exponents do not fit float16."""
+    qw = mxfp4_to_int8(codes, exponents)
+    if qw is not None:
+        return qw
+    log.warning("%s: MXFP4 block exponents outside %s cannot stay packed; dequantized to float",
+                name, MXFP4_EXACT_EXPONENTS)
+    return mxfp4_float(codes, exponents)
+
+
+def hf_mxfp4_codes(blocks: torch.Tensor) -> torch.Tensor:
+    """HF's MXFP4 blocks uint8 [..., G, 16] -> codes [..., G * 32]: byte j holds element 2j (low
+    nibble) and 2j + 1 (high nibble), as transformers' `convert_moe_packed_tensors` reads them."""
+    codes = torch.stack((blocks & 15, blocks >> 4), dim=-1)  # [..., G, 16, 2]
+    return codes.reshape(*blocks.shape[:-2], blocks.shape[-2] * 32)
+
+
+def gguf_mxfp4_blocks(raw: np.ndarray | torch.Tensor, rows: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A GGUF MXFP4 matrix's bytes -> (codes uint8 [rows, k], exponents uint8 [rows, k / 32]); a
+    block is e | qs[16], element j < 16 the low nibble of qs[j], j >= 16 the high one."""
+    data = _byte_view(raw)
+    blocks = (data if isinstance(data, torch.Tensor) else torch.from_numpy(data.copy())).view(rows, k // 32, 17)
+    return _nibbles(blocks[..., 1:].contiguous()).reshape(rows, k), blocks[..., 0].contiguous()

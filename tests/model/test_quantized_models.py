@@ -19,6 +19,7 @@ import torch
 
 from freetoken.errors import ModelLoadError
 from freetoken.models.config import ModelConfig
+from freetoken.models.experts import Experts
 from freetoken.models.linear import Linear, QuantizableWeight, apply_policy
 from freetoken.models.registry import CausalLM, build_model
 from freetoken.ops.quantized import QuantizedWeight, dequantize, quantize_int4, quantize_int8
@@ -46,6 +47,10 @@ def load(directory: Path, weights: str, dtype: torch.dtype = torch.float32) -> C
     return model
 
 
+def experts_of(model: CausalLM) -> list[Experts]:
+    return [m for m in model.modules() if isinstance(m, Experts)]
+
+
 def last_logits(model: CausalLM, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     runner = PagedRunner(model, page_size=4, dtype=dtype)
     seq = Seq()
@@ -68,6 +73,7 @@ def test_quantized_logits_stay_close_to_float(checkpoint: tuple[str, Path], weig
     assert any(n.endswith("qkv_proj") for n in bits) and "embed_tokens" in bits
     if family == "gpt_oss":
         assert not any("router" in n for n in bits)  # routers stay float
+        assert all(e.runs_as() == f"{weights} (group 32)" for e in experts_of(model))  # experts packed
     else:
         assert any(n.endswith("gate_up_proj") for n in bits)
     got = last_logits(model)
@@ -79,6 +85,9 @@ def test_quantized_logits_stay_close_to_float(checkpoint: tuple[str, Path], weig
         for name, module in model.named_modules():
             if isinstance(module, QuantizableWeight) and module.packed is not None:
                 twin_modules[name].weight.copy_(module.packed.dequantize(torch.float32))
+        for packed, twin_experts in zip(experts_of(model), experts_of(twin)):
+            twin_experts.gate_up = [w.dequantize(torch.float32) for w in packed.gate_up]
+            twin_experts.down = [w.dequantize(torch.float32) for w in packed.down]
     twin_ref = last_logits(twin)
     twin_err = float((got - twin_ref).norm() / twin_ref.norm())
     assert 0 < twin_err < TWIN_TOLERANCE, f"{family} {weights}: {twin_err:.4f} from its dequantized twin"
