@@ -49,6 +49,10 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # auto | bf16 | int8 (q8_0) | fp8_e4m3 (CUDA): kv/tensors.py
     threads: int | None = None
     tensor_parallel_size: int = 1  # engine processes, one per rank (freetoken.distributed)
+    speculative: str = "off"  # off | ngram: draft from the prompt and output (engine/speculative.py)
+    spec_max_draft: int = 8  # drafted tokens per verified chunk at most
+    spec_ngram_min: int = 2  # n-gram sizes looked up, longest first
+    spec_ngram_max: int = 4
 
     def validate(self) -> None:
         """Raise ConfigError on flags that cannot work, naming the flag."""
@@ -86,6 +90,14 @@ class EngineConfig:
             raise ConfigError("--swa-full-tokens-ratio and --swa-pool-tokens are mutually exclusive")
         if self.swa_full_tokens_ratio is not None and not 0.0 < self.swa_full_tokens_ratio <= 1.0:
             raise ConfigError(f"--swa-full-tokens-ratio must be in (0, 1], got {self.swa_full_tokens_ratio}")
+        if self.speculative not in ("off", "ngram"):
+            raise ConfigError(f"--speculative must be off or ngram, got {self.speculative!r}")
+        if self.spec_max_draft < 1:
+            raise ConfigError(f"--spec-max-draft must be at least 1, got {self.spec_max_draft}")
+        if not 1 <= self.spec_ngram_min <= self.spec_ngram_max:
+            raise ConfigError(
+                f"--spec-ngram-min / --spec-ngram-max must satisfy 1 <= min <= max, got {self.spec_ngram_min} / {self.spec_ngram_max}"
+            )
         pool = self.swa_pool_tokens
         if pool is not None and pool != "floor" and not (isinstance(pool, int) and pool >= 1):
             raise ConfigError(f"--swa-pool-tokens must be a positive number of tokens or 'floor', got {pool!r}")

@@ -60,6 +60,9 @@ class SamplingParams:
     # (token id, bias) pairs added to the logits before any other transformation (OpenAI's
     # `logit_bias`); the API process checks the ids against the vocabulary.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Speculative decoding (`--speculative ngram`, engine/speculative.py) applies to this request
+    # when the engine has it on; False opts out (the `speculative` extension field of the API).
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         # The wire form (msgpack) turns the pairs into lists; the params stay hashable tuples.
@@ -135,6 +138,8 @@ class Request:
     generator: torch.Generator | None = None  # the request's own, when it has a seed
     admitted_once: bool = False
     preemptions: int = 0
+    drafted_tokens: int = 0  # speculative decoding: tokens drafted and verified
+    accepted_tokens: int = 0  # ... of which the verification accepted
 
     @property
     def all_ids(self) -> list[int]:

@@ -1,5 +1,10 @@
 """The engine loop: `step()` = schedule -> forward -> sample -> commit -> release.
 
+With `--speculative ngram` a decode row may be a verified chunk (the last token + k drafted
+ones, scheduler.py): its 1 + k rows are sampled as usual, the longest confirmed prefix and the
+token after it are kept (speculative.py), and `KVManager.accept` releases the pages only rejected
+tokens were written to before anything is committed.
+
 Owns the requests in flight, finishing them (EOS, stop ids, max_tokens, context, a completed
 grammar — constrained rows are masked before sampling, see `grammar.py`), aborts, and
 integrity handling: a `KVIntegrityError` or a failed audit is logged with its full report, its
@@ -11,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +27,7 @@ from freetoken.engine.resize import ResizeRefused, resize_pools, settle
 from freetoken.engine.runner import Runner
 from freetoken.engine.sampler import SampleResult, prompt_logprobs, sample
 from freetoken.engine.scheduler import ScheduledItem, Scheduler
+from freetoken.engine.speculative import accepted, rewind
 from freetoken.errors import FreeTokenError
 from freetoken.kv.errors import KVIntegrityError
 from freetoken.kv.manager import KVManager
@@ -53,13 +60,16 @@ class RequestUpdate:
     miss_reason: str | None = None  # why the hit stopped there
     cache_creation_tokens: int = 0  # prompt tokens past the hit that the request's pins keep
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first update, when asked
+    drafted_tokens: int = 0  # speculative decoding, over the request so far: tokens drafted
+    accepted_tokens: int = 0  # ... and accepted by the verification
 
 
 def _update_of(req: Request) -> RequestUpdate:
     """A new update of `req`, carrying its admission's cache report."""
     return RequestUpdate(
         req.rid, cached_tokens=req.cached_tokens, matched_tokens=req.matched_tokens, miss_reason=req.miss_reason,
-        cache_creation_tokens=req.cache_creation_tokens,
+        cache_creation_tokens=req.cache_creation_tokens, drafted_tokens=req.drafted_tokens,
+        accepted_tokens=req.accepted_tokens,
     )
 
 
@@ -72,6 +82,8 @@ class Engine:
         self.scheduler = Scheduler(kv, config)
         self.requests: dict[str, Request] = {}
         self.steps = 0
+        self.drafted_tokens = 0  # speculative decoding, since start (the /metrics counters)
+        self.accepted_tokens = 0
         self._pending: dict[str, RequestUpdate] = {}  # updates produced outside step()
 
     # -- requests in ----------------------------------------------------------------------
@@ -164,11 +176,12 @@ class Engine:
         samples = [item.samples for item in items]
         prefill = [item.start < len(item.req.prompt_ids) for item in items]
         logits = self.runner.forward(items)  # one row per item that samples (+ prompt rows)
-        sampling: list[ScheduledItem] = []
+        sampling: list[ScheduledItem] = []  # one entry per sampling row (a verified chunk: 1 + k)
         rows: list[int] = []
+        drafted = False
         offset = 0
         for item, samples_now in zip(items, samples):
-            item.req.num_computed += item.n
+            item.req.num_computed += item.n  # a verified chunk: set again per token kept
             if item.all_logits:
                 chunk = logits[offset : offset + item.n]
                 offset += item.n
@@ -176,32 +189,34 @@ class Engine:
                 if samples_now:
                     sampling.append(item)
                     rows.append(offset - 1)
+            elif item.draft:
+                drafted = True
+                sampling.extend([item] * item.n)
+                rows.extend(range(offset, offset + item.n))
+                offset += item.n
             elif samples_now:
                 sampling.append(item)
                 rows.append(offset)
                 offset += 1
         if sampling:
+            states = _generator_states(items) if drafted else {}
             sampling, result = self._sample(logits, rows, sampling, updates)
         if sampling:
-            for item, tok, lp in zip(sampling, result.token_ids, result.logprobs):
+            groups = _verified(sampling, result) if drafted else (
+                (it, (tok,), (lp,)) for it, tok, lp in zip(sampling, result.token_ids, result.logprobs)
+            )
+            for item, toks, lps in groups:
                 req = item.req
-                req.output_ids.append(tok)
-                if lp is not None:
-                    req.logprobs.append(lp)
                 upd = updates.setdefault(req.rid, _update_of(req))
-                if len(req.output_ids) == 1 and req.params.prompt_logprobs is not None:
+                if len(req.output_ids) == 0 and req.params.prompt_logprobs is not None:
                     upd.prompt_logprobs = req.prompt_logprobs
-                upd.new_token_ids.append(tok)
-                upd.new_logprobs.append(lp)
-                try:
-                    complete = self.grammars.advance(req.rid, tok)
-                except GrammarError as err:
-                    self._end_with_error(req, str(err), updates)
-                    continue
-                reason = FinishReason.STOP if complete else self._stop_reason(req, tok)
-                if reason is not None:
-                    self._finish(req, reason)
-                    upd.finished, upd.finish_reason = True, reason
+                if item.draft:
+                    self._count_draft(item, len(toks) - 1, upd, states)
+                for m, (tok, lp) in enumerate(zip(toks, lps)):
+                    if item.draft:  # K/V is written for the last token and the m drafts kept so far
+                        req.num_computed = item.start + 1 + m
+                    if self._emit(req, tok, lp, upd, updates):
+                        break
         for item, prompt_chunk in zip(items, prefill):
             req = item.req
             if req.finished or req.status is not RequestStatus.RUNNING:
@@ -211,7 +226,45 @@ class Engine:
             if prompt_chunk:
                 self.kv.commit(req.rid, req.all_ids[: req.num_computed], boundaries=req.boundaries)
                 self._pin(req, updates)
+            elif item.draft:
+                self.kv.accept(req.rid, req.num_computed)  # rejected drafts' pages go back
             self.kv.release_out_of_window(req.rid, req.num_computed)
+
+    def _emit(
+        self, req: Request, tok: int, lp: TokenLogprob | None, upd: RequestUpdate, updates: dict[str, RequestUpdate],
+    ) -> bool:
+        """Append one sampled token to `req` and its update; True when that ended the request."""
+        req.output_ids.append(tok)
+        if lp is not None:
+            req.logprobs.append(lp)
+        upd.new_token_ids.append(tok)
+        upd.new_logprobs.append(lp)
+        try:
+            complete = self.grammars.advance(req.rid, tok)
+        except GrammarError as err:
+            self._end_with_error(req, str(err), updates)
+            return True
+        reason = FinishReason.STOP if complete else self._stop_reason(req, tok)
+        if reason is not None:
+            self._finish(req, reason)
+            upd.finished, upd.finish_reason = True, reason
+            return True
+        return False
+
+    def _count_draft(
+        self, item: ScheduledItem, accepted: int, upd: RequestUpdate, states: dict[str, torch.Tensor],
+    ) -> None:
+        """A verified chunk's statistics, and its seeded generator put back where one draw per
+        kept token leaves it (engine/speculative.py)."""
+        req = item.req
+        req.drafted_tokens += len(item.draft)
+        req.accepted_tokens += accepted
+        upd.drafted_tokens, upd.accepted_tokens = req.drafted_tokens, req.accepted_tokens
+        self.drafted_tokens += len(item.draft)
+        self.accepted_tokens += accepted
+        state = states.get(req.rid)
+        if state is not None and req.generator is not None:
+            rewind(req.generator, state, accepted + 1)
 
     def _pin(self, req: Request, updates: dict[str, RequestUpdate]) -> None:
         """Apply the request's retention pins whose prefix is now committed (kv/pins.py)."""
@@ -315,3 +368,31 @@ def _rows_of(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
     if rows[-1] - rows[0] == len(rows) - 1:
         return logits[rows[0] : rows[-1] + 1]
     return logits[rows]
+
+
+def _generator_states(items: list[ScheduledItem]) -> dict[str, torch.Tensor]:
+    """The generator state of each seeded, sampled request with a verified chunk, before the
+    sampler draws one uniform per row of it."""
+    return {
+        it.req.rid: it.req.generator.get_state()
+        for it in items
+        if it.draft and it.req.generator is not None and not it.req.params.greedy
+    }
+
+
+def _verified(
+    sampling: list[ScheduledItem], result: SampleResult
+) -> Iterator[tuple[ScheduledItem, list[int], list[TokenLogprob | None]]]:
+    """Per sampling item, the tokens it keeps: one per plain row; a verified chunk's 1 + k rows
+    (consecutive in `sampling`) give its accepted drafts and the token drawn after them."""
+    i = 0
+    while i < len(sampling):
+        item = sampling[i]
+        if not item.draft:
+            yield item, result.token_ids[i : i + 1], result.logprobs[i : i + 1]
+            i += 1
+            continue
+        toks = result.token_ids[i : i + item.n]
+        kept = accepted(item.draft, toks) + 1
+        yield item, toks[:kept], result.logprobs[i : i + kept]
+        i += item.n

@@ -59,16 +59,21 @@ class Runner:
     @torch.inference_mode()
     def forward(self, items: Sequence[ScheduledItem]) -> torch.Tensor:
         """Logits [N, vocab] (float32): for each item in order, every row of its chunk when it
-        asks for prompt logprobs, else its last row when it samples, else nothing."""
+        asks for prompt logprobs or is a verified chunk, else its last row when it samples, else
+        nothing."""
         ids: list[int] = []
         specs = []
         logit_rows: list[int] = []
         offset = 0
         for item in items:
-            ids.extend(item.req.token_slice(item.start, item.start + item.n))
+            if item.draft:  # a verified chunk: the last token, then the drafted ones
+                ids.extend(item.req.token_slice(item.start, item.start + 1))
+                ids.extend(item.draft)
+            else:
+                ids.extend(item.req.token_slice(item.start, item.start + item.n))
             full, swa = self.kv.page_tables(item.req.rid)
             specs.append((item.start, item.n, full, swa))
-            if item.all_logits:
+            if item.all_logits or item.draft:
                 logit_rows.extend(range(offset, offset + item.n))
             elif item.samples:
                 logit_rows.append(offset + item.n - 1)

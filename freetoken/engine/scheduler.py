@@ -1,7 +1,9 @@
 """Which requests run in the next step, and with how many tokens.
 
 Owns the waiting and running queues, admission over both KV pools, chunked prefill within
-`max_prefill_length`, and preemption when a running request cannot grow. Running out of a pool
+`max_prefill_length`, preemption when a running request cannot grow, and (`--speculative ngram`)
+turning decode rows into verified chunks of 1 + k tokens once every other need is met: a draft
+takes free pages only, never evicts, and never costs anyone a preemption. Running out of a pool
 is a scheduling condition here: a request waits, or the youngest running one is preempted; it is
 never an exception. It does not run the model or sample.
 """
@@ -9,25 +11,28 @@ never an exception. It does not run the model or sample.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from freetoken.config import ResolvedConfig
+from freetoken.engine.speculative import Speculator
 from freetoken.kv.manager import KVManager
 from freetoken.request import Request, RequestStatus
 
 
 @dataclass
 class ScheduledItem:
-    """One request's share of a step: K/V for tokens [start, start + n) gets computed."""
+    """One request's share of a step: K/V for tokens [start, start + n) gets computed. A
+    verified chunk is the request's last token followed by its `draft` (n = 1 + len(draft))."""
 
     req: Request
     start: int
     n: int
+    draft: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """True when this step computes the request's last known token, so it gets a new one."""
-        return self.start + self.n == self.req.num_tokens
+        return self.start + self.n - len(self.draft) == self.req.num_tokens
 
     @property
     def all_logits(self) -> bool:
@@ -41,6 +46,11 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is preempted first
         self.preemptions = 0
+        engine = config.engine
+        self.speculator = (
+            Speculator(engine.spec_max_draft, engine.spec_ngram_min, engine.spec_ngram_max)
+            if engine.speculative == "ngram" else None
+        )
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -50,6 +60,8 @@ class Scheduler:
 
     def remove(self, req: Request) -> None:
         """Forget a request (finished or aborted); its pages are the caller's to release."""
+        if self.speculator is not None:
+            self.speculator.drop(req.rid)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
@@ -86,6 +98,8 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             budget -= item.n
             items.append(item)
+        if self.speculator is not None:
+            self._draft(items, self.speculator)
         if not items and self.waiting and not self.running and self.kv.release_pins():
             return self.schedule()  # pins held the pages the first waiting request needs alone
         return items
@@ -121,6 +135,16 @@ class Scheduler:
             if victim is req:
                 return False
         return True
+
+    def _draft(self, items: list[ScheduledItem], speculator: Speculator) -> None:
+        """Append a draft to each decode row that finds one and fits in free pages."""
+        for item in items:
+            if item.n != 1 or not item.samples or not item.req.output_ids:
+                continue
+            draft = speculator.propose(item.req)
+            if draft and self.kv.extend_draft(item.req.rid, item.start + 1 + len(draft)):
+                item.draft = draft
+                item.n = 1 + len(draft)
 
     def preempt(self, req: Request) -> None:
         """Commit what `req` has written, release its pages and requeue it at the front."""

@@ -10,7 +10,10 @@ reference count and every holder, so the report alone says where a page went.
   empty node;
 - A4 each running request: no hole in its FULL table, in-window SWA entries live, SWA entries
   out of the window NULL;
-- A5 at idle: free + tree pages == capacity (less quarantined and retired pages) per pool.
+- A5 at idle: free + tree pages == capacity (less quarantined and retired pages) per pool;
+- A6 speculative decoding, "draft k, accept j": between steps no verified chunk is unresolved,
+  and a request that drafted holds no page past its written tokens (`next_pos`): the pages its
+  k - j rejected tokens alone were written to went back through a release.
 
 Retired pages (released above a shrink target, kv/pool.py) are left out like quarantined ones,
 and A3 also checks that the tree holds none of them.
@@ -28,7 +31,7 @@ from freetoken.kv.errors import IntegrityReport, KVIntegrityError
 from freetoken.kv.pool import PagePool
 from freetoken.kv.table import RequestTables
 from freetoken.kv.tree import RadixTree
-from freetoken.kv.window import first_window_page
+from freetoken.kv.window import first_window_page, num_pages
 
 MAX_REPORTS_PER_CHECK = 20
 
@@ -176,6 +179,18 @@ def _audit_request(
         i = req.full.index(0)
         report.violations.append(
             IntegrityReport("A4", "full", 0, 0, (f"request {req.rid}",), f"NULL full[{i}]")
+        )
+    if req.draft_pending:
+        report.violations.append(
+            IntegrityReport("A6", "full", 0, 0, (f"request {req.rid}",), "verified chunk never resolved (accept)")
+        )
+    elif req.drafted and len(req.full) > num_pages(req.next_pos, page_size):
+        page = req.full[-1]
+        report.violations.append(
+            IntegrityReport(
+                "A6", "full", page, 0, (f"request {req.rid} full[{len(req.full) - 1}]",),
+                f"{len(req.full)} pages held past the {req.next_pos} written tokens (rejected draft not released)",
+            )
         )
     if req.swa is None or window is None:
         return

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 class IntegrityReport:
     """What went wrong, on which page, and who holds it."""
 
-    check: str  # "alloc", "incref", "decref", "unique", "A1".."A5", "tree"
+    check: str  # "alloc", "incref", "decref", "unique", "A1".."A6", "tree"
     pool: str  # "full" or "swa"
     page: int
     refcount: int

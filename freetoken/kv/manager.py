@@ -14,6 +14,11 @@ Every step of a request, in the order the engine calls it:
     kv.commit(rid, tokens_written, boundaries)  # tree takes its own references
     kv.release_out_of_window(rid, next_pos)   # SWA pages no later query can see
     ...
+    kv.extend_draft(rid, start + 1 + k)       # a verified chunk: free pages only, no eviction
+    ... forward writes K/V of the last token and k drafted ones, j of them are accepted ...
+    kv.accept(rid, start + 1 + j)             # pages only rejected tokens were written to go back
+    kv.release_out_of_window(rid, start + 1 + j)
+    ...
     kv.commit(rid, prompt + output[:-1]); kv.release(rid)   # finish / abort
     kv.commit(...); kv.release(rid, preempted=True)         # preempt (path stamped recent)
 
@@ -182,6 +187,35 @@ class KVManager:
         if req.swa is not None:
             req.swa.extend(swa)
         return True
+
+    def extend_draft(self, rid: str, num_tokens: int) -> bool:
+        """Grow both tables to `num_tokens` for a verified chunk (speculative decoding) from
+        free pages only: a draft never evicts the prefix cache nor makes anyone wait. Until
+        `accept` resolves it the request has a pending draft (audit A6)."""
+        req = self._req(rid)
+        need = self.pages_needed(rid, num_tokens)
+        if need > self.full_pool.num_free or (self.swa_pool is not None and need > self.swa_pool.num_free):
+            return False
+        if not self.extend(rid, num_tokens):  # free pages suffice: no eviction runs
+            return False
+        req.draft_pending = req.drafted = True
+        return True
+
+    def accept(self, rid: str, written: int) -> int:
+        """Resolve a verified chunk: K/V is valid for the request's first `written` tokens (the
+        accepted ones). Pages past them held only rejected draft tokens and are released like
+        any release, from both tables; slots of rejected tokens inside a kept page are rewritten
+        before any query reads them (attention masks by position). The tree never sees them:
+        commits cover accepted tokens only. Returns the pages released (per table)."""
+        req = self._req(rid)
+        keep = num_pages(written, self.page_size)
+        full, req.full = req.full[keep:], req.full[:keep]
+        self.full_pool.decref([p for p in full if p])
+        if req.swa is not None and self.swa_pool is not None:
+            swa, req.swa = req.swa[keep:], req.swa[:keep]
+            self.swa_pool.decref([p for p in swa if p])
+        req.draft_pending = False
+        return len(full)
 
     def _make_room(self, need: int) -> bool:
         # An eviction pass scans the tree, so when one is needed it frees at least 1/32 of the

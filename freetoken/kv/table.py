@@ -21,6 +21,10 @@ class RequestTables:
     next_pos: int = 0  # first position still to be queried (entries before its window are NULL)
     cached_len: int = 0  # tokens the admission hit let it skip
     committed: tuple[int, ...] = ()  # the tokens of its last commit (page-aligned)
+    # Speculative decoding (engine/speculative.py): the tables were grown for a verified chunk
+    # not yet resolved by `KVManager.accept`; `drafted` stays set once the request has drafted.
+    draft_pending: bool = False
+    drafted: bool = False
 
     def held(self, kind: str) -> list[int]:
         """The non-NULL entries of one table (each is one reference)."""
