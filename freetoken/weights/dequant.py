@@ -327,6 +327,17 @@ def dequantize(
     return out.reshape(shape)
 
 
+@dataclass(frozen=True)
+class Deferred:
+    """A matrix decoded only when asked (`make()`): one expert of a stacked GGUF tensor, whose
+    bytes stay in the memory-mapped file until then. `shape` is the matrix's [N, K], `nbytes`
+    its stored size."""
+
+    shape: tuple[int, int]
+    nbytes: int
+    make: Callable[[], torch.Tensor | QuantizedWeight]
+
+
 # MXFP4 block exponents whose halved power of two, and 12 times it, are exact float16 values:
 # scale = 2^(e - 128) needs e >= 104 (2^-24, the smallest subnormal) and minimum = -12 * scale =
 # -3 * 2^(e - 126) needs e <= 140 (3 * 2^14 <= 65504).

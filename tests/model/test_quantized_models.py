@@ -19,7 +19,7 @@ import torch
 
 from freetoken.errors import ModelLoadError
 from freetoken.models.config import ModelConfig
-from freetoken.models.experts import Experts
+from freetoken.models.experts import experts_of
 from freetoken.models.linear import Linear, QuantizableWeight, apply_policy
 from freetoken.models.registry import CausalLM, build_model
 from freetoken.ops.quantized import QuantizedWeight, dequantize, quantize_int4, quantize_int8
@@ -45,10 +45,6 @@ def load(directory: Path, weights: str, dtype: torch.dtype = torch.float32) -> C
     model = build_model(config, dtype, "cpu")
     model.load_weights(load_safetensors_dir(directory, dtype=dtype), weights)
     return model
-
-
-def experts_of(model: CausalLM) -> list[Experts]:
-    return [m for m in model.modules() if isinstance(m, Experts)]
 
 
 def last_logits(model: CausalLM, dtype: torch.dtype = torch.float32) -> torch.Tensor:
