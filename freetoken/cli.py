@@ -73,6 +73,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine-hang-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="no engine heartbeat for this long = hung: /health 503, in-flight requests end with an error, "
                         "the engine is killed and restarted (default 30; docs/operations.md)")
+    p.add_argument("--load-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="an engine process that has not loaded the model and said Ready this long after its start is killed; "
+                        "at start-up ft serve then exits 1 (default 600; docs/operations.md)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM or POST /admin/drain, how long in-flight requests may finish before they are aborted (default 30)")
     p.add_argument("--max-running-requests", type=int, default=16, help="requests decoded together (default 16)")
@@ -178,6 +181,7 @@ def _serve(args: argparse.Namespace) -> None:
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",")) if args.allowed_origins else (),
         unprefixed_routes=args.unprefixed_routes,
         engine_hang_timeout_s=args.engine_hang_timeout,
+        load_timeout_s=args.load_timeout,
         shutdown_timeout_s=args.shutdown_timeout,
         max_running_requests=args.max_running_requests,
         max_waiting_requests=args.max_waiting_requests,

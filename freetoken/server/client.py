@@ -6,7 +6,8 @@ wait for them, the engine's state as the API sees it ("loading", "ready", "down"
 the promise that no stream hangs: when the engine process dies, every in-flight stream gets a
 terminal error update at once. It also judges the engine's heartbeat: no beat for
 `hang_timeout_s` turns the state "down", ends every in-flight stream with an error and has the
-supervisor kill the process (then restarted like a death). It runs on the API process's asyncio
+supervisor kill the process (then restarted like a death); the supervisor keeps the load
+deadline, and the client tells it when the engine said Ready. It runs on the API process's asyncio
 loop, imports no torch, and knows nothing of HTTP (the app maps `EngineUnavailable` to 503 and
 `EngineRefused` to 400).
 """
@@ -32,7 +33,7 @@ from freetoken.server.messages import (
     AbortRequest, AddRequest, EngineError, FinishRequest, Heartbeat, Ready, Refused, ResizeCache, Shutdown, StatusQuery, StatusReply,
     TokenUpdate, decode, encode,
 )
-from freetoken.server.supervisor import ExitReport, RestartPolicy, Supervisor, WorkerEndpoints
+from freetoken.server.supervisor import DEFAULT_LOAD_TIMEOUT_S, ExitReport, RestartPolicy, Supervisor, WorkerEndpoints
 
 log = logging.getLogger("freetoken.server")
 
@@ -63,11 +64,13 @@ class EngineClient:
         served_name: str,
         policy: RestartPolicy | None = None,
         hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
+        load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
         on_give_up: Callable[[str], None] | None = None,
     ) -> None:
         self.config = config
         self.served_name = served_name
         self.hang_timeout_s = hang_timeout_s
+        self.load_timeout_s = load_timeout_s
         self.heartbeat = HeartbeatWatch(hang_timeout_s)  # of the current incarnation
         self.hangs = 0  # engine processes killed for missing their heartbeat
         self._on_give_up = on_give_up
@@ -113,7 +116,7 @@ class EngineClient:
         self._ctx = zmq.asyncio.Context()
         self._supervisor = Supervisor(
             self.config, served_name=self.served_name, on_spawn=self._on_spawn, on_exit=self._on_exit,
-            policy=self._policy,
+            policy=self._policy, load_timeout_s=self.load_timeout_s,
         )
         self._set_state("loading", "the engine is loading the model")
         self._supervisor.start()
@@ -300,7 +303,7 @@ class EngineClient:
         """The engine process is gone: deliver what it sent before dying, then end every
         in-flight stream with an error and say why we are down."""
         await self._close_channel(drain=True)
-        how = f"the engine process {report.how}"
+        how = f"{report.cause}; it {report.how}" if report.cause else f"the engine process {report.how}"
         if self._last_engine_error:
             how += f" ({self._last_engine_error})"
         if report.restart_in is not None:
@@ -410,6 +413,8 @@ class EngineClient:
                 future.set_result(msg.status)
         elif isinstance(msg, Ready):
             self.heartbeat.ready(asyncio.get_running_loop().time())
+            if self._supervisor is not None:
+                self._supervisor.ready()
             self.info = msg
             log.info("engine process %d ready: %s (%s), context %d", msg.pid, msg.model_name, msg.architecture, msg.context_length)
             self._set_state("ready", None)

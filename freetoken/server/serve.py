@@ -104,6 +104,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None
     holder: list[_Server] = []
     client = EngineClient(
         engine_config, served_name=served_name, hang_timeout_s=server_config.engine_hang_timeout_s,
+        load_timeout_s=server_config.load_timeout_s,
         on_give_up=lambda reason: holder[0].give_up(reason),
     )
     ctx = ServingContext(client, tokenizer, server_config, Metrics(served_name), served_name)

@@ -2,7 +2,7 @@
 
 Owns what the API process needs beyond the engine's `EngineConfig`: where to listen, the API key,
 the served model name, the chat template override, the cache report switch, the admission
-limit, and the operations timeouts (engine hang, shutdown drain). It reads no environment variables and holds no state.
+limit, and the operations timeouts (engine load, engine hang, shutdown drain). It reads no environment variables and holds no state.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from freetoken.errors import ConfigError
 from freetoken.tokenizer.reasoning import REASONING_PARSERS
 from freetoken.server.drain import DEFAULT_SHUTDOWN_TIMEOUT_S
 from freetoken.server.heartbeat import DEFAULT_HANG_TIMEOUT_S, MIN_HANG_TIMEOUT_S
+from freetoken.server.supervisor import DEFAULT_LOAD_TIMEOUT_S, MIN_LOAD_TIMEOUT_S
 from freetoken.tokenizer.tool_parsers import TOOL_PARSERS
 
 
@@ -37,6 +38,7 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()  # --allowed-origins: CORS origins ("*": any); empty = no CORS headers
     unprefixed_routes: bool = False  # --unprefixed-routes: the OpenAI routes also answer without /v1
     engine_hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S  # --engine-hang-timeout: no engine heartbeat for this long = hung
+    load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S  # --load-timeout: an engine process not Ready this long after its start is killed
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S  # --shutdown-timeout: how long a drain waits for in-flight requests
 
     def validate(self) -> None:
@@ -67,6 +69,8 @@ class ServerConfig:
             raise ConfigError(
                 f"--engine-hang-timeout must be at least {MIN_HANG_TIMEOUT_S:g} s (4 heartbeats), got {self.engine_hang_timeout_s}"
             )
+        if not MIN_LOAD_TIMEOUT_S <= self.load_timeout_s < float("inf"):
+            raise ConfigError(f"--load-timeout must be at least {MIN_LOAD_TIMEOUT_S:g} s, got {self.load_timeout_s}")
         if not 0 <= self.shutdown_timeout_s < float("inf"):
             raise ConfigError(f"--shutdown-timeout must be a number of seconds >= 0, got {self.shutdown_timeout_s}")
 

@@ -4,8 +4,10 @@ Owns the engine process's life: a `spawn` start (the API process never forks its
 engine), watching the process sentinel on the asyncio loop so that a death is seen the moment it
 happens, the restart policy (exponential backoff, a bounded number of restarts within a window,
 no restart at all when the engine reported that its model or configuration cannot work), the
-restart count, killing a hung engine on request (`kill`, then it is handled like a death), and
-the stop sequence (wait, terminate, kill). It does not talk to the engine:
+restart count, the load deadline (an engine process that has not said Ready `load_timeout_s` after
+its start is killed: before any engine served, the supervisor then gives up; a restart that
+times out counts as a death under the restart policy), killing a hung engine on request
+(`kill`, then it is handled like a death), and the stop sequence (wait, terminate, kill). It does not talk to the engine:
 the client owns the sockets and is told through two callbacks, `on_spawn` (a new incarnation
 is about to start: give it its endpoints) and `on_exit` (it is gone, and what happens next).
 It never imports torch: the engine process imports its main module itself.
@@ -31,6 +33,14 @@ log = logging.getLogger("freetoken.server")
 EXIT_OK = 0
 EXIT_FAILED = 1  # a fatal error while serving: a restart may help
 EXIT_STARTUP = 3  # the model or the configuration cannot work: a restart will not help
+
+# --load-timeout: from the engine process's start to its Ready (interpreter start, model load,
+# pools, handshake). Gemma 3 270M takes ~4 s here (3.3 s of it the load) and ~12 s on a busier
+# machine; a load reads and converts every weight byte (~13 s/GB at that rate), so a 20 GB
+# checkpoint needs ~4-5 min: 600 s leaves room for that and a cold disk, and still ends a load
+# that hangs (a stuck mount, a frozen device) within ten minutes. docs/operations.md.
+DEFAULT_LOAD_TIMEOUT_S = 600.0
+MIN_LOAD_TIMEOUT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -69,6 +79,7 @@ class ExitReport:
     how: str  # "exited with code 1", "was killed by SIGKILL"
     restart_in: float | None
     why_not: str | None = None  # why the supervisor gave up
+    cause: str | None = None  # why the supervisor killed it (a hang, the load deadline)
 
 
 def describe_exit(exitcode: int | None) -> str:
@@ -123,8 +134,10 @@ class Supervisor:
         on_spawn: Callable[[int], WorkerEndpoints],
         on_exit: Callable[[ExitReport], Awaitable[None]],
         policy: RestartPolicy | None = None,
+        load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
     ) -> None:
         self._config = config
+        self.load_timeout_s = load_timeout_s
         self._served_name = served_name
         self._on_spawn = on_spawn
         self._on_exit = on_exit
@@ -136,6 +149,8 @@ class Supervisor:
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self._killed_because: str | None = None  # set by kill(): why the current process was killed
+        self._ready = asyncio.Event()  # the current process said Ready: its load deadline is off
+        self.served = False  # some engine process of this supervisor said Ready
 
     @property
     def pid(self) -> int | None:
@@ -155,6 +170,7 @@ class Supervisor:
     async def _run(self) -> None:
         incarnation = 0
         while not self._stopping:
+            self._ready.clear()
             endpoints = self._on_spawn(incarnation)
             process = self._mp.Process(
                 target=_engine_process_main,
@@ -169,17 +185,20 @@ class Supervisor:
             else:
                 self.process = process
                 log.info("engine process %d started (incarnation %d)", process.pid, incarnation)
+                load_timed_out = not await self._loaded_in_time(process)
+                if load_timed_out:
+                    self.kill(
+                        f"the engine process {process.pid} did not load {self._config.model} "
+                        f"within --load-timeout {self.load_timeout_s:g} s"
+                    )
                 await _sentinel_ready(process, None)
                 process.join(1.0)  # the process is gone: this only reaps it
                 if self._stopping:
                     return
-                how = describe_exit(process.exitcode)
-                if self._killed_because is not None:
-                    how = f"{self._killed_because}; it {how}"
-                    self._killed_because = None
-                report = self._plan(process.pid, process.exitcode, how)
+                cause, self._killed_because = self._killed_because, None
+                report = self._plan(process.pid, process.exitcode, describe_exit(process.exitcode), cause, load_timed_out)
             log.error(
-                "engine process %s %s; %s", report.pid, report.how,
+                "engine process %s %s%s; %s", report.pid, report.how, f" ({report.cause})" if report.cause else "",
                 f"restarting in {report.restart_in:.1f} s" if report.restart_in is not None else f"giving up: {report.why_not}",
             )
             await self._on_exit(report)
@@ -189,16 +208,37 @@ class Supervisor:
             self.restarts += 1
             incarnation += 1
 
-    def _plan(self, pid: int | None, code: int | None, how: str) -> ExitReport:
+    async def _loaded_in_time(self, process: multiprocessing.process.BaseProcess) -> bool:
+        """Wait until `process` said Ready (`ready()`) or is gone; False when `load_timeout_s`
+        passed first."""
+        gone = asyncio.ensure_future(_sentinel_ready(process, None))
+        ready = asyncio.ensure_future(self._ready.wait())
+        try:
+            done, _ = await asyncio.wait({gone, ready}, timeout=self.load_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in (gone, ready):
+                waiter.cancel()
+            await asyncio.gather(gone, ready, return_exceptions=True)
+        return bool(done)
+
+    def ready(self) -> None:
+        """The current engine process said Ready: its load deadline no longer applies."""
+        self.served = True
+        self._ready.set()
+
+    def _plan(self, pid: int | None, code: int | None, how: str, cause: str | None, load_timed_out: bool) -> ExitReport:
         if code == EXIT_STARTUP:
-            return ExitReport(pid, code, how, None, "the engine cannot start with this model and configuration")
+            return ExitReport(pid, code, how, None, "the engine cannot start with this model and configuration", cause)
+        if load_timed_out and not self.served:
+            why_not = "no engine process has loaded the model in time yet (raise --load-timeout for a large model or a slow disk)"
+            return ExitReport(pid, code, how, None, why_not, cause)
         now = time.monotonic()
         self._exit_times.append(now)
         delay = self.policy.next_delay(self._exit_times, now)
         why_not = None
         if delay is None:
             why_not = f"it died more than {self.policy.max_restarts} times within {self.policy.window_s:.0f} s"
-        return ExitReport(pid, code, how, delay, why_not)
+        return ExitReport(pid, code, how, delay, why_not, cause)
 
     def kill(self, why: str) -> None:
         """SIGKILL the current engine process (it hung): the watch loop then sees a death and

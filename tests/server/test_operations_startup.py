@@ -41,6 +41,8 @@ def test_contradictory_flags_exit_2_naming_them(tiny_gemma_dir: Path) -> None:
     assert out.returncode == 2 and "--swa-full-tokens-ratio and --swa-pool-tokens" in out.stderr, out.stderr
     out = serve(str(tiny_gemma_dir), "--engine-hang-timeout", "0.1")
     assert out.returncode == 2 and "--engine-hang-timeout" in out.stderr, out.stderr
+    out = serve(str(tiny_gemma_dir), "--load-timeout", "0")
+    assert out.returncode == 2 and "--load-timeout must be at least" in out.stderr, out.stderr
 
 
 def test_unloadable_weights_exit_1_after_giving_up(tiny_gemma_dir: Path, tmp_path: Path) -> None:
