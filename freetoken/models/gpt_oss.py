@@ -26,7 +26,7 @@ from freetoken.models.layers import (
     qkv_linear, split_qkv, strip_prefix,
 )
 from freetoken.ops.quantized import QuantizedWeight
-from freetoken.weights.dequant import hf_mxfp4_codes, mxfp4_matrix
+from freetoken.weights.dequant import Deferred, hf_mxfp4_codes, mxfp4_matrix
 
 
 def _norm(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> RMSNorm:
@@ -66,16 +66,22 @@ def clamped_swiglu(config: ModelConfig) -> Activation:
     return act
 
 
-def _mxfp4_stack(blocks: torch.Tensor, scales: torch.Tensor, name: str) -> list[torch.Tensor | QuantizedWeight]:
-    """HF MXFP4 `blocks` [E, N, G, 16] and `scales` [E, N, G] -> E matrices [N, 32 G]."""
-    codes = hf_mxfp4_codes(blocks)  # [E, N, K]
-    return [mxfp4_matrix(codes[e], scales[e], f"{name} expert {e}") for e in range(codes.shape[0])]
+def _mxfp4_stack(blocks: torch.Tensor, scales: torch.Tensor, name: str) -> list[Deferred]:
+    """HF MXFP4 `blocks` [E, N, G, 16] and `scales` [E, N, G] -> E matrices [N, 32 G], each
+    decoded (to the exact 8-bit form) only when the experts load or, offloaded, on a miss."""
+    E, N, G = scales.shape
+
+    def decode(e: int) -> torch.Tensor | QuantizedWeight:
+        return mxfp4_matrix(hf_mxfp4_codes(blocks[e]), scales[e], f"{name} expert {e}")
+
+    return [Deferred((N, 32 * G), blocks[e].numel() + scales[e].numel(), lambda e=e: decode(e)) for e in range(E)]
 
 
 def split_experts(tensors: dict[str, Weight], layer: int, weights: str) -> tuple[ExpertStack, ...]:
     """Take layer `layer`'s expert tensors out of `tensors` (HF names, `model.` optional): HF's
     float `gate_up_proj` [E, H, 2I] (gate at even columns) and `down_proj` [E, I, H], or their
-    MXFP4 `*_blocks` / `*_scales` [E, out, in / 32, (16)], plus the biases -> Experts.load's
+    MXFP4 `*_blocks` / `*_scales` [E, out, in / 32, (16)], or the GGUF loader's per-expert lists
+    `gate_proj` / `up_proj` [I, H] and `down_proj` [H, I], plus the biases -> Experts.load's
     (gate [E, I, H], up, down [E, H, I], gate_bias [E, I], up_bias, down_bias), `weights` applied."""
     take: dict[str, Weight] = {}
     for prefix in (f"model.layers.{layer}.mlp.experts.", f"layers.{layer}.mlp.experts."):
@@ -84,14 +90,19 @@ def split_experts(tensors: dict[str, Weight], layer: int, weights: str) -> tuple
     name = f"layers.{layer}.mlp.experts"
     if "gate_up_proj_blocks" in take and "gate_up_proj_scales" in take:
         gate_up = _mxfp4_stack(take.pop("gate_up_proj_blocks"), take.pop("gate_up_proj_scales"), name)  # E x [2I, H]
-        down = _mxfp4_stack(take.pop("down_proj_blocks"), take.pop("down_proj_scales"), name)  # E x [H, I]
+        blocks, scales = take.pop("down_proj_blocks", None), take.pop("down_proj_scales", None)
+        down = None if blocks is None or scales is None else _mxfp4_stack(blocks, scales, name)  # E x [H, I]
         gate = [every_other_row(w, 0) for w in gate_up]
         up = [every_other_row(w, 1) for w in gate_up]
+    elif "gate_proj" in take and "up_proj" in take:  # GGUF stacks kept packed: E matrices [out, in] each
+        gate, up, down = take.pop("gate_proj"), take.pop("up_proj"), take.pop("down_proj", None)
     elif "gate_up_proj" in take and "down_proj" in take:
         stacked = take.pop("gate_up_proj").transpose(1, 2)  # [E, 2I, H]
         gate, up = stacked[:, 0::2], stacked[:, 1::2]  # [E, I, H] each
         down = take.pop("down_proj").transpose(1, 2)  # [E, H, I]
     else:
+        down = None
+    if down is None:
         raise ModelLoadError(f"missing tensors: {name}.gate_up_proj / down_proj (or their MXFP4 _blocks / _scales)")
     bias, down_bias = take.pop("gate_up_proj_bias", None), take.pop("down_proj_bias", None)
     if bias is None or down_bias is None or take:

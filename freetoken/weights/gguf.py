@@ -10,23 +10,53 @@ ModelLoadError.
 
 from __future__ import annotations
 
+import re
 import sys
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
 from freetoken.errors import ModelLoadError
 from freetoken.ops.quantized import QuantizedWeight
-from freetoken.weights.dequant import SUPPORTED_TYPES, dequantize, type_name
+from freetoken.weights.dequant import SUPPORTED_TYPES, Deferred, dequantize, gguf_mxfp4_blocks, mxfp4_matrix, type_name
 from freetoken.weights.gguf_config import architecture_of, hf_config_from_metadata
 from freetoken.weights.gguf_file import GGUFFile, GGUFTensorInfo
 from freetoken.weights.gguf_metadata import metadata_of, open_gguf
 from freetoken.weights.names import HFTensorAssembler, hf_target
-from freetoken.weights.requant import INTEGER_TYPES, to_quantized
+from freetoken.weights.requant import INTEGER_TYPES, QType, to_quantized
+
+# Stacked expert matrices kept in their file form (`keep_quantized`): integer types and MXFP4.
+EXPERT_TYPES: frozenset[int] = INTEGER_TYPES | {QType.MXFP4}
+_EXPERT_STACK = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
+
+
+def expert_stack_name(gguf_name: str) -> str | None:
+    """`blk.N.ffn_{gate,up,down}_exps.weight` (llama.cpp's name in every MoE architecture) ->
+    `model.layers.N.mlp.experts.{gate,up,down}_proj`: FreeToken's name for a list of E per-expert
+    matrices [out, in] (`models.experts.Experts.load`); None for any other tensor."""
+    m = _EXPERT_STACK.fullmatch(gguf_name)
+    return None if m is None else f"model.layers.{m[1]}.mlp.experts.{m[2]}_proj"
+
+
+def expert_stack(data: np.ndarray, qtype: int, shape: tuple[int, ...], name: str) -> list[Deferred]:
+    """A stacked [E, N, K] expert tensor -> E matrices decoded on demand from their slice of the
+    memory map (group-32 integers exactly; MXFP4 widened exactly to 8 bits where it can be)."""
+    E, N, K = (int(d) for d in shape)
+    per = data.shape[0] // E
+
+    def decode(e: int) -> torch.Tensor | QuantizedWeight:
+        raw = data[e * per : (e + 1) * per]
+        if qtype == QType.MXFP4:
+            return mxfp4_matrix(*gguf_mxfp4_blocks(raw, N, K), f"{name} expert {e}")
+        return to_quantized(raw, qtype, (N, K), f"{name} expert {e}")
+
+    return [Deferred((N, K), per, lambda e=e: decode(e)) for e in range(E)]
+
 
 # Called after each tensor with (tensors done, tensors in the file, GGUF name of the tensor).
 ProgressCallback = Callable[[int, int, str], None]
@@ -87,7 +117,9 @@ def load_gguf(
 ) -> GGUFCheckpoint:
     """Read the GGUF file at `path`: HF config, HF-named tensors in `dtype` on `device`, metadata
     and the count of tensors per quant type. With `keep_quantized`, matrices of an integer GGML
-    type come back as `QuantizedWeight`s (on the CPU) instead of being dequantized."""
+    type come back as `QuantizedWeight`s (on the CPU) instead of being dequantized, and stacked
+    expert tensors of an integer type or MXFP4 as lists of `Deferred` per-expert matrices
+    (`expert_stack`)."""
     p = Path(path)
     reader = open_gguf(p)
     metadata = metadata_of(reader)
@@ -107,7 +139,10 @@ def load_gguf(
     for i, t in enumerate(reader.tensors):
         try:
             data = reader.tensor_data(t)
-            if keep_quantized and len(t.shape) == 2 and t.ggml_type in INTEGER_TYPES:
+            expert = expert_stack_name(t.name) if keep_quantized and t.ggml_type in EXPERT_TYPES else None
+            if expert is not None and len(t.shape) == 3:
+                assembler.tensors[expert] = expert_stack(data, t.ggml_type, t.shape, t.name)
+            elif keep_quantized and len(t.shape) == 2 and t.ggml_type in INTEGER_TYPES:
                 assembler.add_quantized(t.name, to_quantized(data, t.ggml_type, t.shape, t.name))
             else:
                 values = dequantize(data, t.ggml_type, t.shape, t.name, decode_dtype(t, dtype), device)
