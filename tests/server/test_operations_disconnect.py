@@ -1,5 +1,5 @@
-"""A client that disconnects from a non-streaming generation -- on the completions, chat and
-Anthropic messages routes -- gets its request aborted in the engine: the request is counted as
+"""A client that disconnects from a non-streaming generation -- on the completions, chat,
+Anthropic messages and Responses routes -- gets its request aborted in the engine: the request is counted as
 499, it generated far fewer tokens than it asked for, and its pages are free again (read from
 /v1/cache/status). The client is a raw socket, so the hang-up comes exactly when the test says.
 Deadlines are generous hang guards, nothing is timed."""
@@ -17,9 +17,10 @@ from serving import ServeProcess
 GUARD_S = 60.0
 MAX_TOKENS = 900
 ROUTES: dict[str, tuple[str, dict[str, Any]]] = {
-    "completions": ("/v1/completions", {"prompt": [5, 6, 7, 8], "ignore_eos": True}),
-    "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}),
-    "messages": ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}]}),
+    "completions": ("/v1/completions", {"prompt": [5, 6, 7, 8], "ignore_eos": True, "max_tokens": MAX_TOKENS}),
+    "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True, "max_tokens": MAX_TOKENS}),
+    "messages": ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": MAX_TOKENS}),
+    "responses": ("/v1/responses", {"input": "hi", "max_output_tokens": MAX_TOKENS}),
 }
 
 
@@ -65,7 +66,7 @@ def test_non_streaming_disconnect_aborts_and_frees_pages(server: ServeProcess, e
     path, fields = ROUTES[endpoint]
     before_499 = metric_total(server, endpoint, 499)
     start = server.cache_status()["engine"]["tokens_generated"]
-    sock = send_raw(server, path, {"model": "default", "max_tokens": MAX_TOKENS, "temperature": 0, **fields})
+    sock = send_raw(server, path, {"model": "default", "temperature": 0, **fields})
     try:
         generating = poll_status(server, lambda s: running_one(s) and s["engine"]["tokens_generated"] > start)
         assert running_one(generating), generating
@@ -74,6 +75,29 @@ def test_non_streaming_disconnect_aborts_and_frees_pages(server: ServeProcess, e
     freed = poll_status(server, all_free)
     assert all_free(freed), freed
     assert freed["engine"]["tokens_generated"] - start < MAX_TOKENS, freed["engine"]  # aborted, not finished
+    end = time.monotonic() + GUARD_S
+    while metric_total(server, endpoint, 499) == before_499 and time.monotonic() < end:
+        time.sleep(0.05)
+    assert metric_total(server, endpoint, 499) == before_499 + 1
+    server.assert_balanced_idle()
+
+
+@pytest.mark.parametrize("endpoint", sorted(ROUTES))
+def test_streaming_disconnect_aborts_and_frees_pages(server: ServeProcess, endpoint: str) -> None:
+    """The same hang-up after the first bytes of a stream: noticed at the next write."""
+    path, fields = ROUTES[endpoint]
+    before_499 = metric_total(server, endpoint, 499)
+    start = server.cache_status()["engine"]["tokens_generated"]
+    sock = send_raw(server, path, {"model": "default", "temperature": 0, "stream": True, **fields})
+    try:
+        assert b"data:" in sock.recv(65536) or b"data:" in sock.recv(65536)  # the stream has started
+        generating = poll_status(server, lambda s: running_one(s) and s["engine"]["tokens_generated"] > start)
+        assert running_one(generating), generating
+    finally:
+        sock.close()
+    freed = poll_status(server, all_free)
+    assert all_free(freed), freed
+    assert freed["engine"]["tokens_generated"] - start < MAX_TOKENS, freed["engine"]
     end = time.monotonic() + GUARD_S
     while metric_total(server, endpoint, 499) == before_499 and time.monotonic() < end:
         time.sleep(0.05)
