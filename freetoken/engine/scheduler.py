@@ -2,8 +2,8 @@
 
 Owns the waiting and running queues, admission over both KV pools, chunked prefill within
 `max_prefill_length`, preemption when a running request cannot grow, and (`--speculative ngram`)
-turning decode rows into verified chunks of 1 + k tokens once every other need is met: a draft
-takes free pages only, never evicts, and never costs anyone a preemption. Running out of a pool
+turning decode rows into verified chunks of 1 + k tokens once every other need of the step is
+met: a draft's pages may come from evicting the prefix cache, never from a preemption. Running out of a pool
 is a scheduling condition here: a request waits, or the youngest running one is preempted; it is
 never an exception. It does not run the model or sample.
 """
@@ -137,7 +137,7 @@ class Scheduler:
         return True
 
     def _draft(self, items: list[ScheduledItem], speculator: Speculator) -> None:
-        """Append a draft to each decode row that finds one and fits in free pages."""
+        """Append a draft to each decode row that finds one and whose pages can be had."""
         for item in items:
             if item.n != 1 or not item.samples or not item.req.output_ids:
                 continue

@@ -14,7 +14,7 @@ Every step of a request, in the order the engine calls it:
     kv.commit(rid, tokens_written, boundaries)  # tree takes its own references
     kv.release_out_of_window(rid, next_pos)   # SWA pages no later query can see
     ...
-    kv.extend_draft(rid, start + 1 + k)       # a verified chunk: free pages only, no eviction
+    kv.extend_draft(rid, start + 1 + k)       # a verified chunk (never worth a preemption)
     ... forward writes K/V of the last token and k drafted ones, j of them are accepted ...
     kv.accept(rid, start + 1 + j)             # pages only rejected tokens were written to go back
     kv.release_out_of_window(rid, start + 1 + j)
@@ -189,14 +189,11 @@ class KVManager:
         return True
 
     def extend_draft(self, rid: str, num_tokens: int) -> bool:
-        """Grow both tables to `num_tokens` for a verified chunk (speculative decoding) from
-        free pages only: a draft never evicts the prefix cache nor makes anyone wait. Until
+        """`extend` for a verified chunk (speculative decoding): the same all-or-nothing growth,
+        evicting tree-only pages as needed (the caller never preempts for a draft). Until
         `accept` resolves it the request has a pending draft (audit A6)."""
         req = self._req(rid)
-        need = self.pages_needed(rid, num_tokens)
-        if need > self.full_pool.num_free or (self.swa_pool is not None and need > self.swa_pool.num_free):
-            return False
-        if not self.extend(rid, num_tokens):  # free pages suffice: no eviction runs
+        if not self.extend(rid, num_tokens):
             return False
         req.draft_pending = req.drafted = True
         return True
