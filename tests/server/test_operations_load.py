@@ -157,3 +157,22 @@ def test_a_restart_after_a_hang_has_the_same_load_deadline() -> None:
         assert sup.restarts == 2 and not any(p.is_alive() for p in loads.started)
 
     asyncio.run(scenario())
+
+
+def test_restarts_that_keep_timing_out_end_in_giving_up() -> None:
+    """The restart policy bounds them: with max_restarts 2 (the hang was one exit), the second
+    timed-out restart ends it."""
+
+    async def scenario() -> None:
+        sup, loads, reports = supervised({0}, RestartPolicy(first_delay_s=0.01, max_restarts=2))
+        sup.start()
+        await wait_for(lambda: sup.served and len(loads.started) == 1)
+        sup.kill("the engine process stopped answering (test)")
+        await wait_for(lambda: not sup.watching)
+        assert len(reports) == 3 and len(loads.started) == 3, reports
+        assert reports[1].restart_in is not None and reports[2].restart_in is None, reports
+        assert all("--load-timeout 1 s" in (r.cause or "") for r in reports[1:]), reports
+        assert reports[2].why_not is not None and "died more than 2 times" in reports[2].why_not, reports[2]
+        assert not any(p.is_alive() for p in loads.started)
+
+    asyncio.run(scenario())
