@@ -4,12 +4,13 @@ Owns the engine process's life: a `spawn` start (the API process never forks its
 engine), watching the process sentinel on the asyncio loop so that a death is seen the moment it
 happens, the restart policy (exponential backoff, a bounded number of restarts within a window,
 no restart at all when the engine reported that its model or configuration cannot work), the
-restart count, the load deadline (an engine process that has not said Ready `load_timeout_s` after
-its start is killed: before any engine served, the supervisor then gives up; a restart that
-times out counts as a death under the restart policy), killing a hung engine on request
-(`kill`, then it is handled like a death), and the stop sequence (wait, terminate, kill). It does not talk to the engine:
-the client owns the sockets and is told through two callbacks, `on_spawn` (a new incarnation
-is about to start: give it its endpoints) and `on_exit` (it is gone, and what happens next).
+restart count, the load deadline (an engine process that has not said Ready `load_timeout_s`
+after its start is killed: before any engine served, the supervisor then gives up; a restart
+that times out counts as a death under the restart policy), killing a hung engine on request
+(`kill`, then it is handled like a death), and the stop sequence (wait, terminate, kill). It
+does not talk to the engine: the client owns the sockets, tells it when the engine said Ready
+(`ready`), and is told through two callbacks, `on_spawn` (a new incarnation is about to start:
+give it its endpoints) and `on_exit` (it is gone, and what happens next).
 It never imports torch: the engine process imports its main module itself.
 """
 
@@ -241,8 +242,8 @@ class Supervisor:
         return ExitReport(pid, code, how, delay, why_not, cause)
 
     def kill(self, why: str) -> None:
-        """SIGKILL the current engine process (it hung): the watch loop then sees a death and
-        restarts it by the policy, with `why` in the exit report."""
+        """SIGKILL the current engine process (it hung, or missed its load deadline): the watch
+        loop then sees a death and plans what follows, with `why` as the exit report's cause."""
         process = self.process
         if process is None or process.exitcode is not None or self._stopping:
             return
