@@ -98,6 +98,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="bf16 = quantized linear layers also keep a --dtype copy for prefill batches (about 2x faster prefill, ~2 bytes per layer weight more memory); quantized = no copy (default bf16)")
     p.add_argument("--weights", default="auto", choices=["auto", "bf16", "int8", "int4"],
                    help="what matrices run as: auto = the file's precision class (4-bit types int4, 5/6/8-bit int8, float bf16), bf16 = the --dtype, int8/int4 = quantized (default auto)")
+    p.add_argument("--moe-strategy", default="resident", choices=["resident", "offload"],
+                   help="MoE experts: resident = all decoded at load; offload = kept in the file, the hot ones in an LRU cache of --expert-cache-gb (docs/moe.md; default resident)")
+    p.add_argument("--expert-cache-gb", type=float, default=4.0, metavar="GB",
+                   help="offload: the expert cache's budget in GiB (default 4; POST /admin/cache/resize moves it at run time)")
     p.add_argument("--debug-kv", action="store_true", help="audit the KV cache after every step; a violation is fatal (for tests)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="engine processes, one per rank, each holding 1/N of every layer (gloo on CPU, nccl on CUDA; default 1)")
@@ -163,6 +167,8 @@ def _serve(args: argparse.Namespace) -> None:
         kv_cache_dtype=args.kv_cache_dtype,
         threads=args.threads,
         tensor_parallel_size=args.tensor_parallel_size,
+        moe_strategy=args.moe_strategy,
+        expert_cache_gb=args.expert_cache_gb,
     )
     engine.validate()
     check_model_heads(engine.model, engine.tensor_parallel_size)  # before listening: one line

@@ -15,6 +15,7 @@ from freetoken.errors import ConfigError
 CACHE_TYPES = ("naive", "radix", "swa_radix")
 # The --weights policies (kept here, below models, so validation needs no model import).
 WEIGHT_POLICIES = ("auto", "bf16", "int8", "int4")
+MOE_STRATEGIES = ("resident", "offload")  # --moe-strategy (models/experts.py)
 KV_CACHE_DTYPES = ("auto", "bf16", "int8", "q8_0", "fp8_e4m3")  # kv/tensors.py stores them (q8_0 = int8)
 
 
@@ -53,6 +54,8 @@ class EngineConfig:
     spec_max_draft: int = 8  # drafted tokens per verified chunk at most
     spec_ngram_min: int = 2  # n-gram sizes looked up, longest first
     spec_ngram_max: int = 4
+    moe_strategy: str = "resident"  # resident | offload: experts decoded at load, or an LRU cache over the file (docs/moe.md)
+    expert_cache_gb: float = 4.0  # offload: the expert cache's budget (resizable: POST /admin/cache/resize)
 
     def validate(self) -> None:
         """Raise ConfigError on flags that cannot work, naming the flag."""
@@ -64,6 +67,12 @@ class EngineConfig:
             raise ConfigError(f"--tensor-parallel-size must be at least 1, got {self.tensor_parallel_size}")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"--threads must be at least 1, got {self.threads}")
+        if self.moe_strategy not in MOE_STRATEGIES:
+            raise ConfigError(f"--moe-strategy must be one of {', '.join(MOE_STRATEGIES)}, got {self.moe_strategy!r}")
+        if self.expert_cache_gb < 0:
+            raise ConfigError(f"--expert-cache-gb must be at least 0, got {self.expert_cache_gb}")
+        if self.moe_strategy == "offload" and self.tensor_parallel_size > 1:
+            raise ConfigError("--moe-strategy offload does not support --tensor-parallel-size above 1")
         if self.cache_type not in CACHE_TYPES:
             raise ConfigError(f"--cache-type must be one of {', '.join(CACHE_TYPES)}, got {self.cache_type!r}")
         positive = {

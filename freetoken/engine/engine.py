@@ -23,7 +23,7 @@ import torch
 
 from freetoken.config import ResolvedConfig
 from freetoken.engine.grammar import GrammarCompiler, GrammarError, GrammarSet
-from freetoken.engine.resize import ResizeRefused, resize_pools, settle
+from freetoken.engine.resize import ResizeRefused, resize_memory, settle
 from freetoken.engine.runner import Runner
 from freetoken.engine.sampler import SampleResult, prompt_logprobs, sample
 from freetoken.engine.scheduler import ScheduledItem, Scheduler
@@ -31,6 +31,7 @@ from freetoken.engine.speculative import accepted, rewind
 from freetoken.errors import FreeTokenError
 from freetoken.kv.errors import KVIntegrityError
 from freetoken.kv.manager import KVManager
+from freetoken.models.experts import expert_cache, expert_status
 from freetoken.request import FinishReason, Request, RequestStatus, TokenLogprob
 
 log = logging.getLogger("freetoken.engine")
@@ -344,13 +345,16 @@ class Engine:
                 self._finish(req, FinishReason.ERROR, message)
                 updates[rid] = RequestUpdate(rid, finished=True, finish_reason=FinishReason.ERROR, error=message)
 
-    def resize(self, full_tokens: int | None = None, swa_tokens: int | None = None) -> dict[str, dict[str, int]]:
-        """Resize the KV pools now (engine/resize.py); raises ResizeRefused."""
+    def resize(
+        self, full_tokens: int | None = None, swa_tokens: int | None = None, expert_cache_gb: float | None = None
+    ) -> dict[str, dict[str, int]]:
+        """Resize the KV pools and/or the expert cache now (engine/resize.py); raises ResizeRefused."""
         if not self.runner.resizable:
             raise ResizeRefused("resizing the KV pools is not supported with tensor parallelism", "full_tokens")
-        return resize_pools(
-            self.kv, self.runner.resize_kv, self.requests.values(), full_tokens=full_tokens,
-            swa_tokens=swa_tokens, page_size=self.config.engine.page_size, swa_floor=self.config.swa_floor,
+        return resize_memory(
+            self.kv, self.runner.resize_kv, self.requests.values(), expert_cache(self.runner.model),
+            full_tokens=full_tokens, swa_tokens=swa_tokens, expert_cache_gb=expert_cache_gb,
+            page_size=self.config.engine.page_size, swa_floor=self.config.swa_floor,
         )
 
     def status(self) -> dict[str, object]:
@@ -359,6 +363,9 @@ class Engine:
         if self.config.swa_floor is not None:
             doc["floor"] = self.config.swa_floor
         doc["preemptions"] = self.scheduler.preemptions
+        experts = expert_status(self.runner.model)
+        if experts is not None:
+            doc["experts"] = experts  # strategy, and the offload cache's counters
         return doc
 
 

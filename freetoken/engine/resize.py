@@ -9,6 +9,11 @@ the pages running requests hold; one shrink of a pool at a time; both pools chec
 either changes. The K/V tensors follow the pools: grown before a grow, shrunk once a shrink has
 completed (`settle`). Ownership is never changed here: the manager drops the tree's references
 above a shrink target and retires pages as their holders release them.
+
+The expert cache of `--moe-strategy offload` shares the budget (`resize_memory`): in one call the
+bytes can move between it and the KV pools: the pools are checked and resized first (a refusal
+changes nothing), then the cache (a shrink frees at once; an evicted expert is decoded again from
+its backing store when next routed to). A KV shrink completes as running requests release pages.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from collections.abc import Callable, Iterable
 
 from freetoken.errors import FreeTokenError
 from freetoken.kv.manager import KVManager
+from freetoken.models.experts_cache import GIB, ExpertCache
 from freetoken.request import Request
 
 ResizeTensors = Callable[[str, int], None]  # (pool kind, pages): reallocate that pool's K/V
@@ -102,3 +108,35 @@ def settle(kv: KVManager, resize_tensors: ResizeTensors) -> None:
     if kv.shrinking():
         for kind in kv.finish_shrinks():
             resize_tensors(kind, kv.capacity(kind))
+
+
+def resize_memory(
+    kv: KVManager,
+    resize_tensors: ResizeTensors,
+    requests: Iterable[Request],
+    cache: ExpertCache | None,
+    *,
+    full_tokens: int | None,
+    swa_tokens: int | None,
+    expert_cache_gb: float | None,
+    page_size: int,
+    swa_floor: int | None,
+) -> dict[str, dict[str, int]]:
+    """`resize_pools` for the pools given, and the expert cache to `expert_cache_gb` GiB when
+    given (as `experts`: capacity_bytes, bytes held, freed_bytes). Checked before anything changes;
+    raises ResizeRefused."""
+    if expert_cache_gb is None:
+        return resize_pools(kv, resize_tensors, requests, full_tokens=full_tokens, swa_tokens=swa_tokens,
+                            page_size=page_size, swa_floor=swa_floor)
+    if cache is None:
+        raise ResizeRefused("expert_cache_gb needs a MoE model served with --moe-strategy offload", "expert_cache_gb",
+                            conflict=False)
+    if expert_cache_gb < 0:
+        raise ResizeRefused(f"expert_cache_gb must be at least 0, got {expert_cache_gb}", "expert_cache_gb", conflict=False)
+    out: dict[str, dict[str, int]] = {}
+    if full_tokens is not None or swa_tokens is not None:  # refused before anything changes
+        out = resize_pools(kv, resize_tensors, requests, full_tokens=full_tokens, swa_tokens=swa_tokens,
+                           page_size=page_size, swa_floor=swa_floor)
+    freed = cache.resize(int(expert_cache_gb * GIB))
+    out["experts"] = {"capacity_bytes": cache.capacity_bytes, "bytes": cache.bytes, "freed_bytes": freed}
+    return out

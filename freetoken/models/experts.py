@@ -29,8 +29,6 @@ from freetoken.ops.qlinear import PackedWeight, qlinear
 from freetoken.ops.quantized import QuantizedWeight, concat, dequantize
 from freetoken.weights.dequant import Deferred
 
-MOE_STRATEGIES = ("resident", "offload")
-
 # The family's gated activation: act(gate [n, I], up [n, I]) -> [n, I].
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # One expert matrix [N, K] as a loader gives it.

@@ -15,6 +15,8 @@ import torch
 from freetoken.errors import ModelLoadError
 from freetoken.models import shard
 from freetoken.models.config import ModelConfig
+from freetoken.models.experts import offload_experts
+from freetoken.models.experts_cache import GIB, ExpertCache
 from freetoken.models.linear import check_policy
 from freetoken.models.registry import build_model
 from freetoken.tokenizer import Tokenizer
@@ -44,14 +46,16 @@ def load_tokenizer(source: ModelSource, metadata: dict[str, object] | None) -> T
 
 def load_model(
     spec: str | None, dtype: torch.dtype, device: torch.device, weights: str = "bf16", prefill_weights: str = "quantized",
-    rank: int = 0, world: int = 1,
+    rank: int = 0, world: int = 1, moe_strategy: str = "resident", expert_cache_gb: float = 0.0,
 ) -> LoadedModel:
     """Resolve `spec`, read its weights, build the model on `device` with activations in `dtype`
     and each matrix as the `weights` policy says (`models.linear.apply_policy`; `bf16`, the
     default here, is every weight in `dtype`; the serving default is `auto`). `prefill_weights`
     `bf16` also keeps each quantized linear layer dequantized to `dtype` for prefill batches.
     With `world` > 1 the model is rank `rank`'s tensor-parallel shard (`models.shard`; the
-    process group must be joined): `config` stays the whole model's, `model.config` is the shard's."""
+    process group must be joined): `config` stays the whole model's, `model.config` is the shard's.
+    `moe_strategy` `offload` leaves the experts in the checkpoint (the GGUF memory map) and decodes
+    them on demand into an LRU cache of `expert_cache_gb` GiB (models/experts.py)."""
     check_policy(weights)
     t0 = time.perf_counter()
     source = resolve_model(spec)
@@ -65,6 +69,8 @@ def load_model(
         plan = shard.ShardPlan(rank, world, config)
         tensors = shard.shard_tensors(tensors, plan)
     model = build_model(config if plan is None else plan.local_config(), dtype, device)
+    if moe_strategy == "offload":
+        offload_experts(model, ExpertCache(int(expert_cache_gb * GIB)))
     try:
         model.load_weights(tensors, weights, prefill_weights == "bf16")
     except (KeyError, ValueError, RuntimeError) as err:

@@ -1,10 +1,11 @@
-"""`POST /admin/cache/resize`: resize the engine's KV pools at run time (behind the API key).
+"""`POST /admin/cache/resize`: resize the engine's KV pools and expert cache at run time (behind the API key).
 
-Owns the route's body (`{"full_tokens": N, "swa_tokens": M}`, either or both, in tokens; an
-unknown key or a value that is not a positive integer is a 400 naming it) and the mapping of the
+Owns the route's body (`{"full_tokens": N, "swa_tokens": M, "expert_cache_gb": G}`, any of
+them, pools in tokens, the `--moe-strategy offload` expert cache in GiB; an unknown key or a
+value that is not a positive integer (G: a number >= 0) is a 400 naming it) and the mapping of the
 engine's answer to HTTP: 200 with the new sizes (`pools.<kind>.capacity` in pages, `tokens`,
 `pending_release`: pages running requests still hold above a shrink's target; /v1/cache/status
-shows them go), 409 naming the key when the engine's state blocks it (a floor, pages running
+shows them go; `pools.experts`: `capacity_bytes`, `bytes`, `freed_bytes`), 409 naming the key when the engine's state blocks it (a floor, pages running
 requests hold, a shrink still in progress), 400 when the value itself cannot work. The policy is
 the engine's (`freetoken/engine/resize.py`); this module never imports torch.
 """
@@ -23,13 +24,14 @@ class ResizeRequest(BaseModel):
 
     full_tokens: int | None = Field(default=None, ge=1)
     swa_tokens: int | None = Field(default=None, ge=1)
+    expert_cache_gb: float | None = Field(default=None, ge=0)
 
 
 async def resize_cache(ctx: ServingContext, req: ResizeRequest) -> JSONResponse:
     ctx.ready_info()
-    if req.full_tokens is None and req.swa_tokens is None:
-        raise bad_request("give full_tokens, swa_tokens or both (tokens of KV memory per pool)", param="full_tokens")
-    answer = await ctx.client.resize_cache(req.full_tokens, req.swa_tokens)
+    if req.full_tokens is None and req.swa_tokens is None and req.expert_cache_gb is None:
+        raise bad_request("give full_tokens, swa_tokens (tokens of KV memory per pool) or expert_cache_gb", param="full_tokens")
+    answer = await ctx.client.resize_cache(req.full_tokens, req.swa_tokens, req.expert_cache_gb)
     if not answer.get("ok"):
         message, param = str(answer.get("error")), answer.get("param")
         if answer.get("conflict"):

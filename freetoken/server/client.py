@@ -241,9 +241,11 @@ class EngineClient:
         """The engine's status document (`/v1/cache/status` fields plus `engine` counters)."""
         return await self._query(StatusQuery)
 
-    async def resize_cache(self, full_tokens: int | None, swa_tokens: int | None) -> dict[str, object]:
-        """Resize the engine's KV pools: `{"ok": true, "pools"}` or `{"ok": false, "error", "param", "conflict"}`."""
-        return await self._query(lambda qid: ResizeCache(qid, full_tokens, swa_tokens))
+    async def resize_cache(
+        self, full_tokens: int | None, swa_tokens: int | None, expert_cache_gb: float | None = None
+    ) -> dict[str, object]:
+        """Resize the engine's KV pools and expert cache: `{"ok": true, "pools"}` or `{"ok": false, "error", "param", "conflict"}`."""
+        return await self._query(lambda qid: ResizeCache(qid, full_tokens, swa_tokens, expert_cache_gb))
 
     async def _query(self, make: Callable[[int], object]) -> dict[str, object]:
         """Send the query `make(query_id)` and wait for its StatusReply."""

@@ -138,7 +138,7 @@ class WorkerLoop:
 
     def _resize(self, msg: ResizeCache) -> dict[str, object]:
         try:
-            pools = self.engine.resize(msg.full_tokens, msg.swa_tokens)
+            pools = self.engine.resize(msg.full_tokens, msg.swa_tokens, msg.expert_cache_gb)
         except ResizeRefused as err:
             return {"ok": False, "error": str(err), "param": err.param, "conflict": err.conflict}
         return {"ok": True, "pools": pools}
