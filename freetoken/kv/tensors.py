@@ -64,10 +64,18 @@ class KVLayout:
     sliding: tuple[bool, ...]  # per layer: True = sliding-window layer (SWA pool)
     num_kv_heads: int
     head_dim: int
+    swa_num_kv_heads: int | None = None  # the sliding layers' head shape where it differs (Gemma 4)
+    swa_head_dim: int | None = None
 
     @property
     def has_swa(self) -> bool:
         return any(self.sliding)
+
+    def head_shape(self, sliding: bool) -> tuple[int, int]:
+        """(n_kv_heads, head_dim) of the layers of one pool."""
+        if sliding:
+            return self.swa_num_kv_heads or self.num_kv_heads, self.swa_head_dim or self.head_dim
+        return self.num_kv_heads, self.head_dim
 
 
 class KVTensors:
@@ -100,7 +108,7 @@ class KVTensors:
         self.v: list[torch.Tensor] = []
         for sliding in self.sliding:
             pages = self.num_swa_pages if sliding else self.num_full_pages
-            shape = (pages + 1, page_size, config.num_kv_heads, config.head_dim)
+            shape = (pages + 1, page_size, *config.head_shape(sliding))
             self.k.append(self._zeros(shape))
             self.v.append(self._zeros(shape))
 
@@ -134,8 +142,9 @@ class KVTensors:
         layers = sum(1 for s in config.sliding if s == sliding)
         stored = storage_dtype(cache_dtype, dtype, device)
         element = torch.empty((), dtype=stored).element_size()
-        per_head = config.head_dim * element + (SCALE_BYTES * scale_blocks(config.head_dim) if stored in _QMAX else 0)
-        return 2 * layers * page_size * config.num_kv_heads * per_head
+        heads, head_dim = config.head_shape(sliding)
+        per_head = head_dim * element + (SCALE_BYTES * scale_blocks(head_dim) if stored in _QMAX else 0)
+        return 2 * layers * page_size * heads * per_head
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the K/V of T tokens: slots [T] int64 (>= page_size), k and v [T, n_kv_heads, head_dim]."""

@@ -9,7 +9,7 @@ weights.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from freetoken.errors import ModelLoadError
@@ -17,9 +17,11 @@ from freetoken.kv.tensors import KVLayout
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
-ARCHITECTURES = ("llama", "gemma3", "gpt_oss")
+ARCHITECTURES = ("llama", "gemma3", "gpt_oss", "qwen3", "qwen3_moe", "gemma4")
 
-_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# "proportional" (Gemma 4's full layers): default frequencies on the first partial_rotary_factor
+# of each head's rotary pairs, zero (no rotation) on the rest.
+_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 
 
 @dataclass(frozen=True)
@@ -27,7 +29,7 @@ class RopeConfig:
     """Rotary embedding of one layer kind. Fields other than `theta` matter only for scaled types:
     `factor` (linear, llama3, yarn), `original_max_position_embeddings` (llama3, yarn),
     `low_freq_factor`/`high_freq_factor` (llama3), `beta_fast`/`beta_slow`/`truncate`/
-    `attention_factor`/`mscale`/`mscale_all_dim` (yarn)."""
+    `attention_factor`/`mscale`/`mscale_all_dim` (yarn), `partial_rotary_factor` (proportional)."""
 
     theta: float
     rope_type: str = "default"
@@ -41,6 +43,7 @@ class RopeConfig:
     attention_factor: float | None = None
     mscale: float | None = None
     mscale_all_dim: float | None = None
+    partial_rotary_factor: float | None = None
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,12 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    moe_intermediate_size: int = 0  # one expert's width where it differs from the dense MLP's (Qwen3-MoE, Gemma 4)
+    norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1 (Qwen3-MoE)
+    dense_mlp_layers: tuple[int, ...] = ()  # MoE models: layers with a dense MLP instead of experts
+    global_head_dim: int | None = None  # Gemma 4: head_dim of full-attention layers (head_dim: sliding ones)
+    num_global_kv_heads: int | None = None  # Gemma 4: kv heads of full-attention layers
+    attention_k_eq_v: bool = False  # Gemma 4: full layers have no v_proj; values are the keys' projection
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
@@ -105,8 +114,21 @@ class ModelConfig:
         return tuple(i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION)
 
     def kv_layout(self) -> KVLayout:
-        """The shape of this model's paged K/V memory."""
-        return KVLayout(tuple(self.is_sliding(i) for i in range(self.num_layers)), self.num_kv_heads, self.head_dim)
+        """The shape of this model's paged K/V memory (Gemma 4: full and sliding heads differ)."""
+        sliding = tuple(self.is_sliding(i) for i in range(self.num_layers))
+        full = self.for_layer(self.full_layers[0]) if self.full_layers else self
+        if not self.has_swa or (full.num_kv_heads, full.head_dim) == (self.num_kv_heads, self.head_dim):
+            return KVLayout(sliding, full.num_kv_heads, full.head_dim)
+        return KVLayout(sliding, full.num_kv_heads, full.head_dim, self.num_kv_heads, self.head_dim)
+
+    def for_layer(self, layer: int) -> ModelConfig:
+        """This config with `layer`'s attention head shape (only Gemma 4's full layers differ)."""
+        if self.is_sliding(layer) or (self.global_head_dim is None and self.num_global_kv_heads is None):
+            return self
+        return replace(
+            self, head_dim=self.global_head_dim or self.head_dim, num_kv_heads=self.num_global_kv_heads or self.num_kv_heads,
+            global_head_dim=None, num_global_kv_heads=None,
+        )
 
     def is_sliding(self, layer: int) -> bool:
         return self.layer_types[layer] == SLIDING_ATTENTION
@@ -118,8 +140,13 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, config: Mapping[str, Any]) -> ModelConfig:
-        """Read a Hugging Face `config.json` dict (llama, gemma3_text, gemma3, gpt_oss)."""
+        """Read a Hugging Face `config.json` dict (llama, gemma3_text, gemma3, gpt_oss, qwen3,
+        qwen3_moe, gemma4_text, gemma4)."""
+        from freetoken.models.config_families import READERS  # Qwen3 and Gemma 4 readers; they import this module
+
         model_type = config.get("model_type")
+        if model_type in READERS:
+            return READERS[model_type](config)
         if model_type == "gemma3":
             text = config.get("text_config")
             if not isinstance(text, Mapping):
@@ -132,7 +159,8 @@ class ModelConfig:
         if model_type == "gpt_oss":
             return _from_gpt_oss(config)
         raise ModelLoadError(
-            f"unsupported model_type {model_type!r} (supported: llama, gemma3, gemma3_text, gpt_oss)"
+            f"unsupported model_type {model_type!r} (supported: llama, gemma3, gemma3_text, gpt_oss, "
+            "qwen3, qwen3_moe, gemma4, gemma4_text)"
         )
 
 
@@ -164,6 +192,7 @@ def _rope(params: Mapping[str, Any], theta: float) -> RopeConfig:
         attention_factor=opt("attention_factor"),
         mscale=opt("mscale"),
         mscale_all_dim=opt("mscale_all_dim"),
+        partial_rotary_factor=opt("partial_rotary_factor"),
     )
 
 

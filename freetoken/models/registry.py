@@ -16,9 +16,12 @@ from freetoken.errors import ModelLoadError
 from freetoken.kv.tensors import KVTensors
 from freetoken.models.config import ModelConfig
 from freetoken.models.gemma3 import Gemma3ForCausalLM
+from freetoken.models.gemma4 import Gemma4ForCausalLM
 from freetoken.models.gpt_oss import GptOssForCausalLM
 from freetoken.models.linear import Weight
 from freetoken.models.llama import LlamaForCausalLM
+from freetoken.models.qwen3 import Qwen3ForCausalLM
+from freetoken.models.qwen3_moe import Qwen3MoeForCausalLM
 
 
 class CausalLM(Protocol):
@@ -42,4 +45,10 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | 
         return Gemma3ForCausalLM(config, dtype, device)
     if config.architecture == "gpt_oss":
         return GptOssForCausalLM(config, dtype, device)
+    if config.architecture == "qwen3":
+        return Qwen3ForCausalLM(config, dtype, device)
+    if config.architecture == "qwen3_moe":
+        return Qwen3MoeForCausalLM(config, dtype, device)
+    if config.architecture == "gemma4":
+        return Gemma4ForCausalLM(config, dtype, device)
     raise ModelLoadError(f"unsupported architecture {config.architecture!r}")

@@ -13,8 +13,18 @@ What the files omit is filled in with the rules llama.cpp itself applies:
 - gpt-oss: layers alternate sliding / full starting with sliding; YaRN with beta_fast 32,
   beta_slow 1, no truncation of the correction range (as the model's own config.json); clamped
   SwiGLU with alpha 1.702 and limit 7.0.
+- qwen3 / qwen3moe: every layer full; head_dim from `attention.key_length`; qwen3moe renormalises
+  its top-k router weights (llama.cpp always does: `norm_topk_prob`), and a layer without
+  `ffn_gate_inp` has a dense MLP (`mlp_only_layers`).
+- gemma4: the per-layer `attention.sliding_window_pattern` (true = sliding) and
+  `attention.head_count_kv`; `key_length` is the full layers' head_dim, `key_length_swa` the
+  sliding ones'; rope `freq_base` on full layers (proportional, a quarter of the pairs turning:
+  the converter's `rope_freqs` tensor says so but is not read), `freq_base_swa` (default 10000)
+  on sliding ones; a full layer without `attn_v` reuses its keys as values (`attention_k_eq_v`);
+  experts when the file has `ffn_gate_inp`.
 
-It reads no tensor data and knows nothing of tensor names beyond `output.weight` (tied embeddings).
+It reads no tensor data and looks at tensor names only for tied embeddings (`output.weight`) and
+the Qwen3-MoE / Gemma 4 layer structure above.
 """
 
 from __future__ import annotations
@@ -33,8 +43,17 @@ GEMMA3_27B_LAYERS = 62
 GPT_OSS_SWIGLU_ALPHA = 1.702
 GPT_OSS_SWIGLU_LIMIT = 7.0
 
-_MODEL_TYPE = {"llama": "llama", "gemma3": "gemma3_text", "gpt-oss": "gpt_oss"}
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "gemma3": "Gemma3ForCausalLM", "gpt-oss": "GptOssForCausalLM"}
+GEMMA4_PARTIAL_ROTARY = 0.25
+GEMMA4_SWA_ROPE_BASE = 10_000.0
+
+_MODEL_TYPE = {
+    "llama": "llama", "gemma3": "gemma3_text", "gpt-oss": "gpt_oss", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
+    "gemma4": "gemma4_text",
+}
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM", "gemma3": "Gemma3ForCausalLM", "gpt-oss": "GptOssForCausalLM",
+    "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "gemma4": "Gemma4ForCausalLM",
+}
 
 _MISSING = object()
 
@@ -191,6 +210,88 @@ def _gpt_oss(k: _Keys, cfg: dict[str, object]) -> None:
         raise ModelLoadError("GGUF metadata lacks gpt-oss.expert_feed_forward_length")
 
 
+def _scaled_rope(k: _Keys, theta: float) -> dict[str, object]:
+    """The file's rope: default, or linear / YaRN scaling when `rope.scaling.type` says so."""
+    rope: dict[str, object] = {"rope_type": "default", "rope_theta": k.real("rope.freq_base", theta)}
+    kind = k.raw("rope.scaling.type", None)
+    if kind == "linear":
+        rope.update(rope_type="linear", factor=k.real("rope.scaling.factor"))
+    elif kind == "yarn":
+        rope.update(rope_type="yarn", factor=k.real("rope.scaling.factor"),
+                    original_max_position_embeddings=k.integer("rope.scaling.original_context_length"))
+    return rope
+
+
+def _qwen3(k: _Keys, cfg: dict[str, object], tensor_names: Collection[str]) -> None:
+    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])  # type: ignore[arg-type]
+    layers = int(cfg["num_hidden_layers"])  # type: ignore[arg-type]
+    cfg.update(
+        intermediate_size=k.integer("feed_forward_length", k.integer("expert_feed_forward_length", 0)),
+        head_dim=k.integer("attention.key_length", hidden // heads),
+        hidden_act="silu",
+        rope_parameters=_scaled_rope(k, 1_000_000.0),
+        attention_bias=False,
+        layer_types=[FULL] * layers,
+        sliding_window=None,
+        use_sliding_window=False,
+    )
+    if k.arch == "qwen3moe":
+        cfg.update(
+            num_experts=k.integer("expert_count"),
+            num_experts_per_tok=k.integer("expert_used_count"),
+            moe_intermediate_size=k.integer("expert_feed_forward_length"),
+            norm_topk_prob=bool(k.raw("expert_weights_norm", True)),
+            decoder_sparse_step=1,
+            mlp_only_layers=[i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names],
+        )
+
+
+def _per_layer(k: _Keys, key: str, layers: int) -> list[object]:
+    value = k.raw(key)
+    if not isinstance(value, list):
+        return [value] * layers
+    if len(value) != layers:
+        raise ModelLoadError(f"{k.arch}.{key} has {len(value)} entries for {layers} layers")
+    return value
+
+
+def _gemma4(k: _Keys, cfg: dict[str, object], tensor_names: Collection[str]) -> None:
+    layers = int(cfg["num_hidden_layers"])  # type: ignore[arg-type]
+    if k.integer("embedding_length_per_layer_input", 0) or k.integer("attention.shared_kv_layers", 0):
+        raise ModelLoadError("gemma4 with per-layer embeddings or shared KV layers (Gemma 4 E2B/E4B) is not supported")
+    sliding = [bool(flag) for flag in _per_layer(k, "attention.sliding_window_pattern", layers)]
+    kv_heads = [int(h) for h in _per_layer(k, "attention.head_count_kv", layers)]  # type: ignore[call-overload]
+    full = [i for i in range(layers) if not sliding[i]]
+    swa = [i for i in range(layers) if sliding[i]]
+    moe = any(f"blk.{i}.ffn_gate_inp.weight" in tensor_names for i in range(layers))
+    cfg.update(
+        intermediate_size=k.integer("feed_forward_length"),
+        head_dim=k.integer("attention.key_length_swa", k.integer("attention.key_length")),
+        global_head_dim=k.integer("attention.key_length"),
+        num_key_value_heads=kv_heads[swa[0]] if swa else kv_heads[0],
+        num_global_key_value_heads=kv_heads[full[0]] if full else None,
+        attention_k_eq_v=any(f"blk.{i}.attn_v.weight" not in tensor_names for i in full),
+        hidden_activation="gelu_pytorch_tanh",
+        rope_parameters={
+            SLIDING: {"rope_type": "default", "rope_theta": k.real("rope.freq_base_swa", GEMMA4_SWA_ROPE_BASE)},
+            FULL: {"rope_type": "proportional", "partial_rotary_factor": GEMMA4_PARTIAL_ROTARY,
+                   "rope_theta": k.real("rope.freq_base", 1_000_000.0)},
+        },
+        attention_bias=False,
+        sliding_window=k.integer("attention.sliding_window"),
+        layer_types=[SLIDING if s else FULL for s in sliding],
+        final_logit_softcapping=k.optional_real("final_logit_softcapping"),
+        hidden_size_per_layer_input=0,
+        num_kv_shared_layers=0,
+        enable_moe_block=moe,
+        num_experts=k.integer("expert_count") if moe else None,
+        top_k_experts=k.integer("expert_used_count") if moe else None,
+        moe_intermediate_size=k.integer("expert_feed_forward_length") if moe else None,
+    )
+    if len({kv_heads[i] for i in full}) > 1 or len({kv_heads[i] for i in swa}) > 1:
+        raise ModelLoadError(f"gemma4.attention.head_count_kv varies within a layer kind: {kv_heads}")
+
+
 def hf_config_from_metadata(metadata: Mapping[str, object], tensor_names: Collection[str]) -> dict[str, object]:
     """The HF config dict for a GGUF file's metadata and tensor names.
 
@@ -200,5 +301,10 @@ def hf_config_from_metadata(metadata: Mapping[str, object], tensor_names: Collec
     arch = architecture_of(metadata)
     k = _Keys(metadata, arch)
     cfg = _common(k, tensor_names)
-    {"llama": _llama, "gemma3": _gemma3, "gpt-oss": _gpt_oss}[arch](k, cfg)
+    if arch in ("qwen3", "qwen3moe"):
+        _qwen3(k, cfg, tensor_names)
+    elif arch == "gemma4":
+        _gemma4(k, cfg, tensor_names)
+    else:
+        {"llama": _llama, "gemma3": _gemma3, "gpt-oss": _gpt_oss}[arch](k, cfg)
     return cfg

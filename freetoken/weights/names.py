@@ -1,7 +1,8 @@
 """GGUF tensor names and layouts -> Hugging Face transformers names and layouts.
 
-Owns, for the architectures FreeToken runs from GGUF files (`llama`, `gemma3`, `gpt-oss`), which
-HF parameter each GGUF tensor becomes and how its values are rearranged on the way:
+Owns, for the architectures FreeToken runs from GGUF files (`llama`, `gemma3`, `gpt-oss`,
+`qwen3`, `qwen3moe`, `gemma4`), which HF parameter each GGUF tensor becomes and how its values are
+rearranged on the way:
 
 - llama: llama.cpp's converter permutes the rows of q_proj / k_proj (per head, from HF's
   "first half / second half" rotary layout to interleaved pairs); we undo that permutation.
@@ -10,6 +11,11 @@ HF parameter each GGUF tensor becomes and how its values are rearranged on the w
 - gpt-oss: experts are stored as separate gate / up / down stacks in ggml's [out, in] layout; HF
   keeps `gate_up_proj` [E, H, 2I] with gate and up interleaved on the last axis (gate at even
   indices), `down_proj` [E, I, H], and the biases alike.
+- qwen3 / qwen3moe / gemma4: no row permutation (llama.cpp ropes them NEOX-style, as HF) and no
+  norm shift (Gemma 4's norms multiply by w). Experts keep ggml's [E, out, in] = HF's layout;
+  qwen3moe's separate gate / up stacks join as HF's `gate_up_proj` [E, 2I, H], gate rows first
+  (gemma4 files hold it fused already). Gemma 4's router scale and per-expert scale are stored as
+  `ffn_gate_inp.scale` and `ffn_down_exps.scale`, its `layer_scalar` as `layer_output_scale`.
 
 A file without `output.weight` has tied embeddings: no `lm_head.weight` is produced, and the
 config says `tie_word_embeddings`. Matrices kept quantized (`add_quantized`) get the same row
@@ -25,7 +31,7 @@ import torch
 from freetoken.errors import ModelLoadError
 from freetoken.ops.quantized import QuantizedWeight
 
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "gemma3", "gpt-oss")
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "gemma3", "gpt-oss", "qwen3", "qwen3moe", "gemma4")
 
 _GLOBAL: dict[str, str] = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -78,6 +84,40 @@ _LAYER: dict[str, dict[str, str]] = {
     },
 }
 
+_QWEN3: dict[str, str] = {
+    **_ATTENTION,
+    **_DENSE_MLP,
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+_LAYER["qwen3"] = _QWEN3
+_LAYER["qwen3moe"] = {
+    **_QWEN3,
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_up_proj",
+    "ffn_up_exps.weight": "mlp.experts.gate_up_proj",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
+}
+_LAYER["gemma4"] = {
+    **_LAYER["gemma3"],
+    "pre_ffw_norm_2.weight": "pre_feedforward_layernorm_2.weight",
+    "post_ffw_norm_1.weight": "post_feedforward_layernorm_1.weight",
+    "post_ffw_norm_2.weight": "post_feedforward_layernorm_2.weight",
+    "layer_output_scale.weight": "layer_scalar",
+    "ffn_gate_inp.weight": "router.proj.weight",
+    "ffn_gate_inp.scale": "router.scale",
+    "ffn_down_exps.scale": "router.per_expert_scale",
+    "ffn_gate_up_exps.weight": "experts.gate_up_proj",
+    "ffn_gate_exps.weight": "experts.gate_up_proj",
+    "ffn_up_exps.weight": "experts.gate_up_proj",
+    "ffn_down_exps.weight": "experts.down_proj",
+}
+# Architectures whose separate expert gate / up stacks join along the rows (gate first) rather
+# than interleave on the last axis (gpt-oss).
+_ROW_JOINED = frozenset({"qwen3moe", "gemma4"})
+
 # Tensors llama.cpp writes that have no HF parameter: Llama 3 rope frequency factors (HF derives
 # them from the rope config) and the unused rotary table of old conversions.
 _IGNORED: frozenset[str] = frozenset({"rope_freqs.weight"})
@@ -89,8 +129,8 @@ _GATE_UP_PART: dict[str, int] = {"ffn_gate_exps": 0, "ffn_up_exps": 1}
 
 @dataclass(frozen=True)
 class Target:
-    """Where a GGUF tensor goes: an HF parameter, or one interleaved half of one (`part` 0 = gate
-    at even indices of the last axis, 1 = up at odd indices)."""
+    """Where a GGUF tensor goes: an HF parameter, or one half of one (`part` 0 = gate, 1 = up:
+    interleaved on the last axis for gpt-oss, gate rows then up rows for `_ROW_JOINED`)."""
 
     hf_name: str
     part: int | None = None
@@ -185,7 +225,7 @@ class HFTensorAssembler:
             return
         rest = gguf_name.split(".", 2)[2] if gguf_name.startswith("blk.") else gguf_name
         t = _to_hf_layout(self.arch, rest, tensor, self.n_heads, self.n_kv_heads)
-        if rest.startswith("ffn_gate_up_exps."):
+        if rest.startswith("ffn_gate_up_exps.") and self.arch == "gpt-oss":
             # fused [.., 2I] halves (gate first) -> interleaved
             gate, up = t.chunk(2, dim=-1)
             t = _interleave(gate, up)
@@ -198,7 +238,8 @@ class HFTensorAssembler:
         halves[target.part] = t
         if len(halves) == 2:
             del self._halves[target.hf_name]
-            self._put(target.hf_name, _interleave(halves[0], halves[1]), gguf_name)
+            joined = torch.cat((halves[0], halves[1]), dim=-2) if self.arch in _ROW_JOINED else _interleave(halves[0], halves[1])
+            self._put(target.hf_name, joined, gguf_name)
 
     def add_quantized(self, gguf_name: str, qw: QuantizedWeight) -> None:
         """A matrix kept in integer form: renamed, and its rows rearranged as `add` would."""

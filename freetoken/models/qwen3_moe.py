@@ -1,0 +1,87 @@
+"""Qwen3-MoE: Qwen3's attention blocks with a top-k mixture of SwiGLU experts.
+
+Owns the router of Qwen3's sparse layers (softmax over all experts in float32, top-k, optionally
+renormalised to sum to 1: `norm_topk_prob`) and the loading of transformers' stacked expert
+tensors (`mlp.experts.gate_up_proj` [E, 2I, H], gate rows first; `mlp.experts.down_proj`
+[E, H, I]) into `models.experts.Experts`, which runs them. Layers listed in
+`dense_mlp_layers` (`mlp_only_layers`, `decoder_sparse_step`) keep Qwen3's dense MLP. Attention,
+norms and the model skeleton are `qwen3.py`'s. It does not read files.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from freetoken.errors import ModelLoadError
+from freetoken.models.config import ModelConfig
+from freetoken.models.experts import Experts, ExpertStack, with_policy
+from freetoken.models.layers import linear, load_named, strip_prefix
+from freetoken.models.linear import Weight
+from freetoken.models.qwen3 import Qwen3ForCausalLM
+
+
+def silu_gate(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of one expert: gate, up [n, I] -> silu(gate) * up [n, I]."""
+    return F.silu(gate) * up
+
+
+class Qwen3MoE(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        c = config
+        self.config = config
+        self.gate = linear(c.hidden_size, c.num_experts, False, dtype, device, quantizable=False)  # the router
+        self.experts = Experts(c.num_experts, c.hidden_size, c.moe_intermediate_size, silu_gate, False, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]: each token through its top-k experts, weighted."""
+        logits = self.gate(x)  # [T, E]
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
+        top, idx = torch.topk(probs, self.config.num_experts_per_tok, dim=-1)  # [T, k] each
+        if self.config.norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return self.experts(x, idx, top.to(logits.dtype))
+
+
+def take_experts(
+    tensors: dict[str, Weight], prefix: str, num_experts: int, intermediate: int, weights: str,
+) -> tuple[ExpertStack, ...]:
+    """Pop one layer's experts out of `tensors` -> (gate [E, I, H], up, down [E, H, I]), `weights`
+    applied. Either transformers' stacked `{prefix}gate_up_proj` [E, 2I, H] (gate rows first) and
+    `{prefix}down_proj`, or the hub's per-expert `{prefix}{e}.gate_proj.weight` (and up, down)."""
+    if f"{prefix}gate_up_proj" in tensors and f"{prefix}down_proj" in tensors:
+        gate_up, down = tensors.pop(f"{prefix}gate_up_proj"), tensors.pop(f"{prefix}down_proj")
+        if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
+            raise ModelLoadError(f"{prefix}: stacked experts must be float tensors")
+        gate, up = gate_up[:, :intermediate], gate_up[:, intermediate:]  # [E, I, H] each
+        return with_policy(gate, weights), with_policy(up, weights), with_policy(down, weights)
+    parts: dict[str, list[Weight]] = {}
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        names = [f"{prefix}{e}.{proj}.weight" for e in range(num_experts)]
+        missing = [n for n in names if n not in tensors]
+        if missing:
+            raise ModelLoadError(f"missing tensors: {prefix}gate_up_proj / down_proj, or {', '.join(missing[:3])}")
+        parts[proj] = [tensors.pop(n) for n in names]
+    return tuple(with_policy(parts[p], weights) for p in ("gate_proj", "up_proj", "down_proj"))
+
+
+class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    def mlp_of(self, layer: int, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+        if layer in self.config.dense_mlp_layers:
+            return super().mlp_of(layer, dtype, device)
+        return Qwen3MoE(self.config, dtype, device)
+
+    def load_weights(self, tensors: Mapping[str, Weight], weights: str = "auto", prefill_dense: bool = False) -> None:
+        """Load HF-named tensors (`model.layers.0.mlp.gate.weight`, `...mlp.experts.gate_up_proj`, ...);
+        `weights` is the `--weights` policy for projections, embeddings and experts (the router stays float)."""
+        c = self.config
+        rest = {strip_prefix(name, ("model.",)): t for name, t in tensors.items()}
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer.mlp, Qwen3MoE):
+                prefix = f"layers.{i}.mlp.experts."
+                layer.mlp.experts.load(*take_experts(rest, prefix, c.num_experts, c.moe_intermediate_size, weights))
+        load_named(self, rest, self._rename, weights, prefill_dense)
