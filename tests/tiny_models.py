@@ -47,3 +47,27 @@ def write_tiny_model(family: str, directory: Path, seed: int = 0, **overrides: o
     model.save_pretrained(directory)
     write_tiny_tokenizer(directory, vocab_size=VOCAB)
     return directory
+
+# Qwen3, Qwen3-MoE and Gemma 4 (26B-A4B-shaped: wider full-attention heads with fewer kv heads,
+# keys reused as values there, experts beside the dense MLP; window 7 over pages of 4).
+QWEN3 = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, max_position_embeddings=1024,
+    rope_parameters={"rope_type": "default", "rope_theta": 5000.0}, bos_token_id=0, eos_token_id=2, pad_token_id=0,
+)
+QWEN3_MOE = dict(
+    QWEN3, num_hidden_layers=2, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+    tie_word_embeddings=False,
+)
+GEMMA4 = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+    sliding_window=7, layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+    hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=24,
+    final_logit_softcapping=30.0, max_position_embeddings=1024, bos_token_id=0, eos_token_id=2, pad_token_id=0,
+)
+FAMILIES.update({
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, QWEN3),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, QWEN3_MOE),
+    "gemma4": (transformers.Gemma4TextConfig, transformers.Gemma4ForCausalLM, GEMMA4),
+})
