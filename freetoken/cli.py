@@ -103,6 +103,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--expert-cache-gb", type=float, default=4.0, metavar="GB",
                    help="offload: the expert cache's budget in GiB (default 4; POST /admin/cache/resize moves it at run time)")
     p.add_argument("--debug-kv", action="store_true", help="audit the KV cache after every step; a violation is fatal (for tests)")
+    p.add_argument("--speculative", default="off", choices=["off", "ngram"],
+                   help="ngram: draft tokens from the prompt and output (n-gram lookup), verified in the batched forward; exact (docs/speculative.md; default off)")
+    p.add_argument("--spec-max-draft", type=int, default=8, metavar="K", help="drafted tokens per verified chunk at most (default 8)")
+    p.add_argument("--spec-ngram-min", type=int, default=2, metavar="N", help="shortest n-gram looked up (default 2)")
+    p.add_argument("--spec-ngram-max", type=int, default=4, metavar="N", help="longest n-gram looked up, tried first (default 4)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="engine processes, one per rank, each holding 1/N of every layer (gloo on CPU, nccl on CUDA; default 1)")
 
@@ -169,6 +174,10 @@ def _serve(args: argparse.Namespace) -> None:
         tensor_parallel_size=args.tensor_parallel_size,
         moe_strategy=args.moe_strategy,
         expert_cache_gb=args.expert_cache_gb,
+        speculative=args.speculative,
+        spec_max_draft=args.spec_max_draft,
+        spec_ngram_min=args.spec_ngram_min,
+        spec_ngram_max=args.spec_ngram_max,
     )
     engine.validate()
     check_model_heads(engine.model, engine.tensor_parallel_size)  # before listening: one line
