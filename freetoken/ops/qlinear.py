@@ -4,7 +4,8 @@ for the kernel that will read it) and `qlinear` (y = x @ W^T + b, dispatched by 
 Owns the packed layout and the choice of path; the kernel itself lives in csrc/qlinear.cpp and the
 format math in quantized.py. The path for each row count is bound once, when the weight is packed,
 so a call costs one Python branch and one op: no feature checks and no allocations besides the
-output. It must not keep a bfloat16 copy of a weight between calls.
+output. It must not keep a bfloat16 copy of a weight between calls. An 8-bit weight whose integers fit in
+[-16, 15] (GGUF Q5_0) is packed as 5 bits when the kernel takes them (5/8 of the bytes).
 
 Paths (CPU): M < PREFILL_ROWS -> the AVX-512 VNNI kernel when it was built and the CPU has the
 features; otherwise torch's `_weight_int4pack_mm_for_cpu` for 4-bit weights with bfloat16
@@ -45,6 +46,8 @@ def _load_kernel() -> ModuleType | None:
 
 
 _KERNEL: ModuleType | None = _load_kernel()  # decided once at import; never reassigned
+# Whether the kernel takes 5-bit weights (an older build of the extension does not).
+_FIVE_BITS = _KERNEL is not None and 5 in getattr(_KERNEL, "bits", ())
 
 
 def kernel_available() -> bool:
@@ -78,9 +81,12 @@ def _pack(q: torch.Tensor, bits: int) -> torch.Tensor:
     """int8 [N, K] -> the kernel's uint8 rows (csrc/qlinear.cpp): bits 8, q + 128 [N, K]; bits 4,
     [N, K / 2]: in a full chunk, vector u holds words v = 2u (low nibbles) and 2u + 1 (high); a
     compact last chunk packs its 8-bit stream in blocks of B = min(128, bytes): byte i = blk[i] |
-    blk[B / 2 + i] << 4; another last chunk is packed like a full one."""
+    blk[B / 2 + i] << 4; another last chunk is packed like a full one. bits 5 (q in [-16, 15]):
+    the bits-4 packing of (q + 16)'s low nibbles, each chunk followed by its fifth-bit masks."""
     if bits == 8:
         return _chunk_transpose(q.view(torch.uint8) ^ 128, inverse=False).contiguous()
+    if bits == 5:
+        return _pack5(q)
     t = _chunk_transpose(q.to(torch.uint8), inverse=False)  # vector-major words v = 0..7
     r, k = t.shape
     out = []
@@ -94,6 +100,67 @@ def _pack(q: torch.Tensor, bits: int) -> torch.Tensor:
             words = words.reshape(r, 4, 2, n_groups * 4)  # [R, u, v % 2, bytes]
             out.append((words[:, :, 0] | (words[:, :, 1] << 4)).reshape(r, -1))
     return torch.cat(out, dim=1).contiguous()
+
+
+def _value_vectors(t: torch.Tensor, k: int, lo: int, n_groups: int) -> torch.Tensor:
+    """The weight bytes of one chunk of the vector-major stream t [R, K] as the kernel's vpdpbusd
+    takes them, 64 per vector (zero where a short vector has no weight): [R, vectors, 64]."""
+    r = t.shape[0]
+    words = t[:, lo : lo + n_groups * GROUP]
+    if n_groups == 16:
+        return words.reshape(r, 8, 64)
+    if _compact_tail(k):  # one contiguous stream, read 64 bytes at a time
+        n = n_groups * GROUP
+        return F.pad(words, (0, -n % 64)).reshape(r, -1, 64)
+    return F.pad(words.reshape(r, 8, n_groups * 4), (0, 64 - n_groups * 4))  # 8 vectors of nb * 4
+
+
+def _pack5(q: torch.Tensor) -> torch.Tensor:
+    """q int8 [N, K] in [-16, 15] -> bits-5 rows: per chunk, the bits-4 bytes of the low nibbles
+    of q + 16, then one little-endian 64-bit mask per value vector (bit i: the fifth bit of the
+    vector's byte i)."""
+    u = (q + 16).to(torch.uint8)
+    r, k = u.shape
+    nibbles = _pack((u & 15).view(torch.int8), 4)  # [N, K / 2]
+    t = _chunk_transpose(u, inverse=False)
+    weights = (1 << torch.arange(8, dtype=torch.int32)).to(torch.uint8)
+    out = []
+    for lo, n_groups in _chunks(k):
+        fifth = (_value_vectors(t, k, lo, n_groups) >> 4) & 1  # [R, vectors, 64]
+        masks = (fifth.reshape(r, -1, 8) * weights).sum(dim=2, dtype=torch.int32).to(torch.uint8)  # [R, vectors * 8]
+        out += [nibbles[:, lo // 2 : lo // 2 + n_groups * 16], masks.reshape(r, -1)]
+    return torch.cat(out, dim=1).contiguous()
+
+
+def _unpack5(p: torch.Tensor, k: int) -> torch.Tensor:
+    """Inverse of _pack5: bits-5 rows -> int8 [R, K] in [-16, 15]."""
+    r = p.shape[0]
+    nibble_parts, mask_parts, at = [], [], 0
+    for lo, n_groups in _chunks(k):
+        n_masks = _masks_of(n_groups, k)
+        nibble_parts.append(p[:, at : at + n_groups * 16])
+        mask_parts.append(p[:, at + n_groups * 16 : at + n_groups * 16 + 8 * n_masks])
+        at += n_groups * 16 + 8 * n_masks
+    low = _unpack(torch.cat(nibble_parts, dim=1), 4, k).view(torch.uint8)  # [R, K] in [0, 15]
+    t = _chunk_transpose(low, inverse=False)
+    for (lo, n_groups), masks in zip(_chunks(k), mask_parts):
+        bits = (masks.reshape(r, -1, 8, 1) >> torch.arange(8, dtype=torch.uint8)) & 1  # [R, vectors, 8, 8]
+        fifth = bits.reshape(r, -1, 64) << 4
+        vectors = _value_vectors(t, k, lo, n_groups) | fifth  # the padding lanes' bits are zero
+        if n_groups == 16:
+            t[:, lo : lo + 16 * GROUP] = vectors.reshape(r, -1)
+        elif _compact_tail(k):
+            t[:, lo : lo + n_groups * GROUP] = vectors.reshape(r, -1)[:, : n_groups * GROUP]
+        else:
+            t[:, lo : lo + n_groups * GROUP] = vectors[:, :, : n_groups * 4].reshape(r, -1)
+    return (_chunk_transpose(t, inverse=True).to(torch.int16) - 16).to(torch.int8)
+
+
+def _masks_of(n_groups: int, k: int) -> int:
+    """Fifth-bit masks (value vectors) of a bits-5 chunk (masks_of in csrc/qlinear.cpp)."""
+    if n_groups == 16 or not _compact_tail(k):
+        return 8
+    return 1 if n_groups < 4 else n_groups // 2
 
 
 def _padded(packed: torch.Tensor) -> torch.Tensor:
@@ -111,9 +178,11 @@ def _chunks(k: int) -> list[tuple[int, int]]:
 
 
 def _unpack(p: torch.Tensor, bits: int, k: int) -> torch.Tensor:
-    """Inverse of _pack: the kernel's rows [R, K or K / 2] -> int8 [R, K]."""
+    """Inverse of _pack: the kernel's rows [R, K, K / 2 or ~5 K / 8] -> int8 [R, K]."""
     if bits == 8:
         return (_chunk_transpose(p, inverse=True) ^ 128).view(torch.int8)
+    if bits == 5:
+        return _unpack5(p, k)
     r = p.shape[0]
     out = []
     for lo, n_groups in _chunks(k):
@@ -127,14 +196,24 @@ def _unpack(p: torch.Tensor, bits: int, k: int) -> torch.Tensor:
     return _chunk_transpose(torch.cat(out, dim=1), inverse=True).view(torch.int8)
 
 
+def _packed_bits(qw: QuantizedWeight) -> int:
+    """The width the kernel reads `qw` at: an 8-bit weight whose integers all lie in [-16, 15]
+    (Q5_0's, kept exactly by the GGUF loader) is read as 5 bits, 5/8 of the bytes."""
+    if qw.bits == 8 and _FIVE_BITS and qw.q.device.type == "cpu":
+        lo, hi = torch.aminmax(qw.q)
+        if lo >= -16 and hi <= 15:
+            return 5
+    return qw.bits
+
+
 class PackedWeight:
     """A quantized [N, K] weight in the layout its matmul path reads, built once at load."""
 
     def __init__(self, qw: QuantizedWeight) -> None:
         n, k = qw.q.shape
-        self.out_features, self.in_features, self.bits = n, k, qw.bits
+        self.out_features, self.in_features, self.bits = n, k, _packed_bits(qw)
         # The kernel's layout on every device (see _pack): vpdpbusd takes unsigned weights.
-        self.packed = _padded(_pack(qw.q, qw.bits))
+        self.packed = _padded(_pack(qw.q, self.bits))
         self.scale = qw.scale.contiguous()
         self.minimum = qw.minimum.contiguous() if qw.minimum is not None else None
         # Only without the kernel, for 4-bit on CPU: torch's int4 layout, beside ours (rows() reads ours).

@@ -4,7 +4,8 @@ Owns the exact translation of a GGUF matrix's blocks into a `QuantizedWeight` (i
 float16 scale and optionally one float16 minimum per 32 weights), so a quantized file stays
 quantized in memory instead of being expanded to bfloat16:
 
-- 8-bit form: Q8_0 and Q5_0 (symmetric), Q5_1 and Q5_K (with a minimum) keep their integers
+- 8-bit form: Q8_0 and Q5_0 (symmetric; the kernel then reads it as 5 bits, see
+  freetoken/ops/qlinear.py), Q5_1 and Q5_K (with a minimum) keep their integers
   exactly; Q6_K's 16-weight sub-blocks are requantized to 32-weight groups (absmax int8, so the
   error is at most half a step of an 8-bit grid over the group);
 - 4-bit form: Q4_0 (minimum = -8 d), Q4_1 and Q4_K keep their nibbles exactly.

@@ -7,8 +7,12 @@
 //   bits 8: 8 vectors of nb * 4 bytes; byte [v][4 l + b] = q[group l][4 v + b] + 128 (uint8);
 //   bits 4: 4 vectors of nb * 4 bytes; byte [u][4 l + b] = q[l][8 u + b] | q[l][8 u + 4 + b] << 4,
 //     except a last chunk whose nb divides 16 (see `compact` in tile_kernel);
-//   a row is K bytes (bits 8) or K / 2 (bits 4), chunks in order, no padding;
-//   scale, minimum: float16 [N, K / 32]; w = q * scale + minimum (minimum absent: 0).
+//   bits 5: the bits-4 bytes of the low nibbles, then one 64-bit mask per value vector (the 64
+//     weight bytes one vpdpbusd takes: vector j meets activation bytes [64 j, 64 j + 64)) whose
+//     bit i is the fifth bit of weight byte i: 8 masks in a full chunk, 2 u (or 1) in a compact one;
+//   a row is K bytes (bits 8), K / 2 (bits 4) or ~5 K / 8 (bits 5), chunks in order, no padding;
+//   scale, minimum: float16 [N, K / 32]; w = q * scale + minimum (minimum absent: 0), where q is the
+//   stored byte minus 128 (bits 8), the nibble (bits 4), the 5-bit value minus 16 (bits 5).
 // Activations are quantized per 32-group to int8 (absmax / 127, round to nearest, as llama.cpp's
 // Q8 activations) into the same transposed layout. A chunk's eight vpdpbusd then accumulate each
 // group's exact integer dot product in its own lane, and the float work is once per chunk:
@@ -61,6 +65,18 @@ struct QuantizedActs {
 
 // Per calling thread, reused across calls: quantized activations are small (M * K bytes).
 thread_local std::vector<uint8_t> t_scratch;
+
+// Value vectors (one 64-bit mask each) of a bits-5 chunk of nb groups, and its bytes.
+constexpr int64_t masks_of(int64_t nb) { return nb == 16 || 16 % nb ? 8 : nb < 4 ? 1 : nb / 2; }
+constexpr int64_t chunk_bytes5(int64_t nb) { return nb * 16 + 8 * masks_of(nb); }
+
+template <int BITS>
+int64_t row_bytes_of(int64_t K) {
+  if constexpr (BITS == 8) return K;
+  if constexpr (BITS == 4) return K / 2;
+  const int64_t G = K / kGroup;
+  return (G / 16) * chunk_bytes5(16) + (G % 16 ? chunk_bytes5(G % 16) : 0);
+}
 
 FT_AVX512 inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
 FT_AVX512 inline __m512 load16(const at::BFloat16* x) {
@@ -115,16 +131,24 @@ FT_AVX512 QuantizedActs quantize_acts(const T* x, int64_t M, int64_t K, bool com
   return a;
 }
 
+// A vector of 64 low nibbles with each byte's fifth bit (16) set where the mask at `mask` says.
+FT_AVX512 inline __m512i with_fifth(__m512i nibbles, const uint8_t* mask, __m512i fifth) {
+  uint64_t bits;
+  std::memcpy(&bits, mask, 8);
+  return _mm512_mask_add_epi8(nibbles, _cvtu64_mask64(bits), nibbles, fifth);
+}
+
 // out[i, n] (float32) for the NR weight rows [n, n + NR) and activation rows [m0, m0 + MT): each
 // activation vector loaded is used by NR weight rows (loads, not dpbusd, bound one row at M >= 4).
 template <int MT, int BITS, int NR>
 FT_AVX512 inline void rows_kernel(const uint8_t* wq, const at::Half* ws, const at::Half* wm, int64_t K,
                                   int64_t n, const QuantizedActs& a, int64_t m0, float* out, int64_t ldo) {
   const int64_t G = K / kGroup;
-  const int64_t row_bytes = BITS == 8 ? K : K / 2;
-  const int64_t chunk_bytes = BITS == 8 ? 512 : 256;
+  const int64_t row_bytes = row_bytes_of<BITS>(K);
+  const int64_t chunk_bytes = BITS == 8 ? 512 : BITS == 4 ? 256 : chunk_bytes5(16);
   const int64_t qstride = a.chunks * 512, gstride = a.chunks * 16;
   const __m512i low4 = _mm512_set1_epi8(0x0f);
+  const __m512i fifth = _mm512_set1_epi8(0x10);
   const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   __m512 acc[NR][MT];
   for (int q = 0; q < NR; ++q)
@@ -133,6 +157,7 @@ FT_AVX512 inline void rows_kernel(const uint8_t* wq, const at::Half* ws, const a
     const int64_t nb = std::min<int64_t>(16, G - c * 16);
     const uint8_t* w = wq + n * row_bytes + c * chunk_bytes;  // row n + q at w + q * row_bytes
     const int64_t vstep = nb * 4;  // bytes of one vector of this chunk
+    const uint8_t* masks = w + nb * 16;  // bits 5: the chunk's masks follow its nibbles
     // Plain 64-byte loads even when nb < 16 (masked loads that miss the cache are slow on Zen 4):
     // lanes past nb hold the next bytes, times activation lanes that are zero. The packed tensor
     // has kReadPad readable bytes after its last row for this.
@@ -161,6 +186,7 @@ FT_AVX512 inline void rows_kernel(const uint8_t* wq, const at::Half* ws, const a
             const __m512i shifts = nb == 2 ? _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0)
                                            : _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0);
             wv[q] = _mm512_and_si512(_mm512_srlv_epi64(v, shifts), low4);
+            if constexpr (BITS == 5) wv[q] = with_fifth(wv[q], masks + q * row_bytes, fifth);
           }
         }
         for (int i = 0; i < MT; ++i) {
@@ -178,7 +204,7 @@ FT_AVX512 inline void rows_kernel(const uint8_t* wq, const at::Half* ws, const a
         }
       }
     } else {
-      // bits 4: full chunk (u = 4 vectors, stride vstep) or compact nb >= 4 (nb / 4 vectors of 64)
+      // bits 4/5: full chunk (u = 4 vectors, stride vstep) or compact nb >= 4 (nb / 4 vectors of 64)
       const int64_t nu = compact ? nb / 4 : 4;
       const int64_t ustep = compact ? 64 : vstep;
       for (int64_t u = 0; u < nu; ++u) {
@@ -187,6 +213,10 @@ FT_AVX512 inline void rows_kernel(const uint8_t* wq, const at::Half* ws, const a
           const __m512i packed = _mm512_loadu_si512(w + q * row_bytes + u * ustep);
           lo[q] = _mm512_and_si512(packed, low4);
           hi[q] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+          if constexpr (BITS == 5) {
+            lo[q] = with_fifth(lo[q], masks + q * row_bytes + 16 * u, fifth);
+            hi[q] = with_fifth(hi[q], masks + q * row_bytes + 16 * u + 8, fifth);
+          }
         }
         for (int i = 0; i < MT; ++i) {
           const __m512i alo = _mm512_load_si512(aq + i * qstride + (2 * u) * 64);
@@ -207,6 +237,7 @@ FT_AVX512 inline void rows_kernel(const uint8_t* wq, const at::Half* ws, const a
                            gmask, reinterpret_cast<const uint16_t*>(wm) + (n + q) * G + c * 16))
                      : _mm512_setzero_ps();
       if constexpr (BITS == 8) Mn = _mm512_fmadd_ps(_mm512_set1_ps(-128.0f), S, Mn);
+      if constexpr (BITS == 5) Mn = _mm512_fmadd_ps(_mm512_set1_ps(-16.0f), S, Mn);
       const __m512 S_dot = compact ? _mm512_permutexvar_ps(lane_group, S) : S;
       for (int i = 0; i < MT; ++i) {
         const int64_t o = (m0 + i) * gstride + c * 16;
@@ -275,7 +306,7 @@ void run(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& ws,
   float* yf = f32_out ? y.data_ptr<float>() : nullptr;
   uint16_t* yb = f32_out ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const auto& table = tile_table<BITS>();
-  const int64_t row_bytes = BITS == 8 ? K : K / 2;
+  const int64_t row_bytes = row_bytes_of<BITS>(K);
   // Each task reads at least kTaskBytes of weights (~6 us at 20 GB/s): below that, waking a second
   // thread costs about what it saves (a guess; not tuned on an idle machine).
   const int64_t grain = std::max<int64_t>(kTileRows, (kTaskBytes / row_bytes + kTileRows - 1) / kTileRows * kTileRows);
@@ -315,7 +346,8 @@ at::Tensor qmm(const at::Tensor& x_in, const at::Tensor& wq, const at::Tensor& w
   const at::Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = wq.size(0);
   TORCH_CHECK(K % kGroup == 0 && ws.size(1) == K / kGroup, "qmm: K does not match the weight");
-  const int64_t row_bytes = bits == 8 ? K : K / 2;
+  const int64_t row_bytes = bits == 8 ? row_bytes_of<8>(K) : bits == 5 ? row_bytes_of<5>(K) : row_bytes_of<4>(K);
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "qmm: bits must be 4, 5 or 8");
   TORCH_CHECK(wq.is_contiguous() && wq.size(1) == row_bytes &&
                   wq.storage().nbytes() >= size_t((wq.storage_offset() + N * row_bytes + kReadPad)),
               "qmm: packed weight must be contiguous [N, row bytes] with ", kReadPad, " bytes of padding");
@@ -324,6 +356,8 @@ at::Tensor qmm(const at::Tensor& x_in, const at::Tensor& wq, const at::Tensor& w
   if (M == 0 || N == 0) return y;
   if (bits == 8)
     run<8>(x, wq, ws, wm, bias, y, N);
+  else if (bits == 5)
+    run<5>(x, wq, ws, wm, bias, y, N);
   else
     run<4>(x, wq, ws, wm, bias, y, N);
   return y;
@@ -334,6 +368,7 @@ at::Tensor qmm(const at::Tensor& x_in, const at::Tensor& wq, const at::Tensor& w
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "FreeToken's AVX-512 VNNI weight-only quantized matmul (see qlinear.cpp)";
   m.def("supported", &cpu_supported, "whether this CPU has AVX-512 F/BW/VL/VNNI");
+  m.attr("bits") = py::make_tuple(4, 5, 8);  // the weight widths qmm takes
   m.def("qmm", &qmm, "y = x @ dequant(W)^T + bias", py::arg("x"), py::arg("q"), py::arg("scale"),
         py::arg("minimum"), py::arg("bias"), py::arg("bits"));
 }

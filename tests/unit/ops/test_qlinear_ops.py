@@ -27,7 +27,8 @@ from freetoken.ops import quantize_int4, quantize_int8
 ROWS = (1, 2, 3, 7, 16, 17, 64)
 FALLBACK_ROWS = (1, 17, 64)
 SHAPES = ((1, 32), (5, 64), (300, 576), (5, 640), (1, 2048), (300, 640), (16, 96), (3, 768), (2, 416))  # (N, K)
-KINDS = ("int8", "int8+min", "int4")
+KINDS = ("int8", "int8+min", "int4", "int5", "int5+min")
+QLINEAR = sys.modules["freetoken.ops.qlinear"]  # the module (the package exports the function under its name)
 
 
 def _cpu_has_kernel_features() -> bool:
@@ -45,6 +46,11 @@ def _weight(kind: str, n: int, k: int, seed: int) -> QuantizedWeight:
         return quantize_int8(w)
     if kind == "int4":
         return quantize_int4(w)
+    if kind.startswith("int5"):  # GGUF Q5_0 (minimum: a Q5_0 part fused beside a part with one)
+        q = torch.randint(-16, 16, (n, k), generator=g, dtype=torch.int8)
+        scale = (torch.rand(n, k // GROUP, generator=g) * 1e-2).half()
+        minimum = (torch.randn(n, k // GROUP, generator=g) * 1e-2).half() if kind.endswith("min") else None
+        return QuantizedWeight(bits=8, q=q, scale=scale, minimum=minimum)
     # 8-bit with a minimum (like GGUF Q5_1 / Q5_K): q in [-128, 127], some rows promoted 4-bit.
     q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
     scale = (torch.rand(n, k // GROUP, generator=g) * 1e-3).half()
@@ -121,7 +127,8 @@ def test_rows_and_dequantize_match_the_reference_exactly(kind: str) -> None:
     for si, (n, k) in enumerate(SHAPES):
         qw = _weight(kind, n, k, seed=si)
         p = PackedWeight.from_quantized(qw)
-        assert (p.out_features, p.in_features, p.bits) == (n, k, qw.bits)
+        read_as = 5 if kind.startswith("int5") and QLINEAR._FIVE_BITS else qw.bits
+        assert (p.out_features, p.in_features, p.bits) == (n, k, read_as)
         assert torch.equal(p.dequantize(torch.float32), dequantize(qw))
         ids = torch.tensor([n - 1, 0, n // 2, n - 1])
         for dtype in (torch.bfloat16, torch.float32):
@@ -134,6 +141,9 @@ def test_nbytes_is_the_packed_size() -> None:
     p4 = PackedWeight.from_quantized(quantize_int4(torch.randn(10, 64)))
     assert p8.nbytes == 10 * 64 + 10 * 2 * 2
     assert p4.nbytes == 10 * 32 + 10 * 2 * 2 * 2
+    if QLINEAR._FIVE_BITS:  # 8-bit integers in [-16, 15] are read as 5 bits: 5/8 of the bytes
+        p5 = PackedWeight.from_quantized(_weight("int5", 10, 2048, 0))
+        assert p5.nbytes == 10 * 2048 * 5 // 8 + 10 * 64 * 2
 
 
 def test_fused_mixed_bits_weight_runs_on_every_path() -> None:
@@ -152,6 +162,7 @@ def test_the_kernel_is_used_on_a_cpu_with_the_features() -> None:
     assert kernel_available(), "freetoken.ops._qlinear_cpu did not build or load: run `pip install -e .`"
     p = PackedWeight.from_quantized(quantize_int4(torch.randn(32, 64)))
     assert p._small == p._kernel and "kernel" in repr(p)
+    assert QLINEAR._FIVE_BITS, "the built kernel predates 5-bit weights: rerun `pip install -e .`"
 
 
 def test_a_missing_extension_means_the_torch_fallback_and_one_log_line() -> None:
