@@ -162,10 +162,12 @@ class Gemma4ForCausalLM(nn.Module):
 
     def _local_names(self, tensors: Mapping[str, Weight]) -> dict[str, Weight]:
         """Checkpoint names without their `model.` / `model.language_model.` prefix, towers dropped,
-        and each k_eq_v layer's missing v_proj filled with its k_proj (values = key projection)."""
+        the GGUF loader's packed expert lists (`layers.N.mlp.experts.*`, its name in every
+        family) moved to Gemma 4's `layers.N.experts.*`, and each k_eq_v layer's missing v_proj
+        filled with its k_proj (values = key projection)."""
         out: dict[str, Weight] = {}
         for name, t in tensors.items():
-            local = strip_prefix(name, _PREFIXES)
+            local = strip_prefix(name, _PREFIXES).replace(".mlp.experts.", ".experts.")
             if not (local.startswith(_IGNORED) or (local == "lm_head.weight" and self.lm_head is None)):
                 out[local] = t
         if self.config.attention_k_eq_v:

@@ -18,10 +18,12 @@ from torch import nn
 
 from freetoken.errors import ModelLoadError
 from freetoken.models.config import ModelConfig
-from freetoken.models.experts import Experts, ExpertStack, with_policy
+from freetoken.models.experts import Experts, ExpertStack, Source, with_policy
 from freetoken.models.layers import linear, load_named, strip_prefix
 from freetoken.models.linear import Weight
 from freetoken.models.qwen3 import Qwen3ForCausalLM
+from freetoken.ops.quantized import QuantizedWeight
+from freetoken.weights.dequant import Deferred
 
 
 def silu_gate(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -47,26 +49,47 @@ class Qwen3MoE(nn.Module):
         return self.experts(x, idx, top.to(logits.dtype))
 
 
+def row_block(w: Source, start: int, stop: int) -> Source:
+    """Rows start:stop of one expert matrix (the gate or up half of a fused one); a deferred
+    matrix stays deferred (decoded, then cut, when the experts load it)."""
+    if isinstance(w, Deferred):
+        part = (stop - start, w.shape[1])
+        return Deferred(part, w.nbytes * part[0] // w.shape[0], lambda: row_block(w.make(), start, stop))
+    if isinstance(w, QuantizedWeight):
+        minimum = None if w.minimum is None else w.minimum[start:stop].contiguous()
+        return QuantizedWeight(w.bits, w.q[start:stop].contiguous(), w.scale[start:stop].contiguous(), minimum)
+    return w[start:stop]
+
+
 def take_experts(
     tensors: dict[str, Weight], prefix: str, num_experts: int, intermediate: int, weights: str,
 ) -> tuple[ExpertStack, ...]:
     """Pop one layer's experts out of `tensors` -> (gate [E, I, H], up, down [E, H, I]), `weights`
-    applied. Either transformers' stacked `{prefix}gate_up_proj` [E, 2I, H] (gate rows first) and
-    `{prefix}down_proj`, or the hub's per-expert `{prefix}{e}.gate_proj.weight` (and up, down)."""
-    if f"{prefix}gate_up_proj" in tensors and f"{prefix}down_proj" in tensors:
-        gate_up, down = tensors.pop(f"{prefix}gate_up_proj"), tensors.pop(f"{prefix}down_proj")
-        if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
-            raise ModelLoadError(f"{prefix}: stacked experts must be float tensors")
-        gate, up = gate_up[:, :intermediate], gate_up[:, intermediate:]  # [E, I, H] each
-        return with_policy(gate, weights), with_policy(up, weights), with_policy(down, weights)
-    parts: dict[str, list[Weight]] = {}
-    for proj in ("gate_proj", "up_proj", "down_proj"):
+    applied. gate / up come as transformers' stacked `{prefix}gate_up_proj` [E, 2I, H] (gate rows
+    first), as the GGUF loader's lists of E packed matrices `{prefix}gate_proj` / `{prefix}up_proj`
+    (`weights.gguf.expert_stack`), or as the hub's per-expert `{prefix}{e}.gate_proj.weight`; down
+    as `{prefix}down_proj` (a stack [E, H, I] or such a list) or per expert."""
+
+    def per_expert(proj: str) -> list[Weight]:
         names = [f"{prefix}{e}.{proj}.weight" for e in range(num_experts)]
         missing = [n for n in names if n not in tensors]
         if missing:
-            raise ModelLoadError(f"missing tensors: {prefix}gate_up_proj / down_proj, or {', '.join(missing[:3])}")
-        parts[proj] = [tensors.pop(n) for n in names]
-    return tuple(with_policy(parts[p], weights) for p in ("gate_proj", "up_proj", "down_proj"))
+            raise ModelLoadError(f"missing tensors: {prefix}{proj} (stacked) or {', '.join(missing[:3])}")
+        return [tensors.pop(n) for n in names]
+
+    if f"{prefix}gate_up_proj" in tensors:
+        gate_up = tensors.pop(f"{prefix}gate_up_proj")
+        if isinstance(gate_up, torch.Tensor):
+            gate, up = gate_up[:, :intermediate], gate_up[:, intermediate:]  # [E, I, H] each
+        else:  # the GGUF loader's packed fused matrices (Gemma 4): E x [2I, H]
+            gate = [row_block(w, 0, intermediate) for w in gate_up]
+            up = [row_block(w, intermediate, 2 * intermediate) for w in gate_up]
+    elif f"{prefix}gate_proj" in tensors and f"{prefix}up_proj" in tensors:
+        gate, up = tensors.pop(f"{prefix}gate_proj"), tensors.pop(f"{prefix}up_proj")
+    else:
+        gate, up = per_expert("gate_proj"), per_expert("up_proj")
+    down = tensors.pop(f"{prefix}down_proj") if f"{prefix}down_proj" in tensors else per_expert("down_proj")
+    return with_policy(gate, weights), with_policy(up, weights), with_policy(down, weights)  # type: ignore[arg-type]
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):

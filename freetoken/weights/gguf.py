@@ -32,15 +32,18 @@ from freetoken.weights.requant import INTEGER_TYPES, QType, to_quantized
 
 # Stacked expert matrices kept in their file form (`keep_quantized`): integer types and MXFP4.
 EXPERT_TYPES: frozenset[int] = INTEGER_TYPES | {QType.MXFP4}
-_EXPERT_STACK = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
+_EXPERT_STACK = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.weight")
 
 
-def expert_stack_name(gguf_name: str) -> str | None:
+def expert_stack_name(gguf_name: str, arch: str = "") -> str | None:
     """`blk.N.ffn_{gate,up,down}_exps.weight` (llama.cpp's name in every MoE architecture) ->
     `model.layers.N.mlp.experts.{gate,up,down}_proj`: FreeToken's name for a list of E per-expert
-    matrices [out, in] (`models.experts.Experts.load`); None for any other tensor."""
+    matrices [out, in] (`models.experts.Experts.load`); Gemma 4's fused `ffn_gate_up_exps` (gate
+    rows, then up rows) likewise -> `...gate_up_proj`; None for any other tensor."""
     m = _EXPERT_STACK.fullmatch(gguf_name)
-    return None if m is None else f"model.layers.{m[1]}.mlp.experts.{m[2]}_proj"
+    if m is None or (m[2] == "gate_up" and arch != "gemma4"):  # gpt-oss's fused halves interleave: the assembler's
+        return None
+    return f"model.layers.{m[1]}.mlp.experts.{m[2]}_proj"
 
 
 def expert_stack(data: np.ndarray, qtype: int, shape: tuple[int, ...], name: str) -> list[Deferred]:
@@ -139,7 +142,7 @@ def load_gguf(
     for i, t in enumerate(reader.tensors):
         try:
             data = reader.tensor_data(t)
-            expert = expert_stack_name(t.name) if keep_quantized and t.ggml_type in EXPERT_TYPES else None
+            expert = expert_stack_name(t.name, arch) if keep_quantized and t.ggml_type in EXPERT_TYPES else None
             if expert is not None and len(t.shape) == 3:
                 assembler.tensors[expert] = expert_stack(data, t.ggml_type, t.shape, t.name)
             elif keep_quantized and len(t.shape) == 2 and t.ggml_type in INTEGER_TYPES:
