@@ -11,9 +11,11 @@ greedy tokens as resident, with misses and evictions counted.
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 import sys
+import weakref
 from pathlib import Path
 
 import gguf
@@ -24,7 +26,7 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from freetoken.models.config import ModelConfig
 from freetoken.models.experts import expert_cache, expert_status, experts_of, offload_experts
-from freetoken.models.experts_cache import ExpertCache
+from freetoken.models.experts_cache import TRIM_BYTES, ExpertCache
 from freetoken.models.registry import CausalLM, build_model
 from freetoken.ops.quantized import dequantize
 from freetoken.weights.dequant import Deferred, hf_mxfp4_codes, mxfp4_float, mxfp4_to_int8
@@ -224,6 +226,28 @@ def test_expert_cache_is_lru_within_its_budget() -> None:
     with pytest.raises(ValueError):
         cache.resize(-1)
     assert cache.status()["hit_rate"] == pytest.approx(2 / 8)
+
+
+def test_evicted_entries_in_reference_cycles_are_freed() -> None:
+    """A PackedWeight sits in a reference cycle: the cache collects it once evictions pass
+    TRIM_BYTES[0], instead of leaving it to the cyclic collector's own schedule."""
+
+    class Cyclic:
+        def __init__(self) -> None:
+            self.me = self
+
+    gc.disable()  # the collector would otherwise run on its own schedule
+    try:
+        cache, refs = ExpertCache(TRIM_BYTES[0] // 4), []
+        for key in range(8):
+            entry = Cyclic()
+            refs.append(weakref.ref(entry))
+            cache.get(key, lambda entry=entry: (entry, TRIM_BYTES[0] // 4))
+            del entry
+        assert cache.evictions == 7 and refs[-1]() is not None
+        assert all(ref() is None for ref in refs[:4])  # freed by the trim after 16 MB evicted
+    finally:
+        gc.enable()
 
 
 def test_offload_must_come_before_loading(reference: tuple[Path, dict]) -> None:
