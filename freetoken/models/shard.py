@@ -75,6 +75,8 @@ def check_shardable(config: ModelConfig, world: int) -> None:
     c, flag = config, f"--tensor-parallel-size {world}"
     if world < 1:
         raise ConfigError(f"--tensor-parallel-size must be at least 1, got {world}")
+    if world > 1 and c.architecture in ("qwen3_moe", "gemma4"):  # their experts and head shapes have no plan here
+        raise ConfigError(f"{flag} is not supported for {c.architecture} models")
     if c.num_heads % world:
         raise ConfigError(f"{flag} does not divide the model's {c.num_heads} attention heads")
     if c.num_kv_heads % world and world % c.num_kv_heads:

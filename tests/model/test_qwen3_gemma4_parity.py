@@ -349,3 +349,15 @@ def test_int8_weights_stay_close_and_quantize_the_experts(family: dict[str, Any]
     if family["name"].startswith("qwen3"):
         want = family["ref"][torch.float32][-1].double()
         assert float((got - want).norm() / want.norm()) < 0.05
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "gemma4"])
+def test_tensor_parallel_is_refused_where_no_shard_plan_exists(name: str) -> None:
+    from freetoken.errors import ConfigError
+    from freetoken.models.shard import check_shardable
+
+    config_cls, _, kwargs = CONFIGS[name]
+    config = ModelConfig.from_hf(config_cls(**kwargs).to_dict())
+    check_shardable(config, 1)
+    with pytest.raises(ConfigError, match="--tensor-parallel-size 2 is not supported"):
+        check_shardable(config, 2)
