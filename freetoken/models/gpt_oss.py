@@ -26,7 +26,7 @@ from freetoken.models.layers import (
     qkv_linear, split_qkv, strip_prefix,
 )
 from freetoken.ops.quantized import QuantizedWeight
-from freetoken.weights.dequant import Deferred, hf_mxfp4_codes, mxfp4_matrix
+from freetoken.weights.dequant import Deferred, mxfp4_matrix, mxfp4_q
 
 
 def _norm(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> RMSNorm:
@@ -72,7 +72,7 @@ def _mxfp4_stack(blocks: torch.Tensor, scales: torch.Tensor, name: str) -> list[
     E, N, G = scales.shape
 
     def decode(e: int) -> torch.Tensor | QuantizedWeight:
-        return mxfp4_matrix(hf_mxfp4_codes(blocks[e]), scales[e], f"{name} expert {e}")
+        return mxfp4_matrix(mxfp4_q(blocks[e], interleaved=True), scales[e], f"{name} expert {e}")
 
     return [Deferred((N, 32 * G), blocks[e].numel() + scales[e].numel(), lambda e=e: decode(e)) for e in range(E)]
 

@@ -344,53 +344,67 @@ class Deferred:
 MXFP4_EXACT_EXPONENTS = (104, 140)
 
 
-def mxfp4_to_int8(codes: torch.Tensor, exponents: torch.Tensor) -> QuantizedWeight | None:
-    """One MXFP4 matrix as the exact 8-bit group form, or None when a block's exponent is outside
-    MXFP4_EXACT_EXPONENTS (the caller dequantizes that matrix instead).
+def _mxfp4_pair_table() -> torch.Tensor:
+    """[256] int16: for a byte holding codes lo | hi << 4, the int8 pair (q(lo), q(hi)) in
+    memory order, q(c) = 2 v(c) + 12."""
+    q = torch.tensor(_MXFP4_VALUES, dtype=torch.int16) + 12
+    byte = torch.arange(256)
+    return q[byte & 15] | (q[byte >> 4] << 8)
 
-    `codes` uint8 [N, K] are the e2m1 nibbles (0-15) in element order, `exponents` uint8
-    [N, K / 32] the e8m0 block exponents. Value = v * 2^(e - 127) with v in +-{0, .5, ..., 6}; with
-    d = 2v in [-12, 12]: q = d + 12 in [0, 24], scale = 2^(e - 128), minimum = -12 * scale. A
-    block of zeros keeps scale 0 whatever its exponent.
+
+_MXFP4_PAIRS = _mxfp4_pair_table()  # read-only
+
+
+def mxfp4_q(qs: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """MXFP4 code bytes uint8 [..., G, 16] -> q int8 [..., G * 32] in [0, 24] (q = 2v + 12), one
+    table lookup per byte. `interleaved`: byte j holds elements 2j (low nibble) and 2j + 1 (HF,
+    as transformers' `convert_moe_packed_tensors` reads them); else j and j + 16 (GGUF)."""
+    pairs = _MXFP4_PAIRS.to(qs.device)[qs.to(torch.int64)].view(torch.int8)  # [..., G, 32]: lo, hi per byte
+    if not interleaved:
+        pairs = pairs.unflatten(-1, (16, 2)).transpose(-1, -2)  # [..., G, 2, 16]: the lows, then the highs
+    return pairs.reshape(*qs.shape[:-2], qs.shape[-2] * 32)
+
+
+def mxfp4_to_int8(q: torch.Tensor, exponents: torch.Tensor) -> QuantizedWeight | None:
+    """One MXFP4 matrix as the exact 8-bit group form, or None when a block that is not all zeros
+    has an exponent outside MXFP4_EXACT_EXPONENTS (the caller dequantizes that matrix instead).
+
+    `q` int8 [N, K] from `mxfp4_q`, `exponents` uint8 [N, K / 32] the e8m0 block exponents. Value
+    = v * 2^(e - 127) with v in +-{0, .5, ..., 6}, i.e. with q = 2v + 12 in [0, 24]: q * scale +
+    minimum, scale = 2^(e - 128), minimum = -12 * scale.
     """
-    n, k = codes.shape
-    doubled = torch.tensor(_MXFP4_VALUES, dtype=torch.int8, device=codes.device)[codes.to(torch.int64)]  # [N, K]
+    n, k = q.shape
     e = exponents.to(torch.int32)
     lo, hi = MXFP4_EXACT_EXPONENTS
-    zero_block = (doubled.reshape(n, k // 32, 32) == 0).all(dim=2)  # [N, G]
-    if bool(((e < lo) | (e > hi))[~zero_block].any()):
-        return None
-    scale = torch.ldexp(torch.ones_like(e, dtype=torch.float32), (e - 128).clamp(min=-30, max=15)).half()
-    scale = torch.where(zero_block, torch.zeros_like(scale), scale)
-    return QuantizedWeight(bits=8, q=doubled + 12, scale=scale, minimum=-12 * scale)
+    outside = (e < lo) | (e > hi)  # [N, G]
+    if bool(outside.any()):  # only blocks of zeros may have such an exponent: they get scale 0
+        zero_block = (q.view(n, k // 32, 32) == 12).all(dim=2)
+        if bool((outside & ~zero_block).any()):
+            return None
+        e = torch.where(outside, 0, e)
+    scale = torch.ldexp(torch.ones_like(e, dtype=torch.float32), e - 128).half()  # 0 where e was zeroed
+    return QuantizedWeight(bits=8, q=q, scale=scale, minimum=-12 * scale)
 
 
-def mxfp4_float(codes: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
-    """The reference values of an MXFP4 matrix (codes [N, K], exponents [N, K / 32]) -> float32 [N, K]."""
-    half = torch.tensor(_MXFP4_VALUES, dtype=torch.float32, device=codes.device)[codes.to(torch.int64)]  # 2v
-    return half * torch.exp2(exponents.float() - 128).repeat_interleave(32, dim=1)
+def mxfp4_float(q: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
+    """The reference values of an MXFP4 matrix (q [N, K] from `mxfp4_q`, exponents [N, K / 32])
+    -> float32 [N, K]."""
+    return (q.float() - 12) * torch.exp2(exponents.float() - 128).repeat_interleave(32, dim=1)
 
 
-def mxfp4_matrix(codes: torch.Tensor, exponents: torch.Tensor, name: str) -> QuantizedWeight | torch.Tensor:
+def mxfp4_matrix(q: torch.Tensor, exponents: torch.Tensor, name: str) -> QuantizedWeight | torch.Tensor:
     """`mxfp4_to_int8`, or float32 values (logged) where the exponents do not fit float16."""
-    qw = mxfp4_to_int8(codes, exponents)
+    qw = mxfp4_to_int8(q, exponents)
     if qw is not None:
         return qw
     log.warning("%s: MXFP4 block exponents outside %s cannot stay packed; dequantized to float",
                 name, MXFP4_EXACT_EXPONENTS)
-    return mxfp4_float(codes, exponents)
-
-
-def hf_mxfp4_codes(blocks: torch.Tensor) -> torch.Tensor:
-    """HF's MXFP4 blocks uint8 [..., G, 16] -> codes [..., G * 32]: byte j holds element 2j (low
-    nibble) and 2j + 1 (high nibble), as transformers' `convert_moe_packed_tensors` reads them."""
-    codes = torch.stack((blocks & 15, blocks >> 4), dim=-1)  # [..., G, 16, 2]
-    return codes.reshape(*blocks.shape[:-2], blocks.shape[-2] * 32)
+    return mxfp4_float(q, exponents)
 
 
 def gguf_mxfp4_blocks(raw: np.ndarray | torch.Tensor, rows: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A GGUF MXFP4 matrix's bytes -> (codes uint8 [rows, k], exponents uint8 [rows, k / 32]); a
-    block is e | qs[16], element j < 16 the low nibble of qs[j], j >= 16 the high one."""
+    """A GGUF MXFP4 matrix's bytes -> (q int8 [rows, k], exponents uint8 [rows, k / 32]); a block
+    is e | qs[16], element j < 16 the low nibble of qs[j], j >= 16 the high one."""
     data = _byte_view(raw)
     blocks = (data if isinstance(data, torch.Tensor) else torch.from_numpy(data.copy())).view(rows, k // 32, 17)
-    return _nibbles(blocks[..., 1:].contiguous()).reshape(rows, k), blocks[..., 0].contiguous()
+    return mxfp4_q(blocks[..., 1:], interleaved=False), blocks[..., 0].contiguous()

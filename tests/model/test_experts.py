@@ -29,7 +29,7 @@ from freetoken.models.experts import expert_cache, expert_status, experts_of, of
 from freetoken.models.experts_cache import TRIM_BYTES, ExpertCache
 from freetoken.models.registry import CausalLM, build_model
 from freetoken.ops.quantized import dequantize
-from freetoken.weights.dequant import Deferred, hf_mxfp4_codes, mxfp4_float, mxfp4_to_int8
+from freetoken.weights.dequant import Deferred, mxfp4_float, mxfp4_q, mxfp4_to_int8
 from freetoken.weights.gguf import load_gguf
 from freetoken.weights.safetensors import load_safetensors_dir
 from model_harness import GPT_OSS, PagedRunner, Seq, make_reference
@@ -107,20 +107,24 @@ def mxfp4(reference: tuple[Path, dict]) -> tuple[dict, dict]:
 
 def test_mxfp4_to_int8_is_exact_and_refuses_what_float16_cannot_hold() -> None:
     g = torch.Generator().manual_seed(0)
-    codes = torch.randint(0, 16, (8, 64), generator=g, dtype=torch.uint8)
+    codes = torch.randint(0, 16, (8, 2, 32), generator=g, dtype=torch.uint8)  # [N, G, 32] in element order
     exps = torch.randint(104, 141, (8, 2), generator=g, dtype=torch.uint8)
-    qw = mxfp4_to_int8(codes, exps)
-    assert qw is not None and qw.bits == 8 and int(qw.q.min()) >= 0 and int(qw.q.max()) <= 24
-    assert torch.equal(dequantize(qw), mxfp4_float(codes, exps))
-    blocks = codes.reshape(8, 2, 16, 2)
-    hf_blocks = blocks[..., 0] | (blocks[..., 1] << 4)  # HF: element 2j low nibble, 2j + 1 high
-    assert torch.equal(hf_mxfp4_codes(hf_blocks), codes)
+    hf_blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)  # HF: element 2j low nibble, 2j + 1 high
+    gguf_blocks = codes[..., :16] | (codes[..., 16:] << 4)  # GGUF: element j low nibble, j + 16 high
+    q = mxfp4_q(hf_blocks, interleaved=True)
+    assert torch.equal(q, mxfp4_q(gguf_blocks, interleaved=False))
     hf_values = convert_moe_packed_tensors(hf_blocks[None], exps[None], dtype=torch.float32)[0].t()  # [1, K, N] -> [N, K]
-    assert torch.equal(mxfp4_float(codes, exps), hf_values)
-    exps[3, 1] = 141  # 12 * 2^13 * 2 overflows float16's minimum
-    assert mxfp4_to_int8(codes, exps) is None
-    codes[3, 32:] = 8  # ... unless that block is all zeros (code 8 is -0)
-    assert mxfp4_to_int8(codes, exps) is not None
+    assert torch.equal(mxfp4_float(q, exps), hf_values)
+    qw = mxfp4_to_int8(q, exps)
+    assert qw is not None and qw.bits == 8 and int(qw.q.min()) >= 0 and int(qw.q.max()) <= 24
+    assert torch.equal(dequantize(qw), hf_values)
+    exps[3, 1] = 141  # 12 * 2^13 overflows float16's minimum
+    assert mxfp4_to_int8(q, exps) is None
+    exps[3, 1], exps[4, 0] = 103, 255
+    hf_blocks[3, 1], hf_blocks[4, 0] = 0x88, 0  # ... unless those blocks are all zeros (code 8 is -0)
+    q = mxfp4_q(hf_blocks, interleaved=True)
+    qw = mxfp4_to_int8(q, exps)
+    assert qw is not None and float(qw.scale[3, 1]) == 0 and torch.equal(dequantize(qw)[3, 32:], torch.zeros(32))
 
 
 def test_mxfp4_safetensors_experts_stay_packed(reference: tuple[Path, dict], mxfp4: tuple[dict, dict]) -> None:
