@@ -123,6 +123,8 @@ class LLM:
                     logprobs=req.logprobs if req.params.logprobs is not None else None,
                     prompt_logprobs=req.prompt_logprobs if req.params.prompt_logprobs is not None else None,
                     error=req.error,
+                    drafted_tokens=req.drafted_tokens,
+                    accepted_tokens=req.accepted_tokens,
                 )
             )
         return outputs

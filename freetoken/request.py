@@ -181,3 +181,5 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     error: str | None = None
+    drafted_tokens: int = 0  # speculative decoding: tokens drafted and verified
+    accepted_tokens: int = 0  # ... of which the verification accepted

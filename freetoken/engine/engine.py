@@ -358,7 +358,8 @@ class Engine:
         )
 
     def status(self) -> dict[str, object]:
-        """The `/v1/cache/status` document: the KV manager's pools and integrity, plus the floor."""
+        """The `/v1/cache/status` document: the KV manager's pools and integrity, plus the floor,
+        preemptions, experts and (speculation on) the drafted and accepted token counts."""
         doc = self.kv.status()
         if self.config.swa_floor is not None:
             doc["floor"] = self.config.swa_floor
@@ -366,6 +367,12 @@ class Engine:
         experts = expert_status(self.runner.model)
         if experts is not None:
             doc["experts"] = experts  # strategy, and the offload cache's counters
+        if self.scheduler.speculator is not None:
+            doc["speculative"] = {
+                "method": self.config.engine.speculative,
+                "drafted_tokens": self.drafted_tokens,
+                "accepted_tokens": self.accepted_tokens,
+            }
         return doc
 
 

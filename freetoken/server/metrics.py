@@ -17,6 +17,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from freetoken.server.metrics_experts import ExpertMetrics
+from freetoken.server.metrics_speculative import SpeculativeMetrics
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 POOL_STATES = ("capacity", "free", "cached", "in_use", "quarantined")
@@ -70,6 +71,7 @@ class Metrics:
         r = self.registry
         self.vllm = VllmAliases(r, model_name)
         self.experts = ExpertMetrics(r)
+        self.speculative = SpeculativeMetrics(r)
         self.requests = Counter("freetoken_requests", "HTTP generation requests by endpoint and status", ["endpoint", "status"], registry=r)
         self.rejected = Counter("freetoken_requests_rejected_full", "Requests refused with 429 (queue full)", registry=r)
         self.prompt_tokens = Counter("freetoken_prompt_tokens", "Prompt tokens of served requests", registry=r)
@@ -131,6 +133,7 @@ class Metrics:
             return
         self.vllm.update(status)
         self.experts.update(status)
+        self.speculative.update(status)
         for pool, counts in (status.get("pools") or {}).items():
             for state in POOL_STATES:
                 if state in counts:

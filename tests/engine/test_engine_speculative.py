@@ -16,11 +16,11 @@ import random
 import pytest
 import torch
 from scipy.stats import chisquare
+from test_engine_stress import run_random_traffic
 
 from freetoken.config import EngineConfig
 from freetoken.engine.build import build_engine_for
 from freetoken.request import FinishReason, Request, SamplingParams
-from test_engine_stress import run_random_traffic
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 SPEC = {"speculative": "ngram", "spec_ngram_min": 1}
@@ -70,10 +70,10 @@ def test_greedy_identical_under_preemption(tiny_gemma, make_llm, reference):
 
 
 SAMPLED = [
-    SamplingParams(max_tokens=12, temperature=0.8, seed=11, ignore_eos=True),
-    SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=12, ignore_eos=True, logprobs=2),
-    SamplingParams(max_tokens=12, temperature=0.7, top_k=5, min_p=0.05, seed=13, ignore_eos=True),
-    SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1),
+    SamplingParams(max_tokens=20, temperature=0.8, seed=11, ignore_eos=True),
+    SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=12, ignore_eos=True, logprobs=2),
+    SamplingParams(max_tokens=20, temperature=0.7, top_k=5, min_p=0.05, seed=13, ignore_eos=True),
+    SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=1),
 ]
 
 
@@ -87,7 +87,7 @@ def test_seeded_sampling_identical_with_speculation(tiny_gemma, make_llm):
         if b.logprobs is not None:
             assert [x.token_id for x in a.logprobs] == [x.token_id for x in b.logprobs]
             assert [x.logprob for x in a.logprobs] == pytest.approx([x.logprob for x in b.logprobs], abs=1e-9)
-    assert spec_llm.engine.accepted_tokens > 0
+    assert spec_llm.engine.accepted_tokens > 0, (spec_llm.engine.drafted_tokens, spec_llm.engine.accepted_tokens)
 
 
 class BigramRunner:
@@ -226,6 +226,22 @@ def test_request_update_reports_drafted_and_accepted(tiny_gemma):
     assert (last.drafted_tokens, last.accepted_tokens) == (req.drafted_tokens, req.accepted_tokens)
     assert req.accepted_tokens > 0
     assert engine.drafted_tokens == req.drafted_tokens
+    status = engine.status()["speculative"]
+    assert status == {"method": "ngram", "drafted_tokens": req.drafted_tokens, "accepted_tokens": req.accepted_tokens}
+    from freetoken.server.metrics import Metrics
+
+    metrics = Metrics()
+    metrics.update_engine(up=True, restarts=0, in_flight=0, status=engine.status())
+    text = metrics.render().decode()
+    assert f"freetoken_spec_drafted_tokens {float(req.drafted_tokens)}" in text
+    assert f"freetoken_spec_acceptance_rate {req.accepted_tokens / req.drafted_tokens}" in text
+
+
+def test_offline_outputs_report_drafted_and_accepted(tiny_gemma, make_llm):
+    out = make_llm(tiny_gemma, num_tokens=1024, **SPEC).generate(repeating(1), GREEDY)[0]
+    assert 0 < out.accepted_tokens <= out.drafted_tokens
+    plain = make_llm(tiny_gemma, num_tokens=1024).generate(repeating(1), GREEDY)[0]
+    assert (plain.drafted_tokens, plain.accepted_tokens) == (0, 0) and plain.token_ids == out.token_ids
 
 
 def test_config_refuses_bad_speculation_flags():
@@ -243,10 +259,10 @@ def test_real_gemma_greedy_identical_with_speculation(real_gemma_loaded):
     from freetoken.llm import LLM
 
     tok = real_gemma_loaded.tokenizer
-    source = "\n".join(f"def f{i}(x):\n    return x * {i} + {i * 3}\n" for i in range(12))
+    source = "\n".join(f"def f{i}(x):\n    return x * {i} + {i * 3}\n" for i in range(8))
     copy = tok.encode("Repeat the following file exactly.\n\n" + source + "\n\nThe file again:\n\n")
     fresh = tok.encode("Write a short poem about the sea and the wind.")
-    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 
     def run(**flags: object) -> tuple[list[list[int]], LLM]:
         config = EngineConfig(model="gemma3-270m", dtype="float32", page_size=16, num_tokens=4096,

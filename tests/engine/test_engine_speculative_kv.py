@@ -19,20 +19,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "kv"))
 
-from engine_sim import VOCAB, NullRunner, Setup, random_program  # noqa: E402
-from shadow import CheckedKV, ShadowViolation  # noqa: E402
+from engine_sim import VOCAB, NullRunner, Setup, random_program
+from shadow import CheckedKV, ShadowViolation
 
-from freetoken.config import EngineConfig  # noqa: E402
-from freetoken.engine.engine import Engine  # noqa: E402
-from freetoken.engine.scheduler import ScheduledItem  # noqa: E402
-from freetoken.kv.audit import run_audit  # noqa: E402
-from freetoken.kv.window import num_pages  # noqa: E402
-from freetoken.request import Request, SamplingParams  # noqa: E402
+from freetoken.config import EngineConfig
+from freetoken.engine.engine import Engine
+from freetoken.engine.scheduler import ScheduledItem
+from freetoken.kv.audit import run_audit
+from freetoken.kv.window import num_pages
+from freetoken.request import Request, SamplingParams
 
 
 def next_token(prefix: Sequence[int]) -> int:
