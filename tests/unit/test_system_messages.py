@@ -50,3 +50,27 @@ def test_gemma_gets_them_folded_into_user_turns() -> None:
     ]
     text = tok.apply_chat_template(folded, add_generation_prompt=True)  # the template takes the result
     assert "late\n\nU2" in text and text.index("S1") < text.index("U1")
+
+
+# Codex's first request: two developer messages, then its environment context and the prompt as
+# two user messages in a row.
+CODEX_SHAPE: list[dict[str, Any]] = [
+    {"role": "system", "content": "D1"},
+    {"role": "system", "content": "D2"},
+    {"role": "user", "content": "env"},
+    {"role": "user", "content": "prompt"},
+]
+
+
+def test_gemma_gets_repeated_user_turns_merged() -> None:
+    tok = tokenizer(GEMMA3_CHAT_TEMPLATE)
+    folded = fold_system_messages(tok, CODEX_SHAPE)
+    assert folded == [{"role": "system", "content": "D1\n\nD2"}, {"role": "user", "content": "env\n\nprompt"}]
+    assert "env\n\nprompt" in tok.apply_chat_template(folded, add_generation_prompt=True)
+    user_turns = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    assert fold_system_messages(tok, user_turns) == [{"role": "user", "content": "a\n\nb"}]
+
+
+def test_chatml_keeps_repeated_user_turns() -> None:
+    tok = tokenizer(CHATML_TEMPLATE)
+    assert fold_system_messages(tok, CODEX_SHAPE[2:]) == CODEX_SHAPE[2:]

@@ -7,8 +7,11 @@ bare JSON value that opens the output) is buffered whole, then handed to the for
 released as the text it was. A format may name an `ArgumentsHead` reader for its blocks: once the
 head of a block names a known tool and its arguments object has begun, the call is announced and
 its arguments stream out as they are written (the block is then a call whatever follows: a cut-off
-block is a call with the arguments written so far). Whitespace between content and a call is
-dropped. It knows no particular format: Hermes, Gemma and Llama 3 JSON configure it.
+block is a call with the arguments written so far). In a block that runs to the end of the output
+(Llama 3's, or a bare JSON value), a streamed call's object may be followed by `;`, `,` or another
+object: each further call's head is read and streamed the same way (other text after the object is
+content again). Whitespace between content and
+a call is dropped. It knows no particular format: Hermes, Gemma and Llama 3 JSON configure it.
 """
 
 from __future__ import annotations
@@ -81,6 +84,16 @@ def object_head(body: str, keys: tuple[str, str], tool_names: frozenset[str] | N
     return (name, i) if body[i] == "{" else False
 
 
+def call_head(body: str, arg_keys: tuple[str, ...], tool_names: frozenset[str] | None) -> tuple[str, int] | Literal[False] | None:
+    """`object_head` for a call object whose arguments may sit under any of `arg_keys`
+    (`"parameters"` or `"arguments"`): the first reading that succeeds, None while any may."""
+    heads = [object_head(body, ("name", key), tool_names) for key in arg_keys]
+    for head in heads:
+        if head:
+            return head
+    return None if any(head is None for head in heads) else False
+
+
 class JsonValueEnd:
     """Finds where one JSON object or array ends in text fed piece by piece (strings and escapes
     respected)."""
@@ -113,11 +126,14 @@ class JsonValueEnd:
 
 
 class BlockStream(ToolCallStream):
-    def __init__(self, markers: Sequence[BlockMarker], parse_block: BlockParser, *, bare_json_at_start: bool) -> None:
+    def __init__(
+        self, markers: Sequence[BlockMarker], parse_block: BlockParser, *, bare_json_at_start: bool, bare_head: ArgumentsHead | None = None
+    ) -> None:
         self._markers = tuple(markers)
         self._starts = tuple(m.start for m in markers)
         self._parse_block = parse_block
         self._bare = bare_json_at_start
+        self._bare_head = bare_head  # the head reader of a bare JSON value opening the output
         self._buffer = ""
         self._block: BlockMarker | None = None  # the open block, or None while in text
         self._at_start = True  # nothing but whitespace seen yet
@@ -169,7 +185,7 @@ class BlockStream(ToolCallStream):
             if self._bare and stripped[0] in "{[":
                 self._pending_ws = ""
                 self._buffer = stripped
-                self._block = BlockMarker("", None)
+                self._block = BlockMarker("", None, self._bare_head)
                 return True
         hits = [(self._buffer.find(m.start), m) for m in self._markers]
         hits = [(i, m) for i, m in hits if i >= 0]
@@ -202,7 +218,7 @@ class BlockStream(ToolCallStream):
         if not self._args_done:
             return self._stream_arguments(self._streaming, out)
         if self._block.end is None:
-            return False
+            return self._next_in_run()
         j = self._buffer.find(self._block.end)
         if j < 0:
             self._buffer = self._buffer[len(self._buffer) - held_back(self._buffer, (self._block.end,)) :]
@@ -238,6 +254,26 @@ class BlockStream(ToolCallStream):
             return True
         self._buffer = self._buffer[len(end) :]
         self._end_streaming()
+        return True
+
+    def _next_in_run(self) -> bool:
+        """After a streamed call's arguments, in a block that runs to the end: the call object's
+        `}`, then `;` / `,` or the next object starts the next call (read by the same head); other
+        text after the `}` ends the block and is content again. Text that is not the `}` is
+        dropped at the end of the output (the call stands, as any announced call does)."""
+        rest = self._buffer.lstrip()
+        if not rest.startswith("}"):
+            return False
+        after = rest[1:].lstrip()
+        if not after:
+            return False
+        if after[0] not in ";,{":
+            self._buffer = after
+            self._end_streaming()
+            return True
+        self._buffer = after[1:] if after[0] in ";," else after
+        self._streaming, self._head_tried = None, False
+        self._num_calls += 1
         return True
 
     def _end_streaming(self) -> None:

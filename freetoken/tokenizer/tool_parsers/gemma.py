@@ -9,29 +9,35 @@ built-in Gemma tool prompt asks for:
 
 The parser also takes a block tagged `json` holding a call, a list of calls in one block, and an
 output that is a bare call object (`{"name": ...}` as its first non-blank text); `arguments` is
-read like `parameters`. Results go back as ```` ```tool_output ```` blocks in a user turn.
+read like `parameters`. A call object that names a known tool before its arguments streams them
+while they are written (as the forced-call grammar writes it); a list of calls is parsed whole.
+Results go back as ```` ```tool_output ```` blocks in a user turn.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from freetoken.tokenizer.tool_parsers.base import ToolCall, ToolCallStream, ToolParser, tools_json
 from freetoken.tokenizer.tool_parsers.grammar import call_schema, forced_call_grammar
-from freetoken.tokenizer.tool_parsers.blocks import BlockMarker, BlockStream
+from freetoken.tokenizer.tool_parsers.blocks import BlockMarker, BlockStream, call_head
 from freetoken.tokenizer.tool_parsers.json_values import calls_from_values, json_values
 
 FENCE = "```"
-MARKERS = (BlockMarker("```tool_call", FENCE), BlockMarker("```json", FENCE))
+ARG_KEYS = ("parameters", "arguments")
 
 
 class GemmaParser(ToolParser):
     name = "gemma"
 
     def stream(self) -> ToolCallStream:
-        return BlockStream(MARKERS, self._parse_block, bare_json_at_start=True)
+        markers = (BlockMarker("```tool_call", FENCE, self._head), BlockMarker("```json", FENCE, self._head))
+        return BlockStream(markers, self._parse_block, bare_json_at_start=True, bare_head=self._head)
+
+    def _head(self, body: str) -> tuple[str, int] | Literal[False] | None:
+        return call_head(body, ARG_KEYS, self.tool_names)
 
     def _parse_block(self, body: str) -> list[ToolCall] | None:
         return calls_from_values(json_values(body), self.tool_names)

@@ -53,10 +53,10 @@ GEMMA: list[Case] = [
     ('Here is JSON:\n```json\n{"a": 1}\n```', 'Here is JSON:\n```json\n{"a": 1}\n```', "", []),  # JSON, not a call
 ]
 GEMMA_MALFORMED: list[str] = [
-    '```tool_call\n{"name": "get_weather", "parameters": {"city": }\n```',
-    '```tool_call\n{"name": "get_weather", "parameters": {"city": "Oslo"}}',
+    '```tool_call\n{"name": "get_weather", "parameters" {"city": }\n```',  # broken JSON before the arguments
+    '```tool_call\n{"parameters": {"city": "Oslo"}, "name": "get_weather"',  # arguments before the name, never closed
     '{"name": "unknown_tool", "parameters": {}}',
-    '{"name": "get_weather", "parameters": {"city": "Rome"}} and then some text',
+    '```json\n{"name": "get_weather", "parameters": "Oslo"}\n```',  # arguments not an object
 ]
 
 LLAMA3: list[Case] = [
@@ -69,10 +69,25 @@ LLAMA3: list[Case] = [
     ('Checking.<|python_tag|>{"name": "search", "parameters": {"q": "z"}}', "Checking.", "", [("search", {"q": "z"})]),
 ]
 LLAMA3_MALFORMED: list[str] = [
-    '{"name": "get_weather", "parameters": {"city": "Lima"}',
+    '{"name": "get_weather", "parameters": ["Lima"]}',
     '{"name": "nuke", "parameters": {}}',
     '<|python_tag|>{"name": "search"; "parameters": 1}',
     "[1, 2, 3]",
+]
+
+# Gemma and Llama 3 calls whose head (a known tool's name, then the arguments object) was written
+# are announced and streamed like Hermes ones: they stay calls when what follows breaks, and text
+# after a bare call object is content again. (parser, output, content, [(name, arguments)]).
+ANNOUNCED_JSON: list[tuple[str, str, str, list[tuple[str, str]]]] = [
+    ("gemma", '```tool_call\n{"name": "get_weather", "parameters": {"city": }\n```', "", [("get_weather", '{"city": }')]),
+    ("gemma", '```tool_call\n{"name": "get_weather", "parameters": {"city": "Oslo"}}', "", [("get_weather", '{"city": "Oslo"}')]),
+    ("gemma", '{"name": "get_weather", "parameters": {"city": "Rome"}} and then some text', "and then some text",
+     [("get_weather", '{"city": "Rome"}')]),
+    ("gemma", '```json\n{"name": "search", "arguments": {"q": "a```b"}}\n```', "", [("search", '{"q": "a```b"}')]),  # marker in a string
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Lima"}', "", [("get_weather", '{"city": "Lima"}')]),
+    ("llama3_json", '<|python_tag|>{"name": "search", "parameters": {"q": "ll', "", [("search", '{"q": "ll')]),  # cut off
+    ("llama3_json", '{"name": "search", "parameters": {"q": "a"}}, {"name": "get_weather", "parameters": {}}', "",
+     [("search", '{"q": "a"}'), ("get_weather", "{}")]),
 ]
 
 HARMONY: list[Case] = [

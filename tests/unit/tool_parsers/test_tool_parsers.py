@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from recorded import (  # noqa: E402
-    GEMMA, GEMMA_MALFORMED, HARMONY, HARMONY_ANNOUNCED, HARMONY_MALFORMED, HERMES, HERMES_ANNOUNCED, HERMES_MALFORMED, LLAMA3, LLAMA3_MALFORMED,
+    ANNOUNCED_JSON, GEMMA, GEMMA_MALFORMED, HARMONY, HARMONY_ANNOUNCED, HARMONY_MALFORMED, HERMES, HERMES_ANNOUNCED, HERMES_MALFORMED, LLAMA3, LLAMA3_MALFORMED,
     TOOLS, Case,
 )
 
@@ -98,6 +98,39 @@ def test_hermes_announced_call_stays_a_call(text: str, arguments: str) -> None:
 def test_harmony_announced_call_stays_a_call(text: str, arguments: str) -> None:
     out = make_tool_parser("harmony", TOOLS).parse(text)
     assert out.content == "" and [c.arguments for c in out.tool_calls] == [arguments]
+
+
+@pytest.mark.parametrize(("parser", "text", "content", "calls"), ANNOUNCED_JSON)
+def test_gemma_llama3_announced_call_stays_a_call(parser: str, text: str, content: str, calls: list[tuple[str, str]]) -> None:
+    out = make_tool_parser(parser, TOOLS).parse(text)
+    assert out.content == content and [(c.name, c.arguments) for c in out.tool_calls] == calls
+
+
+@pytest.mark.parametrize(
+    ("parser", "head", "tail"),
+    [
+        ("gemma", '```tool_call\n{"name": "get_weather", "parameters": {"ci', "\n```"),
+        ("gemma", '{"name": "get_weather", "arguments": {"ci', ""),  # a bare call object opening the output
+        ("llama3_json", '{"name": "get_weather", "parameters": {"ci', ""),
+        ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"ci', ""),
+    ],
+)
+def test_gemma_llama3_stream_arguments_while_they_are_written(parser: str, head: str, tail: str) -> None:
+    stream = make_tool_parser(parser, TOOLS).stream()
+    first = stream.feed(head)
+    assert [(d.first, d.call.name, d.call.arguments) for d in first.tool_calls] == [(True, "get_weather", ""), (False, "", '{"ci')]
+    assert [d.call.arguments for d in stream.feed('ty": "Oslo"}').tool_calls] == ['ty": "Oslo"}']
+    rest = stream.feed("}" + tail)
+    rest.extend(stream.finish())
+    assert not rest.tool_calls and rest.content == ""
+
+
+def test_llama3_streams_each_of_several_calls() -> None:
+    stream = make_tool_parser("llama3_json", TOOLS).stream()
+    deltas = [stream.feed(piece) for piece in ['{"name": "search", "parameters": {"q"', ': "a"}}; {"name": "get_w', 'eather", "parameters": {}}']]
+    deltas.append(stream.finish())
+    flat = [(d.index, d.first, d.call.name, d.call.arguments) for delta in deltas for d in delta.tool_calls]
+    assert flat == [(0, True, "search", ""), (0, False, "", '{"q"'), (0, False, "", ': "a"}'), (1, True, "get_weather", ""), (1, False, "", "{}")]
 
 
 def test_hermes_streams_arguments_while_they_are_written() -> None:
