@@ -361,3 +361,50 @@ def test_tensor_parallel_is_refused_where_no_shard_plan_exists(name: str) -> Non
     check_shardable(config, 1)
     with pytest.raises(ConfigError, match="--tensor-parallel-size 2 is not supported"):
         check_shardable(config, 2)
+
+
+def test_gemma4_26b_a4b_shaped_config_and_kv_layout() -> None:
+    """The multimodal config.json form (`gemma4` + `text_config`) with 26B-A4B's attention shape:
+    25 sliding layers (window 1024, 8 kv heads of 256) and 5 full ones (2 kv heads of 512, keys as
+    values): each pool is sized by its own heads (the full pool 20,480 bytes per token in bf16)."""
+    from freetoken.kv.tensors import KVTensors
+
+    text = dict(
+        hidden_size=2816, num_hidden_layers=30, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+        global_head_dim=512, num_global_key_value_heads=2, attention_k_eq_v=True, sliding_window=1024,
+        hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=128, top_k_experts=8,
+        moe_intermediate_size=704, intermediate_size=2112, vocab_size=262_144,
+    )
+    config = ModelConfig.from_hf({"model_type": "gemma4", "text_config": text, "vision_config": {}})
+    assert config.architecture == "gemma4" and len(config.swa_layers) == 25 and config.full_layers == (5, 11, 17, 23, 29)
+    layout = config.kv_layout()
+    assert layout.head_shape(True) == (8, 256) and layout.head_shape(False) == (2, 512)
+    assert KVTensors.bytes_per_page(layout, 1, torch.bfloat16, sliding=False) == 5 * 2 * 2 * 512 * 2
+    assert KVTensors.bytes_per_page(layout, 1, torch.bfloat16, sliding=True) == 25 * 2 * 8 * 256 * 2
+    assert config.attention_scale == 1.0 and config.for_layer(5).head_dim == 512 and config.for_layer(0).head_dim == 256
+
+
+@pytest.mark.parametrize(("key", "value"), [("hidden_size_per_layer_input", 256), ("num_kv_shared_layers", 4),
+                                            ("use_bidirectional_attention", "all")])
+def test_gemma4_features_not_modelled_are_refused(key: str, value: object) -> None:
+    from freetoken.errors import ModelLoadError
+
+    base = dict(num_hidden_layers=6, hidden_size_per_layer_input=0, model_type="gemma4_text")
+    with pytest.raises(ModelLoadError, match="not supported"):
+        ModelConfig.from_hf({**base, key: value})
+
+
+def test_gemma4_multimodal_checkpoint_names_load(family: dict[str, Any]) -> None:
+    """`model.language_model.` names (Gemma4ForConditionalGeneration's) with tower tensors beside
+    them load into the same model."""
+    if family["name"] != "gemma4":
+        pytest.skip("one Gemma 4 checkpoint is enough")
+    from freetoken.weights.safetensors import load_safetensors_dir
+
+    tensors = load_safetensors_dir(family["dir"], dtype=torch.float64)
+    renamed = {name.replace("model.", "model.language_model.", 1): t for name, t in tensors.items()}
+    renamed["model.vision_tower.encoder.layers.0.mlp.up_proj.weight"] = torch.zeros(2, 2)
+    model = build_model(ModelConfig.from_hf(family["cfg"].to_dict()), torch.float64, "cpu")
+    model.load_weights(renamed)
+    (logits,) = PagedRunner(model, 4, torch.float64).step([(Seq(), family["ids"])], all_logits=True)
+    assert_close(logits, family["ref"][torch.float64], torch.float64, family)
