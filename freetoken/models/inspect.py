@@ -13,6 +13,7 @@ from collections import Counter
 import torch
 
 from freetoken.models.config import SLIDING_ATTENTION, ModelConfig
+from freetoken.models.experts import Experts
 from freetoken.models.linear import QuantizableWeight
 from freetoken.models.load import load_model
 from freetoken.tokenizer.chat_template import builtin_chat_template
@@ -32,13 +33,20 @@ def weight_kinds(model: torch.nn.Module) -> list[str]:
         if isinstance(module, QuantizableWeight):
             shape = (module.packed.out_features, module.packed.in_features) if module.packed is not None else tuple(module.weight.shape)
             kinds[(re.sub(r"\.\d+\.", ".*.", name), module.runs_as(), shape)] += 1  # type: ignore[index]
+        elif isinstance(module, Experts):  # [E, I, H]: E experts, each gate / up [I, H] and down [H, I]
+            shape = (module.num_experts, module.intermediate, module.hidden)
+            kinds[(re.sub(r"\.\d+\.", ".*.", name), module.runs_as(), shape)] += 1  # type: ignore[index]
     width = max((len(k[0]) for k in kinds), default=0)
     return [f"  {name:<{width}}  {runs:<16} x{n:<3} {list(shape)}" for (name, runs, shape), n in kinds.items()]
 
 
 def _param_count(model: torch.nn.Module) -> int:
     count = sum(p.numel() for p in model.parameters())
-    return count + sum(
+    experts = sum(
+        m.num_experts * (3 * m.intermediate * m.hidden + (2 * m.intermediate + m.hidden if m.bias else 0))
+        for m in model.modules() if isinstance(m, Experts)
+    )
+    return count + experts + sum(
         m.packed.out_features * m.packed.in_features
         for m in model.modules() if isinstance(m, QuantizableWeight) and m.packed is not None
     )

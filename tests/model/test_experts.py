@@ -27,6 +27,7 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from freetoken.models.config import ModelConfig
 from freetoken.models.experts import expert_cache, expert_status, experts_of, offload_experts
 from freetoken.models.experts_cache import TRIM_BYTES, ExpertCache
+from freetoken.models.inspect import _param_count, weight_kinds
 from freetoken.models.registry import CausalLM, build_model
 from freetoken.ops.quantized import dequantize
 from freetoken.weights.dequant import Deferred, mxfp4_float, mxfp4_q, mxfp4_to_int8
@@ -252,6 +253,14 @@ def test_evicted_entries_in_reference_cycles_are_freed() -> None:
         assert all(ref() is None for ref in refs[:4])  # freed by the trim after 16 MB evicted
     finally:
         gc.enable()
+
+
+def test_inspect_lists_the_experts_and_counts_their_parameters(reference: tuple[Path, dict]) -> None:
+    directory, config = reference
+    model = load(load_safetensors_dir(directory, dtype=torch.float32), config, "int4")
+    assert "  layers.*.mlp.experts         int4 (group 32)  x2   [4, 32, 64]" in weight_kinds(model)
+    hf = make_reference("gpt_oss", directory / "again")
+    assert _param_count(model) == sum(p.numel() for p in hf.parameters())
 
 
 def test_offload_must_come_before_loading(reference: tuple[Path, dict]) -> None:
