@@ -50,11 +50,6 @@ def _norm(dim: int, config: ModelConfig, dtype: torch.dtype, device: torch.devic
     return RMSNorm(dim, config.rms_norm_eps, dtype, device, scale_in_float=True)
 
 
-def unweighted_norm(x: torch.Tensor, ones: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) over the last axis, in at least float32; `ones` [D] in x's compute dtype."""
-    return rms_norm(x, ones, eps)
-
-
 def gelu_gate(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """One expert's gated GELU: gate, up [n, I] -> gelu_tanh(gate) * up [n, I]."""
     return F.gelu(gate, approximate="tanh") * up
@@ -87,7 +82,7 @@ class Gemma4Attention(nn.Module):
         T = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (H + 2 n_kv) D]
         q, k, v = attention_inputs(qkv, c, cos, sin, self.q_norm, self.k_norm)  # [T, H, D], [T, n_kv, D] x 2
-        v = unweighted_norm(v, self.v_ones, c.rms_norm_eps)  # [T, n_kv, D]
+        v = rms_norm(v, self.v_ones, c.rms_norm_eps)  # [T, n_kv, D], unweighted (ones)
         out = paged_self_attention(q, k, v, layer, c, batch, kv)  # [T, H, D]
         return self.o_proj(out.reshape(T, c.num_heads * c.head_dim))  # [T, hidden]
 
@@ -105,7 +100,7 @@ class Gemma4Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> expert ids [T, k], weights [T, k] (float32)."""
         c = self.config
-        h = unweighted_norm(x, self.ones, c.rms_norm_eps) * self.scale * c.hidden_size**-0.5  # [T, hidden]
+        h = rms_norm(x, self.ones, c.rms_norm_eps) * self.scale * c.hidden_size**-0.5  # [T, hidden], unweighted norm
         probs = torch.softmax(self.proj(h), dim=-1, dtype=torch.float32)  # [T, E]
         top, idx = torch.topk(probs, c.num_experts_per_tok, dim=-1)  # [T, k] each
         top = top / top.sum(dim=-1, keepdim=True)

@@ -1,9 +1,11 @@
 """Qwen3-MoE: Qwen3's attention blocks with a top-k mixture of SwiGLU experts.
 
 Owns the router of Qwen3's sparse layers (softmax over all experts in float32, top-k, optionally
-renormalised to sum to 1: `norm_topk_prob`) and the loading of transformers' stacked expert
-tensors (`mlp.experts.gate_up_proj` [E, 2I, H], gate rows first; `mlp.experts.down_proj`
-[E, H, I]) into `models.experts.Experts`, which runs them. Layers listed in
+renormalised to sum to 1: `norm_topk_prob`) and `take_experts`, which turns a layer's expert
+tensors in any of the forms checkpoints hold them (transformers' stacks `gate_up_proj`
+[E, 2I, H] with gate rows first and `down_proj` [E, H, I], the hub's per-expert matrices, the
+GGUF loader's packed per-expert lists) into `models.experts.Experts.load`'s gate / up / down
+(Gemma 4 reuses it); `Experts` runs them. Layers listed in
 `dense_mlp_layers` (`mlp_only_layers`, `decoder_sparse_step`) keep Qwen3's dense MLP. Attention,
 norms and the model skeleton are `qwen3.py`'s. It does not read files.
 """
