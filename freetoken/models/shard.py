@@ -2,7 +2,8 @@
 and the collectives that put the ranks' partial results back together.
 
 Owns the shard plan (heads, KV heads, MLP columns and vocabulary rows of one rank), slicing the
-checkpoint's HF-named tensors (float or `QuantizedWeight`, before they are fused or packed) and
+checkpoint's HF-named tensors (float or `QuantizedWeight`, before they are fused or packed; the
+experts also as MXFP4 blocks or the GGUF loader's deferred per-expert lists) and
 the collectives installed on a loaded model: a sum (all-reduce) after each attention and MLP
 block, whose last projection is row-parallel, and a vocab-parallel embedding and output head
 (all-gather of the logits). Column-parallel: q/k/v, gate/up, the experts' gate_up; row-parallel:
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -25,8 +26,10 @@ from torch import nn
 
 from freetoken.errors import ConfigError
 from freetoken.models.config import ModelConfig
+from freetoken.models.experts import Source
 from freetoken.models.linear import Weight
 from freetoken.ops.quantized import GROUP, QuantizedWeight, dequantize
+from freetoken.weights.dequant import Deferred
 
 
 @dataclass(frozen=True)
@@ -150,6 +153,17 @@ def shard_tensor(name: str, w: Weight, plan: ShardPlan) -> Weight:
         return w if r == 0 else _zero(w)  # added once, by rank 0, before the sum
     if leaf == "sinks":
         return w[heads].contiguous()
+    if proj == "experts" and isinstance(w, list):  # the GGUF loader's E matrices [out, in] (may be deferred)
+        if leaf in ("gate_proj", "up_proj"):
+            return [_expert_part(m, lambda m: _rows(m, inter.start, inter.stop), plan.world, 0) for m in w]
+        if leaf == "down_proj":
+            return [_expert_part(m, lambda m: _cols(m, inter.start, inter.stop), plan.world, 1) for m in w]
+    if proj == "experts" and leaf.endswith(("_blocks", "_scales")):  # gpt-oss MXFP4: [E, out, in / 32, (16)]
+        if leaf.startswith("gate_up_proj"):
+            return w[:, 2 * inter.start:2 * inter.stop].contiguous()  # rows (gate, up) in pairs
+        if inter.start % GROUP or inter.stop % GROUP:
+            raise ConfigError(f"--tensor-parallel-size {plan.world} splits MXFP4 expert blocks of {GROUP}")
+        return w[:, :, inter.start // GROUP:inter.stop // GROUP].contiguous()
     if proj == "experts":  # gpt-oss: [E, h, 2i] gate/up interleaved, [E, i, h] down
         if leaf in ("gate_up_proj", "gate_up_proj_bias"):
             return w[..., 2 * inter.start:2 * inter.stop].contiguous()  # pairs (gate, up) stay together
@@ -160,6 +174,14 @@ def shard_tensor(name: str, w: Weight, plan: ShardPlan) -> Weight:
     if proj in ("embed_tokens", "lm_head"):
         return _padded_rows(w, r * plan.vocab_rows, plan.vocab_rows)
     return w
+
+
+def _expert_part(m: Source, part: Callable[[Weight], Weight], world: int, dim: int) -> Source:
+    """`part` of one expert matrix; of a deferred one, when it is decoded (1/world of `dim`)."""
+    if isinstance(m, Deferred):
+        shape = (m.shape[0] // world, m.shape[1]) if dim == 0 else (m.shape[0], m.shape[1] // world)
+        return Deferred(shape, m.nbytes // world, lambda: part(m.make()))
+    return part(m)
 
 
 def shard_tensors(tensors: Mapping[str, Weight], plan: ShardPlan) -> dict[str, Weight]:
