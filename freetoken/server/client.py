@@ -34,6 +34,7 @@ from freetoken.server.messages import (
     TokenUpdate, decode, encode,
 )
 from freetoken.server.supervisor import DEFAULT_LOAD_TIMEOUT_S, ExitReport, RestartPolicy, Supervisor, WorkerEndpoints
+from freetoken.utils.heap import freeze_startup_heap
 
 log = logging.getLogger("freetoken.server")
 
@@ -420,6 +421,7 @@ class EngineClient:
             self.info = msg
             log.info("engine process %d ready: %s (%s), context %d", msg.pid, msg.model_name, msg.architecture, msg.context_length)
             self._set_state("ready", None)
+            freeze_startup_heap()  # the API process's startup objects too (tokenizer, templates)
         elif isinstance(msg, EngineError):
             log.error("engine error: %s", msg.message)
             self._last_engine_error = msg.message

@@ -35,6 +35,7 @@ from freetoken.server.messages import (
     TokenUpdate, decode, encode,
 )
 from freetoken.server.supervisor import EXIT_FAILED, EXIT_OK, EXIT_STARTUP
+from freetoken.utils.heap import freeze_startup_heap
 
 log = logging.getLogger("freetoken.engine")
 
@@ -287,6 +288,7 @@ def run_worker(config: EngineConfig, *, engine_endpoint: str, api_endpoint: str,
             page_size=config.page_size,
             pid=os.getpid(),
         ))
+        freeze_startup_heap()  # the loaded model's objects: never rescanned by a full collection
         return serve(WorkerLoop(engine, send, progress), pull, parent_pid)
     except Exception as err:  # noqa: BLE001 - report it to the API process before dying
         log.exception("the engine process failed")
