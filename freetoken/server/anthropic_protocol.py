@@ -7,7 +7,8 @@ here — `context_management`, `output_config.effort`, `service_tier`, `cache_co
 content blocks into the OpenAI-style message list the chat templates render (`tool_use` -> an
 assistant message's `tool_calls`, `tool_result` -> a `tool` role message, a replayed `thinking`
 block -> the assistant's `reasoning_content`, which templates render or drop, a `system` role
-message -> a system message in place), `thinking` (enabled / adaptive: think, where the model
+message -> a system message in place; a system block of Claude Code's billing line
+`x-anthropic-billing-header: ...` is left out), `thinking` (enabled / adaptive: think, where the model
 can), structured output (`output_config.format`, `output_format`) and the Anthropic ->
 SamplingParams checks. `tools` / `tool_choice` are validated into `ToolOptions` by `tool_blocks.py`; what they do
 to the prompt, the sampling and the reply is tool calling's. It does no tokenization and knows
@@ -27,6 +28,7 @@ from freetoken.server.tool_blocks import anthropic_tool_options
 from freetoken.server.tool_calling import ToolOptions
 
 MAX_STOP_SEQUENCES = 16
+BILLING_HEADER = "x-anthropic-billing-header:"  # Claude Code's first system block: for Anthropic's billing, not the model
 
 
 class _Strict(BaseModel):
@@ -204,7 +206,10 @@ class Conversation(_Strict):
         if not self.messages:
             raise bad_request("messages must not be empty", param="messages")
         out: list[dict[str, Any]] = []
-        system = self.system if isinstance(self.system, str) or self.system is None else "\n".join(b.text for b in self.system)
+        if isinstance(self.system, str) or self.system is None:
+            system = self.system
+        else:  # Claude Code's billing line changes with every prompt: kept, no session would share a cached prefix
+            system = "\n".join(b.text for b in self.system if not b.text.startswith(BILLING_HEADER))
         if system:
             out.append({"role": "system", "content": system})
         for i, message in enumerate(self.messages):

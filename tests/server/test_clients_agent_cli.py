@@ -1,0 +1,85 @@
+"""The real coding-agent CLIs against `ft serve` on the bundled Gemma 3 270M, non-interactively:
+`codex exec` (Codex 0.171.0, a custom model provider with `wire_api = "responses"`) and `claude -p`
+(Claude Code 2.1.332, `ANTHROPIC_BASE_URL`), each asked for one short answer; a turn is done when
+the CLI exits 0 having printed the model's text. Slow (minutes on 2 busy cores: ~6k and ~12k prompt
+tokens, and a 270M model may write a long answer), so it runs only with `-m agent_cli`, and each
+CLI is skipped unless installed: on PATH, or named by FT_CODEX_BIN / FT_CLAUDE_BIN, e.g.
+
+    npm install --prefix /tmp/agentcli @openai/codex@0.171.0 @anthropic-ai/claude-code@2.1.332
+    FT_CODEX_BIN=/tmp/agentcli/node_modules/.bin/codex \\
+    FT_CLAUDE_BIN=/tmp/agentcli/node_modules/@anthropic-ai/claude-code-linux-x64/claude \\
+    python -m pytest -q -m agent_cli tests/server/test_clients_agent_cli.py
+
+The recipe is docs/agents.md's ("Codex" and "Claude Code")."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from serving import ServeProcess, serving
+
+pytestmark = pytest.mark.agent_cli
+CONTEXT = 16384  # Claude Code's first prompt is ~12k Gemma tokens; Codex's ~6k
+RUN_DEADLINE_S = 1800  # a hang guard, nothing is timed
+
+
+def asked_for(config: pytest.Config) -> bool:
+    expr = str(config.getoption("markexpr") or "")
+    return "agent_cli" in expr and "not agent_cli" not in expr
+
+
+def cli(env_name: str, command: str) -> str:
+    path = os.environ.get(env_name) or shutil.which(command)
+    if not path:
+        pytest.skip(f"{command} is not installed (npm install it and put it on PATH, or set {env_name}); see this module's docstring")
+    return path
+
+
+@pytest.fixture(scope="module")
+def real_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    if not asked_for(request.config):
+        pytest.skip("slow: run with -m agent_cli")
+    flags = ["--context-length", str(CONTEXT)]
+    with serving("gemma3-270m", flags, tmp_path_factory.mktemp("agent_cli_logs") / "serve.log", deadline_s=900) as proc:
+        yield proc
+
+
+def run(cmd: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, env={**os.environ, **env}, cwd=cwd, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          timeout=RUN_DEADLINE_S)
+
+
+def test_codex_exec_completes_a_turn(real_server: ServeProcess, tmp_path: Path) -> None:
+    codex = cli("FT_CODEX_BIN", "codex")
+    home = tmp_path / "codex_home"
+    home.mkdir()
+    (home / "config.toml").write_text(
+        'model = "default"\nmodel_provider = "freetoken"\n'
+        f"model_context_window = {CONTEXT}\ncheck_for_update_on_startup = false\n\n"
+        '[model_providers.freetoken]\nname = "FreeToken"\n'
+        f'base_url = "{real_server.base}/v1"\nwire_api = "responses"\nrequest_max_retries = 0\nstream_max_retries = 0\n\n'
+        "[analytics]\nenabled = false\n"
+    )
+    out = run([codex, "exec", "--skip-git-repo-check", "Reply with exactly one word: hello"], {"CODEX_HOME": str(home)}, tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.strip(), out.stderr  # the model's final message
+    real_server.assert_balanced_idle()
+
+
+def test_claude_print_completes_a_turn(real_server: ServeProcess, tmp_path: Path) -> None:
+    claude = cli("FT_CLAUDE_BIN", "claude")
+    env = {
+        "ANTHROPIC_BASE_URL": real_server.base, "ANTHROPIC_API_KEY": "unused", "ANTHROPIC_MODEL": "default",
+        "ANTHROPIC_DEFAULT_HAIKU_MODEL": "default", "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "4096",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1", "DISABLE_TELEMETRY": "1",
+        "DISABLE_ERROR_REPORTING": "1", "CLAUDE_CONFIG_DIR": str(tmp_path / "claude_home"), "API_TIMEOUT_MS": "3000000",
+    }
+    out = run([claude, "-p", "Reply with exactly one word: hello", "--max-turns", "2"], env, tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.strip(), out.stderr
+    real_server.assert_balanced_idle()
