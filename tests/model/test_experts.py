@@ -270,12 +270,28 @@ def test_offload_must_come_before_loading(reference: tuple[Path, dict]) -> None:
         offload_experts(model, ExpertCache(1 << 20))
 
 
+def mapped_from(t: torch.Tensor, path: Path) -> bool:
+    """Whether t's data lies in a mapping of the file at `path` (/proc/self/maps)."""
+    ptr = t.data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 6 and fields[5] == str(path.resolve()):
+            lo, hi = (int(v, 16) for v in fields[0].split("-"))
+            if lo <= ptr < hi:
+                return True
+    return False
+
+
 def test_copy_of_reference_directory_loads_mxfp4_from_disk(reference: tuple[Path, dict], mxfp4: tuple[dict, dict],
                                                            tmp_path: Path) -> None:
-    """The MXFP4 tensors survive a real safetensors file (uint8 is not cast to the model dtype)."""
+    """The MXFP4 tensors survive a real safetensors file (uint8 is not cast to the model dtype) and
+    are views of its memory map, the backing store of offloaded experts."""
     directory, config = reference
     shutil.copy(directory / "config.json", tmp_path / "config.json")
     save_file({k: v.contiguous() for k, v in mxfp4[0].items()}, str(tmp_path / "model.safetensors"))
-    from_disk = load(load_safetensors_dir(tmp_path, dtype=torch.float32), config)
+    tensors = load_safetensors_dir(tmp_path, dtype=torch.float32)
+    blocks = tensors["model.layers.0.mlp.experts.down_proj_blocks"]
+    assert blocks.dtype == torch.uint8 and mapped_from(blocks, tmp_path / "model.safetensors")  # no copy in RAM
+    from_disk = load(tensors, config)
     assert {x.runs_as() for x in experts_of(from_disk)} == {"int8 (group 32)"}
     assert torch.equal(last_logits(from_disk), last_logits(load(dict(mxfp4[0]), config)))
