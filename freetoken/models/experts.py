@@ -39,16 +39,6 @@ ExpertStack = torch.Tensor | Sequence[Source]
 Matrix = torch.Tensor | PackedWeight
 
 
-def every_other_row(w: Source, first: int) -> Source:
-    """Rows first, first + 2, ... of one expert matrix (de-interleaving a fused gate/up)."""
-    if isinstance(w, Deferred):
-        return Deferred((w.shape[0] // 2, w.shape[1]), w.nbytes // 2, lambda: every_other_row(w.make(), first))
-    if isinstance(w, QuantizedWeight):
-        m = None if w.minimum is None else w.minimum[first::2].contiguous()
-        return QuantizedWeight(w.bits, w.q[first::2].contiguous(), w.scale[first::2].contiguous(), m)
-    return w[..., first::2, :]
-
-
 def _policy(w: Source, weights: str) -> Source:
     if isinstance(w, Deferred):
         return Deferred(w.shape, w.nbytes, lambda: apply_policy(w.make(), weights))

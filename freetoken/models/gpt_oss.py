@@ -19,7 +19,7 @@ from freetoken.attention.metadata import ForwardBatch
 from freetoken.errors import ModelLoadError
 from freetoken.kv.tensors import KVTensors
 from freetoken.models.config import ModelConfig
-from freetoken.models.experts import Activation, Experts, ExpertStack, every_other_row, with_policy
+from freetoken.models.experts import Activation, Experts, ExpertStack, with_policy
 from freetoken.models.linear import Weight
 from freetoken.models.layers import (
     RMSNorm, Rotary, apply_rope, compute_dtype, embedding, linear, load_named, output_logits, paged_self_attention,
@@ -66,15 +66,17 @@ def clamped_swiglu(config: ModelConfig) -> Activation:
     return act
 
 
-def _mxfp4_stack(blocks: torch.Tensor, scales: torch.Tensor, name: str) -> list[Deferred]:
-    """HF MXFP4 `blocks` [E, N, G, 16] and `scales` [E, N, G] -> E matrices [N, 32 G], each
-    decoded (to the exact 8-bit form) only when the experts load or, offloaded, on a miss."""
-    E, N, G = scales.shape
+def _mxfp4_stack(blocks: torch.Tensor, scales: torch.Tensor, name: str, rows: slice = slice(None)) -> list[Deferred]:
+    """HF MXFP4 `blocks` [E, N, G, 16] and `scales` [E, N, G] -> E matrices [len(rows), 32 G]
+    (their `rows`), each decoded (to the exact 8-bit form) only when the experts load or,
+    offloaded, on a miss."""
+    part_blocks, part_scales = blocks[:, rows], scales[:, rows]  # views: nothing read yet
+    E, N, G = part_scales.shape
 
     def decode(e: int) -> torch.Tensor | QuantizedWeight:
-        return mxfp4_matrix(mxfp4_q(blocks[e], interleaved=True), scales[e], f"{name} expert {e}")
+        return mxfp4_matrix(mxfp4_q(part_blocks[e], interleaved=True), part_scales[e], f"{name} expert {e}")
 
-    return [Deferred((N, 32 * G), blocks[e].numel() + scales[e].numel(), lambda e=e: decode(e)) for e in range(E)]
+    return [Deferred((N, 32 * G), N * G * 17, lambda e=e: decode(e)) for e in range(E)]
 
 
 def split_experts(tensors: dict[str, Weight], layer: int, weights: str) -> tuple[ExpertStack, ...]:
@@ -89,11 +91,11 @@ def split_experts(tensors: dict[str, Weight], layer: int, weights: str) -> tuple
             take[key[len(prefix):]] = tensors.pop(key)
     name = f"layers.{layer}.mlp.experts"
     if "gate_up_proj_blocks" in take and "gate_up_proj_scales" in take:
-        gate_up = _mxfp4_stack(take.pop("gate_up_proj_blocks"), take.pop("gate_up_proj_scales"), name)  # E x [2I, H]
+        fused = take.pop("gate_up_proj_blocks"), take.pop("gate_up_proj_scales")  # [E, 2I, ...]: gate rows even
+        gate = _mxfp4_stack(*fused, name, slice(0, None, 2))  # E x [I, H]
+        up = _mxfp4_stack(*fused, name, slice(1, None, 2))
         blocks, scales = take.pop("down_proj_blocks", None), take.pop("down_proj_scales", None)
         down = None if blocks is None or scales is None else _mxfp4_stack(blocks, scales, name)  # E x [H, I]
-        gate = [every_other_row(w, 0) for w in gate_up]
-        up = [every_other_row(w, 1) for w in gate_up]
     elif "gate_proj" in take and "up_proj" in take:  # GGUF stacks kept packed: E matrices [out, in] each
         gate, up, down = take.pop("gate_proj"), take.pop("up_proj"), take.pop("down_proj", None)
     elif "gate_up_proj" in take and "down_proj" in take:
