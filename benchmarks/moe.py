@@ -11,8 +11,9 @@ path before packed experts): load, one 16-token prompt, `--tokens` greedy
 decode steps of one request. Reported per strategy: decode tokens/s from CPU time
 (`time.thread_time` at `--threads` 1: steady on a shared machine) and from wall time, the expert
 cache's hits / misses / evictions / hit rate, the experts' resident bytes or the cache's budget,
-peak RSS (`ru_maxrss`, which counts the file pages of the memory map that were touched) and load
-time. Routing of random weights is near uniform, so the hit rate is close to the cache's share of
+peak RSS (`ru_maxrss`: the load included, and the memory map's touched file pages), the peak of
+anonymous memory while decoding and the file pages held at the end (/proc/self/status), and
+load time. Routing of random weights is near uniform, so the hit rate is close to the cache's share of
 a layer's experts: a worst case next to real models, whose routing is skewed.
 """
 
@@ -81,6 +82,13 @@ def write_model(path: Path, args: argparse.Namespace) -> None:
     w.close()
 
 
+def rss_mib() -> dict[str, float]:
+    """This process's resident memory now: anonymous (heap: weights, cache, KV) and file-backed
+    (the memory-mapped checkpoint's pages, which the kernel may drop)."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    return {k: int(fields[k].split()[0]) / 1024 for k in ("RssAnon", "RssFile")}
+
+
 def run_one(path: Path, strategy: str, cache_gb: float, weights: str, tokens: int, threads: int) -> dict[str, object]:
     """One engine, one request: the figures of one strategy (runs in its own process)."""
     import torch
@@ -100,16 +108,18 @@ def run_one(path: Path, strategy: str, cache_gb: float, weights: str, tokens: in
     engine.add_request(req)
     engine.step()  # the prefill and the first token
     cpu0, wall0 = time.thread_time(), time.perf_counter()
-    steps = 0
+    steps, peak_anon = 0, rss_mib()["RssAnon"]
     while not req.finished:
         engine.step()
         steps += 1
+        peak_anon = max(peak_anon, rss_mib()["RssAnon"])
     cpu, wall = time.thread_time() - cpu0, time.perf_counter() - wall0
     status = expert_status(loaded.model) or {}
     return {
         "strategy": strategy, "weights": weights, "dtype": str(loaded.dtype).removeprefix("torch."), "torch_threads": torch.get_num_threads(),
         "decode_tokens": steps, "tok_s_cpu": steps / cpu, "tok_s_wall": steps / wall, "load_s": load_s,
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "experts": status,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "peak_anon_decode_mib": peak_anon,
+        "file_mib_end": rss_mib()["RssFile"], "experts": status,
     }
 
 
@@ -155,7 +165,8 @@ def main() -> None:
                   f"({cache['hits']} hits, {cache['misses']} misses, {cache['evictions']} evictions)")
         label = r["strategy"] + (" (--weights bf16: experts dequantized, the old path)" if r["weights"] == "bf16" else "")
         print(f"  {label:<8} {r['tok_s_cpu']:7.1f} tok/s (CPU time; wall {r['tok_s_wall']:.1f})  {memory}; "
-              f"peak RSS {r['peak_rss_mib']:.0f} MiB; load {r['load_s']:.1f} s; {r['dtype']}, {r['torch_threads']} thread(s)")
+              f"peak RSS {r['peak_rss_mib']:.0f} MiB (decoding: anonymous {r['peak_anon_decode_mib']:.0f} MiB, "
+              f"file pages {r['file_mib_end']:.0f} MiB at the end); load {r['load_s']:.1f} s; {r['dtype']}, {r['torch_threads']} thread(s)")
 
 
 if __name__ == "__main__":
