@@ -20,11 +20,11 @@ from freetoken.errors import ModelLoadError
 from freetoken.kv.tensors import KVTensors
 from freetoken.models.config import ModelConfig
 from freetoken.models.experts import Activation, Experts, ExpertStack, with_policy
-from freetoken.models.linear import Weight
 from freetoken.models.layers import (
     RMSNorm, Rotary, apply_rope, compute_dtype, embedding, linear, load_named, output_logits, paged_self_attention,
     qkv_linear, split_qkv, strip_prefix,
 )
+from freetoken.models.linear import Weight
 from freetoken.ops.quantized import QuantizedWeight
 from freetoken.weights.dequant import Deferred, mxfp4_matrix, mxfp4_q
 

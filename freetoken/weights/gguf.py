@@ -23,7 +23,14 @@ from tqdm import tqdm
 
 from freetoken.errors import ModelLoadError
 from freetoken.ops.quantized import QuantizedWeight
-from freetoken.weights.dequant import SUPPORTED_TYPES, Deferred, dequantize, gguf_mxfp4_blocks, mxfp4_matrix, type_name
+from freetoken.weights.dequant import (
+    SUPPORTED_TYPES,
+    Deferred,
+    dequantize,
+    gguf_mxfp4_blocks,
+    mxfp4_matrix,
+    type_name,
+)
 from freetoken.weights.gguf_config import architecture_of, hf_config_from_metadata
 from freetoken.weights.gguf_file import GGUFFile, GGUFTensorInfo
 from freetoken.weights.gguf_metadata import metadata_of, open_gguf

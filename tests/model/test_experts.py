@@ -21,11 +21,17 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
+from model_harness import GPT_OSS, PagedRunner, Seq, make_reference
 from safetensors.torch import save_file
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from freetoken.models.config import ModelConfig
-from freetoken.models.experts import expert_cache, expert_status, experts_of, offload_experts
+from freetoken.models.experts import (
+    expert_cache,
+    expert_status,
+    experts_of,
+    offload_experts,
+)
 from freetoken.models.experts_cache import TRIM_BYTES, ExpertCache
 from freetoken.models.inspect import _param_count, weight_kinds
 from freetoken.models.registry import CausalLM, build_model
@@ -33,10 +39,9 @@ from freetoken.ops.quantized import dequantize
 from freetoken.weights.dequant import Deferred, mxfp4_float, mxfp4_q, mxfp4_to_int8
 from freetoken.weights.gguf import load_gguf
 from freetoken.weights.safetensors import load_safetensors_dir
-from model_harness import GPT_OSS, PagedRunner, Seq, make_reference
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "unit" / "weights"))
-from gguf_writing import np32, write_gguf  # noqa: E402
+from gguf_writing import np32, write_gguf
 
 IDS = [3, 17, 250, 9, 44, 101, 7, 63, 12, 200, 5]
 TOLERANCE = 0.03

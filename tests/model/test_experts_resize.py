@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_harness import VOCAB, make_reference
 from safetensors.torch import save_file
+from test_experts import to_mxfp4
 
 from freetoken.config import EngineConfig
 from freetoken.engine.build import build_engine_for
@@ -23,8 +25,6 @@ from freetoken.models.experts_cache import GIB
 from freetoken.models.load import LoadedModel, load_model
 from freetoken.request import Request, SamplingParams
 from freetoken.tokenizer.testing import write_tiny_tokenizer
-from model_harness import VOCAB, make_reference
-from test_experts import to_mxfp4
 
 PROMPTS = [[5 + (i * 37 + j * 11) % 290 for j in range(9 + 3 * i)] for i in range(8)]
 
@@ -77,8 +77,8 @@ def test_budget_moves_between_expert_cache_and_kv_under_traffic(checkpoint: Path
     expected = run(engine_over(resident, checkpoint), {})
     engine = engine_over(offloaded, checkpoint)
     moves = {
-        3: dict(full_tokens=1536, expert_cache_gb=one_layer / 2 / GIB),  # cache down, KV up
-        7: dict(full_tokens=1024, expert_cache_gb=2 * one_layer / GIB),  # and back
+        3: {"full_tokens": 1536, "expert_cache_gb": one_layer / 2 / GIB},  # cache down, KV up
+        7: {"full_tokens": 1024, "expert_cache_gb": 2 * one_layer / GIB},  # and back
     }
     assert run(engine, moves) == expected
     status = engine.status()

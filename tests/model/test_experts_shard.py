@@ -13,6 +13,8 @@ import gguf
 import pytest
 import torch
 import transformers
+from model_harness import GPT_OSS
+from test_experts import to_mxfp4, write_gpt_oss_gguf
 
 from freetoken.errors import ConfigError
 from freetoken.models.config import ModelConfig
@@ -20,8 +22,6 @@ from freetoken.models.experts import Experts, experts_of
 from freetoken.models.registry import build_model
 from freetoken.models.shard import ShardPlan, shard_tensors
 from freetoken.weights.gguf import load_gguf
-from model_harness import GPT_OSS
-from test_experts import to_mxfp4, write_gpt_oss_gguf
 
 WORLD = 2
 

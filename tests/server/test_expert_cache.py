@@ -17,7 +17,7 @@ from conftest import API_KEY
 from serving import ServeProcess, assert_pools_balanced, serving
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
-from test_experts_resize import write_mxfp4_gpt_oss  # noqa: E402
+from test_experts_resize import write_mxfp4_gpt_oss
 
 MODEL = "tiny-moe"
 CACHE_GB = 0.000013  # ~14 KB: two of the eight 6.9 KB experts (int8 from MXFP4)
@@ -47,7 +47,7 @@ def status(server: ServeProcess) -> dict:
 def metric(server: ServeProcess, name: str) -> float:
     with server.http() as c:
         text = c.get("/metrics").text
-    found = re.search(rf"^{name} (\S+)$", text, re.M)
+    found = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
     assert found, f"{name} not in /metrics"
     return float(found.group(1))
 
