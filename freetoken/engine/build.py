@@ -24,6 +24,7 @@ from freetoken.errors import ConfigError
 from freetoken.kv.manager import KVManager
 from freetoken.kv.tensors import KVLayout, KVTensors
 from freetoken.models.config import ModelConfig
+from freetoken.models.experts_cache import GIB
 from freetoken.models.load import LoadedModel, load_model
 from freetoken.utils.hardware import default_device, resolve_dtype
 
@@ -35,7 +36,8 @@ def resolve_for_model(
     rank_layout: KVLayout | None = None,
 ) -> ResolvedConfig:
     """Pool sizes for the model; `rank_layout` is one tensor-parallel rank's K/V shape (default:
-    the whole model's). CPU ranks share one memory, so there every rank's K/V counts."""
+    the whole model's). CPU ranks share one memory, so there every rank's K/V counts; an offload
+    expert cache's budget is not available to the pools (it fills as experts are routed to)."""
     layout = rank_layout or model_config.kv_layout()
     ranks_here = 1 if device.type == "cuda" else config.tensor_parallel_size
     cache = config.kv_cache_dtype
@@ -45,6 +47,8 @@ def resolve_for_model(
         available = torch.cuda.mem_get_info(device)[0]
     else:
         available = psutil.virtual_memory().available
+    if config.moe_strategy == "offload" and model_config.num_experts:  # the expert cache fills after this
+        available = max(available - int(config.expert_cache_gb * GIB), 0)
     return config.resolve(
         model_context_length=model_config.max_position_embeddings,
         window=model_config.sliding_window if model_config.has_swa else None,

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from test_experts import to_mxfp4
 
 from freetoken.config import EngineConfig
-from freetoken.engine.build import build_engine_for
+from freetoken.engine.build import build_engine_for, resolve_for_model
 from freetoken.engine.engine import Engine
 from freetoken.engine.resize import ResizeRefused
 from freetoken.models.experts import expert_cache, experts_of
@@ -97,3 +97,21 @@ def test_budget_moves_between_expert_cache_and_kv_under_traffic(checkpoint: Path
         engine_over(resident, checkpoint).resize(expert_cache_gb=1.0)
     assert not_offloaded.value.param == "expert_cache_gb" and not not_offloaded.value.conflict
     assert engine.resize(expert_cache_gb=0.0)["experts"] == {"capacity_bytes": 0, "bytes": 0, "freed_bytes": before}
+
+
+def test_default_kv_pool_leaves_the_expert_cache_its_budget(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--memory-ratio` sizes the FULL pool from free memory measured before the cache has filled:
+    the cache's budget is taken off it first."""
+    import freetoken.engine.build as build
+
+    class Memory:
+        available = 4 * GIB
+
+    monkeypatch.setattr(build.psutil, "virtual_memory", lambda: Memory)
+    loaded = load_model(str(checkpoint), torch.float32, torch.device("cpu"), weights="auto")
+    flags = {"model": str(checkpoint), "dtype": "float32", "page_size": 4, "memory_ratio": 0.5, "max_running_requests": 10**6}
+    pages = {gb: resolve_for_model(EngineConfig(**flags, moe_strategy="offload", expert_cache_gb=gb), loaded.config,
+                                   torch.float32, torch.device("cpu")).full_pages for gb in (0.0, 2.0)}
+    resident = resolve_for_model(EngineConfig(**flags, expert_cache_gb=2.0), loaded.config, torch.float32,
+                                 torch.device("cpu")).full_pages
+    assert pages[0.0] == resident and pages[2.0] * 2 == pytest.approx(resident, abs=2)  # half the memory left
