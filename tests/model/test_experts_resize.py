@@ -102,12 +102,11 @@ def test_budget_moves_between_expert_cache_and_kv_under_traffic(checkpoint: Path
 def test_default_kv_pool_leaves_the_expert_cache_its_budget(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`--memory-ratio` sizes the FULL pool from free memory measured before the cache has filled:
     the cache's budget is taken off it first."""
-    import freetoken.engine.build as build
 
     class Memory:
         available = 4 * GIB
 
-    monkeypatch.setattr(build.psutil, "virtual_memory", lambda: Memory)
+    monkeypatch.setattr("freetoken.engine.build.psutil.virtual_memory", lambda: Memory)
     loaded = load_model(str(checkpoint), torch.float32, torch.device("cpu"), weights="auto")
     flags = {"model": str(checkpoint), "dtype": "float32", "page_size": 4, "memory_ratio": 0.5, "max_running_requests": 10**6}
     pages = {gb: resolve_for_model(EngineConfig(**flags, moe_strategy="offload", expert_cache_gb=gb), loaded.config,
