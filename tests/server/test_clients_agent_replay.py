@@ -3,7 +3,9 @@ logging proxy, saved under fixtures/ with long strings cut), replayed over real 
 tiny model whose context holds them, and the answers read as those clients read them: every Codex
 event validated as the `openai` SDK's `ResponseStreamEvent`, every Claude Code event as the
 `anthropic` SDK's `RawMessageStreamEvent` and accumulated by the SDK's own stream accumulator.
-The real CLIs run in test_clients_agent_cli.py (marker `agent_cli`)."""
+The server reads Gemma's fenced tool-call format, as the real Gemma's does, and its calls stream
+their arguments while written: checked through the `openai` SDK's stream helpers on chat and
+Responses. The real CLIs run in test_clients_agent_cli.py (marker `agent_cli`)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 from anthropic.lib.streaming._messages import accumulate_event
 from anthropic.types import RawMessageStreamEvent
@@ -25,7 +28,13 @@ CODEX = "codex_0.171.0_first_turn.json"
 CLAUDE = ["claude_code_2.1.332_first_turn.json", "claude_code_2.1.332_resumed.json"]
 RESPONSE_EVENT = TypeAdapter(ResponseStreamEvent)
 MESSAGE_EVENT = TypeAdapter(RawMessageStreamEvent)
-FLAGS = ["--page-size", "16", "--num-tokens", "32768", "--max-prefill-length", "2048", "--dtype", "float32", "--threads", "1"]
+FLAGS = ["--page-size", "16", "--num-tokens", "32768", "--max-prefill-length", "2048", "--dtype", "float32", "--threads", "1",
+         "--tool-call-parser", "gemma"]
+CITIES = ["Paris", "Oslo", "Lima"]
+WEATHER: Any = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": CITIES}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
 
 
 @pytest.fixture(scope="module")
@@ -115,3 +124,36 @@ def test_claude_code_sessions_share_the_cached_system_prompt(agent_server: Serve
         assert r.status_code == 200, r.text
         usages.append(r.json()["usage"])
     assert usages[1]["cache_read_input_tokens"] > 10 * usages[1]["input_tokens"]
+
+
+def test_gemma_calls_stream_their_arguments_on_chat(agent_server: ServeProcess) -> None:
+    """A forced call in Gemma's fenced format, streamed through the SDK's `chat.completions.stream`:
+    the arguments arrive in several deltas and join to the non-streamed call's arguments."""
+    oa = openai.OpenAI(base_url=f"{agent_server.base}/v1", api_key="unused", max_retries=0, timeout=120)
+    kwargs: Any = {"model": "default", "messages": [{"role": "user", "content": "Weather in Oslo, in celsius?"}], "tools": [WEATHER],
+                   "tool_choice": "required", "max_tokens": 120, "temperature": 0.0}
+    whole = oa.chat.completions.create(**kwargs).choices[0]
+    fragments: list[str] = []
+    with oa.chat.completions.stream(**kwargs) as stream:
+        for event in stream:
+            if event.type == "tool_calls.function.arguments.delta":
+                fragments.append(event.arguments_delta)
+        final = stream.get_final_completion().choices[0]
+    assert whole.finish_reason == final.finish_reason == "tool_calls"
+    [call] = final.message.tool_calls or []
+    assert call.function.name == "get_weather" and len(fragments) > 1
+    assert "".join(fragments) == call.function.arguments == (whole.message.tool_calls or [])[0].function.arguments
+    assert json.loads(call.function.arguments)["city"] in CITIES
+
+
+def test_gemma_calls_stream_their_arguments_on_responses(agent_server: ServeProcess) -> None:
+    oa = openai.OpenAI(base_url=f"{agent_server.base}/v1", api_key="unused", max_retries=0, timeout=120)
+    tool = {"type": "function", **WEATHER["function"]}
+    kwargs: Any = {"model": "default", "input": "Weather in Lima, in fahrenheit?", "tools": [tool], "tool_choice": "required",
+                   "max_output_tokens": 120, "temperature": 0.0}
+    whole = next(i for i in oa.responses.create(**kwargs).output if i.type == "function_call")
+    with oa.responses.stream(**kwargs) as stream:
+        fragments = [e.delta for e in stream if e.type == "response.function_call_arguments.delta"]
+        final = stream.get_final_response()
+    call = next(i for i in final.output if i.type == "function_call")
+    assert len(fragments) > 1 and "".join(fragments) == call.arguments == whole.arguments  # type: ignore[union-attr]
