@@ -16,8 +16,9 @@ without speculation and with each of its n-gram settings (`--llama-specs`, defau
 ngram-simple at its defaults and at n=4/m=16, ngram-mod, ngram-map-k). Per server and
 workload: the median decode rate (completion tokens after the first / time after the first),
 completion tokens, how much of the reply is the file (difflib ratio: copying is what the drafts
-exploit), and the acceptance rate (FreeToken: /metrics; llama-server: its `timings` when it
-reports draft counts). Prints a table and writes `speculative.json` + `speculative.md` to
+exploit: the share of the reply's characters in runs of 8+ matching the file), and the
+acceptance rate (FreeToken: /metrics; llama-server: the draft counts its log prints; over the
+warm-up and both workloads). Prints a table and writes `speculative.json` + `speculative.md` to
 `--out-dir`. Server processes, health waits and streaming come from peer.py and serving.py.
 Numbers are figures only on an idle machine.
 """
@@ -74,9 +75,12 @@ def source_text(path: Path, chars: int) -> str:
 
 
 def fidelity(reply: str, source: str) -> float:
-    """How much of the reply is the file: difflib's ratio after dropping a ``` fence."""
-    body = re.sub(r"^```[a-z]*\n|\n?```\s*$", "", reply.strip())
-    return difflib.SequenceMatcher(None, body, source, autojunk=False).ratio()
+    """The share of the reply copied from the file: characters in blocks difflib matches
+    between them, over the reply's length (1.0: every character is the file's)."""
+    if not reply:
+        return 0.0
+    blocks = difflib.SequenceMatcher(None, reply, source, autojunk=False).get_matching_blocks()
+    return sum(b.size for b in blocks if b.size >= 8) / len(reply)
 
 
 async def measure(base_url: str, source: str, max_tokens: int, repeats: int) -> dict[str, Any]:
@@ -99,6 +103,7 @@ async def measure(base_url: str, source: str, max_tokens: int, repeats: int) -> 
             "prompt_tokens": streams[-1].prompt_tokens,
             "ttft_s": [s.ttft for s in streams],
             "fidelity": fidelity(streams[-1].text, source),
+            "reply": streams[-1].text,
         }
     await srv.http.aclose()
     return out
@@ -113,6 +118,13 @@ def ft_acceptance(base_url: str) -> float | None:
     return float(accepted.group(1)) / float(drafted.group(1))
 
 
+def llama_acceptance(log: Path) -> float | None:
+    """llama-server's own count, from its log's `draft acceptance = r (a accepted / g generated)`."""
+    found = re.findall(r"draft acceptance = \S+ \(\s*(\d+) accepted /\s*(\d+) generated\)", log.read_text(errors="replace"))
+    generated = sum(int(g) for _, g in found)
+    return sum(int(a) for a, _ in found) / generated if generated else None
+
+
 def run_server(label: str, cmd: list[str], port: int, log: Path, source: str, a: argparse.Namespace) -> dict[str, Any]:
     print(f"\n== {label}: {shlex.join(cmd)}", file=sys.stderr)
     server = ServerProcess(cmd, port, log)
@@ -122,6 +134,8 @@ def run_server(label: str, cmd: list[str], port: int, log: Path, source: str, a:
         acceptance = ft_acceptance(server.base_url) if "serve" in cmd else None
     finally:
         server.stop()
+    if "serve" not in cmd:
+        acceptance = llama_acceptance(log)
     return {"label": label, "workloads": result, "acceptance": acceptance, "server": server.record() | {"version": version(cmd)}}
 
 
@@ -153,7 +167,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--ft-drafts", type=int, nargs="*", default=[4, 8, 16], help="--spec-max-draft values to run")
     p.add_argument("--ft-args", default="", help="extra ft serve flags (every FreeToken run)")
     p.add_argument("--source", type=Path, default=DEFAULT_SOURCE, help="the file the prompt holds")
-    p.add_argument("--source-chars", type=int, default=5600, help="its head, in characters (~1500 tokens of code)")
+    p.add_argument("--source-chars", type=int, default=5000, help="its head, in characters (~1500 Gemma tokens of this code)")
     p.add_argument("--max-tokens", type=int, default=1800)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--ctx", type=int, default=8192, help="KV tokens of each server (-c, --num-tokens)")

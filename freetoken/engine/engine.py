@@ -263,6 +263,8 @@ class Engine:
         upd.drafted_tokens, upd.accepted_tokens = req.drafted_tokens, req.accepted_tokens
         self.drafted_tokens += len(item.draft)
         self.accepted_tokens += accepted
+        if self.scheduler.speculator is not None:
+            self.scheduler.speculator.observe(req.rid, len(item.draft), accepted)
         state = states.get(req.rid)
         if state is not None and req.generator is not None:
             rewind(req.generator, state, accepted + 1)

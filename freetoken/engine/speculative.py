@@ -75,20 +75,26 @@ class NgramIndex:
 
 
 class Speculator:
-    """The drafts of every request in flight (`--speculative ngram`)."""
+    """The drafts of every request in flight (`--speculative ngram`).
+
+    Each request's draft length adapts, as a congestion window does: it starts at `max_draft`,
+    doubles (up to `max_draft`) after a chunk accepted whole and falls to j + 1 after one that
+    accepted j. A stream that copies keeps long drafts; one that strays stops paying for k rows
+    it throws away. The length changes only the cost: any draft leaves the output exact."""
 
     def __init__(self, max_draft: int, ngram_min: int, ngram_max: int) -> None:
         self.max_draft = max_draft
         self.ngram_min = ngram_min
         self.ngram_max = ngram_max
         self._indexes: dict[str, NgramIndex] = {}
+        self._window: dict[str, int] = {}  # per request: the next draft's length at most
 
     def propose(self, req: Request) -> list[int]:
-        """The draft of a decoding request: at most `max_draft` tokens and never more than its
-        output budget leaves after the token the verification adds anyway."""
+        """The draft of a decoding request: at most its window and never more than its output
+        budget leaves after the token the verification adds anyway."""
         if not eligible(req.params):
             return []
-        k = min(self.max_draft, req.params.max_tokens - len(req.output_ids) - 1)
+        k = min(self._window.get(req.rid, self.max_draft), req.params.max_tokens - len(req.output_ids) - 1)
         if k < 1:
             return []
         index = self._indexes.get(req.rid)
@@ -97,8 +103,13 @@ class Speculator:
         index.update(req)
         return index.lookup(req, k)
 
+    def observe(self, rid: str, drafted: int, accepted: int) -> None:
+        """A verified chunk's outcome: the request's next window."""
+        self._window[rid] = min(self.max_draft, 2 * drafted) if accepted == drafted else accepted + 1
+
     def drop(self, rid: str) -> None:
         self._indexes.pop(rid, None)
+        self._window.pop(rid, None)
 
 
 def accepted(draft: Sequence[int], sampled: Sequence[int]) -> int:
