@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from freetoken.attention import torch_backend
+from freetoken.attention.chunk import attend_chunk
 from freetoken.attention.kv_read import take_rows
 from freetoken.attention.metadata import ForwardBatch
 from freetoken.ops.attention import decode_attention
@@ -93,12 +94,14 @@ def paged_attention(
     unpadded = T == B * Lq  # every request has Lq new tokens (all decodes, or one prefill)
     if B == 1 and Lq >= 2 * QUERY_BLOCK:  # one long prefill chunk: attend block by block
         blocks = _memo_blocks(key + ("blocks",), visible, batch.memo)
-        return _blocked(q.view(1, Lq, H, D).transpose(1, 2), k, v, visible, blocks, scale, H > n_kv).view(T, H, D)
+        return _blocked(q.view(1, Lq, H, D).transpose(1, 2), k, v, visible, blocks, scale).view(T, H, D)
     if not unpadded:  # decode rows beside prefill chunks: padding every request to Lq would waste most of it
         split = batch.memo.get(("split",))
         if split is None:
             split = batch.memo[("split",)] = _Split.of(batch)
         return _mixed(q, k, v, k_pages, v_pages, flat.view(B, S), visible, split, scale, key, batch.memo)
+    if B == 1:  # one prefill chunk
+        return attend_chunk(q.view(1, Lq, H, D).transpose(1, 2), k, v, visible, scale).transpose(1, 2).reshape(T, H, D)
     out = F.scaled_dot_product_attention(
         q.view(B, Lq, H, D).transpose(1, 2), k, v, attn_mask=visible, scale=scale, enable_gqa=H > n_kv,
     )  # [B, H, Lq, D]
@@ -128,7 +131,6 @@ def _mixed(
     The decode rows go to the decode op (or the matmuls) together, each prefill chunk to SDPA on
     its own rows and keys (block by block when long)."""
     T, H, D = q.shape
-    gqa = H > k.shape[1]
     out = q.new_empty(T, H, D)
     device = q.device
     if split.decode:
@@ -149,10 +151,9 @@ def _mixed(
         vis = visible[b : b + 1, :, :L]  # [1, 1, L, S]
         if L >= 2 * QUERY_BLOCK:
             blocks = _memo_blocks(key + ("blocks", b), vis, memo)
-            out[s:e] = _blocked(qb, k[b : b + 1], v[b : b + 1], vis, blocks, scale, gqa)[0]
+            out[s:e] = _blocked(qb, k[b : b + 1], v[b : b + 1], vis, blocks, scale)[0]
         else:
-            ob = F.scaled_dot_product_attention(qb, k[b : b + 1], v[b : b + 1], attn_mask=vis, scale=scale, enable_gqa=gqa)
-            out[s:e] = ob[0].transpose(0, 1)
+            out[s:e] = attend_chunk(qb, k[b : b + 1], v[b : b + 1], vis, scale)[0].transpose(0, 1)
     return out
 
 
@@ -186,15 +187,14 @@ def _memo_blocks(key: tuple, visible: torch.Tensor, memo: dict) -> list[tuple[in
 
 def _blocked(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
-    blocks: list[tuple[int, int, int, int]], scale: float, gqa: bool,
+    blocks: list[tuple[int, int, int, int]], scale: float,
 ) -> torch.Tensor:
-    """q [1, H, Lq, D], k and v [1, n_kv, S, D], visible [1, 1, Lq, S] -> [1, Lq, H, D], one SDPA
+    """q [1, H, Lq, D], k and v [1, n_kv, S, D], visible [1, 1, Lq, S] -> [1, Lq, H, D], one attention
     call per block over its key columns only."""
     out = q.new_empty(1, q.shape[2], q.shape[1], q.shape[3])  # [1, Lq, H, D]
     for q0, q1, k0, k1 in blocks:
-        out[:, q0:q1] = F.scaled_dot_product_attention(
-            q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], attn_mask=visible[:, :, q0:q1, k0:k1],
-            scale=scale, enable_gqa=gqa,
+        out[:, q0:q1] = attend_chunk(
+            q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], visible[:, :, q0:q1, k0:k1], scale,
         ).transpose(1, 2)
     return out
 

@@ -1,0 +1,58 @@
+"""attend_chunk: in bfloat16 on the CPU (the centered-score matmul path) it stays within twice the
+fused SDPA kernel's error against float64, with GQA and sliding-window masks at the sizes real
+models prefill; in float32 it is SDPA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from freetoken.attention.chunk import attend_chunk
+
+
+def _case(H: int, n_kv: int, L: int, S: int, D: int, window: int | None, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, H, L, D, generator=g, dtype=torch.float64) * 1.5  # score spread as in real layers
+    k = torch.randn(1, n_kv, S, D, generator=g, dtype=torch.float64)
+    v = torch.randn(1, n_kv, S, D, generator=g, dtype=torch.float64)
+    pos = torch.arange(L)[:, None] + (S - L)  # the chunk's queries are the last L positions
+    key = torch.arange(S)[None, :]
+    visible = key <= pos
+    if window is not None:
+        visible &= key > pos - window
+    return q, k, v, visible[None, None]
+
+
+def _reference(q, k, v, visible, scale):  # float64, heads expanded
+    g = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(
+        q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), attn_mask=visible, scale=scale
+    )
+
+
+@pytest.mark.parametrize(("H", "n_kv", "L", "S", "D", "window"), [
+    (4, 1, 256, 512, 256, None),  # Gemma 3 270M's heads, a second block of a long chunk
+    (4, 1, 256, 768, 256, 512),  # a sliding layer
+    (9, 3, 100, 140, 64, None),  # SmolLM2's heads after a cached prefix
+    (8, 8, 80, 80, 32, 8),
+])
+def test_bfloat16_error_within_twice_the_fused_kernels(H: int, n_kv: int, L: int, S: int, D: int, window: int | None) -> None:
+    q, k, v, visible = _case(H, n_kv, L, S, D, window, seed=H * L + S)
+    scale = D**-0.5
+    want = _reference(q, k, v, visible, scale)
+    qb, kb, vb = (t.bfloat16() for t in (q, k, v))
+    got = attend_chunk(qb, kb, vb, visible, scale)
+    fused = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=visible, scale=scale, enable_gqa=H > n_kv)
+    assert got.dtype == torch.bfloat16 and got.shape == (1, H, L, D)
+    err = (got.double() - want).abs().max().item()
+    fused_err = (fused.double() - want).abs().max().item()
+    assert err <= 2 * fused_err, (err, fused_err)
+
+
+@pytest.mark.parametrize(("dtype", "L"), [(torch.float32, 100), (torch.bfloat16, 20)])
+def test_float32_and_short_chunks_are_the_fused_kernel(dtype: torch.dtype, L: int) -> None:
+    q, k, v, visible = _case(4, 2, L, L + 10, 16, None, seed=1)
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    got = attend_chunk(q, k, v, visible, 0.25)
+    assert torch.equal(got, F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=0.25, enable_gqa=True))
