@@ -20,7 +20,8 @@ from fastapi.responses import JSONResponse, Response
 
 from freetoken.server.context import ServingContext
 from freetoken.server.errors import APIError, bad_request
-from freetoken.server.generation import ChoiceSpec, Clock, collect, first_piece, merge, run_choice
+from freetoken.server.generation import ChoiceSpec, Clock, Piece, collect, first_piece, merge, run_choice
+from freetoken.server.openai_chat import chat_logprobs
 from freetoken.server.protocol import check_context
 from freetoken.server.request_hygiene import engine_rid
 from freetoken.server.responses_items import call_names, items_to_messages, listed_items
@@ -118,6 +119,9 @@ async def create_response(ctx: ServingContext, store: ResponseStore, req: Respon
     def usage_of(t: Tally) -> dict[str, Any]:
         return usage(t.prompt_tokens, t.completion_tokens, t.cached_tokens)
 
+    def piece_logprobs(piece: Piece) -> list[dict[str, Any]]:
+        return chat_logprobs(ctx.tokenizer, piece.logprobs)
+
     def keep(final: dict[str, Any], output_ids: list[int]) -> None:
         if req.stores:
             store.put(response_id, stored(final, kept, prompt, output_ids, inputs))
@@ -126,8 +130,13 @@ async def create_response(ctx: ServingContext, store: ResponseStore, req: Respon
         result = (await collect(ctx.client, pieces, 1, clock))[0]
         tally.add_results([result])
         parsed = tooling.parse(result.text)
-        items = OutputItems()
-        items.feed(StreamDelta(parsed.content, parsed.reasoning, [ToolCallDelta(k, c) for k, c in enumerate(parsed.tool_calls)]))
+        items = OutputItems(seal_reasoning=req.seals_reasoning)
+        # logprobs of a whole output are placed only where they all belong to its text
+        text_only = req.logprobs_k() is not None and not parsed.tool_calls and not parsed.reasoning
+        items.feed(
+            StreamDelta(parsed.content, parsed.reasoning, [ToolCallDelta(k, c) for k, c in enumerate(parsed.tool_calls)]),
+            chat_logprobs(ctx.tokenizer, result.logprobs) if text_only else None,
+        )
         incomplete = result.finish_reason == "length"
         items.finish(incomplete)
         final = body("incomplete" if incomplete else "completed", items.items, usage_of(tally))
@@ -137,7 +146,8 @@ async def create_response(ctx: ServingContext, store: ResponseStore, req: Respon
 
     first = await first_piece(ctx.client, pieces)
     events = response_events(
-        ctx, ENDPOINT, pieces, first, tally=tally, clock=clock, parser=tooling.stream(incremental=True), body=body, usage_of=usage_of, on_done=keep
+        ctx, ENDPOINT, pieces, first, tally=tally, clock=clock, parser=tooling.stream(incremental=True), body=body, usage_of=usage_of, on_done=keep,
+        seal_reasoning=req.seals_reasoning, logprobs_of=None if req.logprobs_k() is None else piece_logprobs,
     )
     response = sse_response(events)
     response.headers.update(headers)

@@ -4,8 +4,9 @@ Owns `items_to_messages`: `input` (a string, or a list of items) becomes chat me
 `message` items (roles user / assistant / system / developer, the last rendered as system; text
 parts `input_text`, `output_text`, `text`, `refusal`), `function_call` items (joined into the
 assistant message before them as `tool_calls`), `function_call_output` items (`tool` messages,
-named after their call), `reasoning` items (dropped: the model's earlier reasoning is not
-re-rendered), and the items of hosted tools this server cannot run (dropped, and reported). The
+named after their call), `reasoning` items (their text — `reasoning_text` parts, else an
+`encrypted_content` this server sealed — handed to the next assistant message as
+`reasoning_content`, which templates render or drop; other servers' tokens are dropped), and the items of hosted tools this server cannot run (dropped, and reported). The
 same function reads a stored response's `output`, whose items are input items too. A wrong shape
 is a 400 naming the exact key (`input[2].content[0].type`). Also `listed_items`, the items as
 `GET /v1/responses/{id}/input_items` shows them. It renders and tokenizes nothing.
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from freetoken.server.errors import bad_request
+from freetoken.server.responses_reasoning import unseal
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = {"input_text": "text", "output_text": "text", "text": "text", "refusal": "refusal"}
@@ -49,6 +51,7 @@ def items_to_messages(value: str | list[Any], param: str = "input", *, names: di
         out.messages.append({"role": "user", "content": value})
         return out
     call_names = dict(names or {})
+    reasoning: list[str] = []  # reasoning waiting for the assistant message it came before
     for i, item in enumerate(value):
         where = f"{param}[{i}]"
         if not isinstance(item, dict):
@@ -71,6 +74,9 @@ def items_to_messages(value: str | list[Any], param: str = "input", *, names: di
                 message["name"] = call_names[call_id]
             out.messages.append(message)
         elif kind == "reasoning":
+            text = _reasoning_text(item, where)
+            if text:
+                reasoning.append(text)
             continue
         elif kind in HOSTED_ITEMS:
             out.dropped.append(str(kind))
@@ -78,7 +84,30 @@ def items_to_messages(value: str | list[Any], param: str = "input", *, names: di
             raise bad_request(f"{where}: item references are not supported; send the item itself", param=f"{where}.type")
         else:
             raise bad_request(f"{where}.type: unknown input item type {kind!r}", param=f"{where}.type")
+        if reasoning and kind in ("message", "function_call", "function_call_output"):
+            last = out.messages[-1]
+            if last["role"] == "assistant":  # reasoning before a user or tool turn belongs to no answer
+                last.setdefault("reasoning_content", "\n".join(reasoning))
+            reasoning = []
     return out
+
+
+def _reasoning_text(item: dict[str, Any], where: str) -> str:
+    """A reasoning item's text: its `reasoning_text` parts, else its sealed `encrypted_content`."""
+    parts = item.get("content") or []
+    if not isinstance(parts, list):
+        raise bad_request(f"{where}.content must be a list of reasoning_text parts", param=f"{where}.content")
+    texts = [p.get("text") for p in parts if isinstance(p, dict) and p.get("type") == "reasoning_text"]
+    if any(not isinstance(t, str) for t in texts):
+        raise bad_request(f"{where}.content: a reasoning_text part's text must be a string", param=f"{where}.content")
+    if texts:
+        return "\n".join(texts)  # type: ignore[arg-type]
+    token = item.get("encrypted_content")
+    if token is None:
+        return ""
+    if not isinstance(token, str):
+        raise bad_request(f"{where}.encrypted_content must be a string", param=f"{where}.encrypted_content")
+    return unseal(token, f"{where}.encrypted_content") or ""
 
 
 def listed_items(value: str | list[Any]) -> list[dict[str, Any]]:

@@ -10,7 +10,10 @@ and each step yields the Responses stream events of the published sequence
 both paths give the same items. Whitespace written before any message or call is held back and
 only becomes a message when nothing else was written. A call's arguments go out as the parser
 gives them: fragment by fragment where it streams them, else whole in one delta; a call item stays
-open until the next item starts or the output ends. Also owns `response_body` and `usage`, the `response`
+open until the next item starts or the output ends. With `seal_reasoning`, a finished reasoning
+item carries its text as `encrypted_content` (`responses_reasoning.seal`). Token logprobs fed with
+a delta go with the message text written next (a message's `logprobs` cover its tokens; those of
+reasoning and calls are dropped). Also owns `response_body` and `usage`, the `response`
 object's fields. It knows nothing of HTTP or the engine.
 """
 
@@ -20,6 +23,7 @@ import time
 import uuid
 from typing import Any
 
+from freetoken.server.responses_reasoning import seal
 from freetoken.tokenizer.tool_parsers import StreamDelta, ToolCall
 
 Event = dict[str, Any]
@@ -30,13 +34,20 @@ def new_id(prefix: str) -> str:
 
 
 class OutputItems:
-    def __init__(self) -> None:
+    def __init__(self, *, seal_reasoning: bool = False) -> None:
+        self._seal = seal_reasoning  # include: ["reasoning.encrypted_content"]
         self.items: list[dict[str, Any]] = []
         self._open: dict[str, Any] | None = None  # the reasoning, message or function_call item being written
         self._held = ""  # whitespace not yet inside a message
         self._call_index = -1  # the parser's index of the open function_call item
+        self._logprobs: list[dict[str, Any]] = []  # of tokens whose text has not reached a message yet
 
-    def feed(self, delta: StreamDelta) -> list[Event]:
+    def feed(self, delta: StreamDelta, logprobs: list[dict[str, Any]] | None = None) -> list[Event]:
+        """`logprobs`: the `output_text` logprob entries of the tokens that made `delta`; they go
+        with the message text written next (dropped when a reasoning or call item comes first)."""
+        self._logprobs += logprobs or []
+        if (delta.reasoning or delta.tool_calls) and not delta.content:
+            self._logprobs = []
         events: list[Event] = []
         if delta.reasoning:
             events += self._write("reasoning", delta.reasoning)
@@ -61,6 +72,9 @@ class OutputItems:
         if not any(item["type"] in ("message", "function_call") for item in self.items):
             events += self._write("message", self._held)
             self._held = ""
+        if self._is_open("message") and self._open is not None:  # tokens whose text was held back to the end
+            self._open["content"][0]["logprobs"] += self._logprobs
+        self._logprobs = []
         return events + self._close(status)
 
     def _is_open(self, kind: str) -> bool:
@@ -95,7 +109,9 @@ class OutputItems:
         item["content"][0]["text"] += text
         head = {"item_id": item["id"], "output_index": len(self.items) - 1, "content_index": 0, "delta": text}
         if item["type"] == "message":
-            return [{"type": "response.output_text.delta", **head, "logprobs": []}]
+            logprobs, self._logprobs = self._logprobs, []
+            item["content"][0]["logprobs"] += logprobs
+            return [{"type": "response.output_text.delta", **head, "logprobs": logprobs}]
         return [{"type": "response.reasoning_text.delta", **head}]
 
     def _close(self, status: str) -> list[Event]:
@@ -113,8 +129,10 @@ class OutputItems:
             ]
         part = item["content"][0]
         head = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        if item["type"] == "reasoning" and self._seal:
+            item["encrypted_content"] = seal(part["text"])
         if item["type"] == "message":
-            done: Event = {"type": "response.output_text.done", **head, "text": part["text"], "logprobs": []}
+            done: Event = {"type": "response.output_text.done", **head, "text": part["text"], "logprobs": part["logprobs"]}
         else:
             done = {"type": "response.reasoning_text.done", **head, "text": part["text"]}
         return [

@@ -3,10 +3,11 @@
 Owns which top-level fields a Responses request may carry and what each means here: honoured
 (`input`, `instructions`, `tools`, `tool_choice`, `parallel_tool_calls`, `text.format`,
 `max_output_tokens`, `temperature`, `top_p`, `store`, `previous_response_id`, `stream`, `metadata`,
-`user`, `reasoning.effort` as thinking on / off where the model has a reasoning parser), accepted
-and ignored because published clients send them (`reasoning.summary`, `include`,
+`user`, `reasoning.effort` as thinking on / off where the model has a reasoning parser, `include`'s
+`reasoning.encrypted_content`, `message.output_text.logprobs` and `top_logprobs`), accepted and ignored because published clients send them
+(`reasoning.summary`, the other `include` values,
 `truncation`, `prompt_cache_key`, `client_metadata`, `service_tier`, `safety_identifier`,
-`stream_options`, `top_logprobs`, `max_tool_calls`, `context_management`, `prompt_cache_retention`,
+`stream_options`, `max_tool_calls`, `context_management`, `prompt_cache_retention`,
 `text.verbosity`, `priority`: sglang-router adds `priority: 0`), and refused with a 400 naming them (`background: true`, `conversation`,
 `prompt`). Unknown fields are refused. Input items, tools and `text` are validated by
 `responses_items.py` and `responses_tools.py`, which know their shapes; this module builds no
@@ -93,6 +94,18 @@ class ResponsesRequest(BaseModel):
             raise bad_request("reasoning.effort must be a string", param="reasoning.effort")
         return None if effort is None else effort != "none"
 
+    def logprobs_k(self) -> int | None:
+        """The engine's `logprobs` (None = off; k = the chosen token and the top k): on with
+        `include: ["message.output_text.logprobs"]` or `top_logprobs`."""
+        if "message.output_text.logprobs" not in (self.include or []) and self.top_logprobs is None:
+            return None
+        return self.top_logprobs or 0
+
+    @property
+    def seals_reasoning(self) -> bool:
+        """`include` asks for reasoning items to carry their text (`encrypted_content`)."""
+        return "reasoning.encrypted_content" in (self.include or [])
+
     @property
     def stores(self) -> bool:
         return self.store is not False
@@ -108,6 +121,7 @@ class ResponsesRequest(BaseModel):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             seed=self.seed,
             grammar=grammar,
+            logprobs=self.logprobs_k(),
         )
         try:
             params.validate()

@@ -1,7 +1,7 @@
 """The server-sent event stream of one streamed Responses request.
 
 Owns `response_events`: `response.created`, `response.in_progress`, the item events of
-`OutputItems` as the model writes, then `response.completed` (or `response.incomplete` when
+`OutputItems` as the model writes (with each piece's token logprobs when asked), then `response.completed` (or `response.incomplete` when
 `max_output_tokens` cut it), every event framed as `event: TYPE` + `data: {...}` with a
 `sequence_number` counting from 0, and no `[DONE]` (OpenAI sends none on this route). An engine
 failure after the stream started is an `error` event followed by `response.failed`; a client that
@@ -45,6 +45,8 @@ async def response_events(
     body: BodyOf,
     usage_of: Callable[[Tally], dict[str, Any]],
     on_done: Callable[[dict[str, Any], list[int]], None],
+    seal_reasoning: bool = False,
+    logprobs_of: Callable[[Piece], list[dict[str, Any]]] | None = None,
 ) -> AsyncIterator[str]:
     """The whole event stream (the first piece already taken, see `generation.first_piece`);
     `on_done(final body, output token ids)` runs before the last event goes out."""
@@ -54,7 +56,7 @@ async def response_events(
         return frame({**event, "sequence_number": next(seq)})
 
     status = CLIENT_CLOSED
-    items = OutputItems()
+    items = OutputItems(seal_reasoning=seal_reasoning)
     token_ids: list[int] = []
     finish: str | None = None
     async with closing(pieces):
@@ -76,7 +78,7 @@ async def response_events(
                 if piece.finish_reason is not None:
                     delta.extend(parser.finish())
                     finish = piece.finish_reason
-                for event in items.feed(delta):
+                for event in items.feed(delta, logprobs_of(piece) if logprobs_of is not None else None):
                     yield emit(event)
                 try:
                     piece = await anext(pieces)

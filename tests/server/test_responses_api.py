@@ -436,3 +436,58 @@ def test_a_chained_prompt_reuses_the_sampled_ids(tmp_path: Any, template: str) -
     rest = tokenizer.decode(chained.ids[len(first.ids) + len(sampled):], skip_special_tokens=False)
     assert chained.text.endswith(rest) and "Another?" in rest
     assert len(first.ids) + len(sampled) in chained.boundaries
+
+
+def test_reasoning_sealed_for_the_client_comes_back_when_replayed() -> None:
+    """include: ["reasoning.encrypted_content"] with store: false (Codex): the reasoning item
+    carries its text as an opaque token, and replaying the item (content dropped, as Codex sends
+    it) restores the text as the assistant's reasoning_content."""
+    items = OutputItems(seal_reasoning=True)
+    events = items.feed(StreamDelta(reasoning="Paris is in France, é.", content="It is Paris."))
+    events += items.finish(incomplete=False)
+    reasoning, message = items.items
+    token = reasoning["encrypted_content"]
+    assert token.startswith("ft1.") and "Paris" not in token
+    done = [e for e in events if e["type"] == "response.output_item.done"]
+    assert done[0]["item"]["encrypted_content"] == token
+    Response.model_validate(response_body("resp_1", 0, "m", {"tools": [], "parallel_tool_calls": True, "tool_choice": "auto"},
+                                          status="completed", output=items.items, usage_doc=usage(3, 4, 0)))
+    replay = [
+        {"role": "user", "content": "Capital?"},
+        {"type": "reasoning", "id": reasoning["id"], "summary": [], "encrypted_content": token},
+        {**message},
+        {"role": "user", "content": "Sure?"},
+    ]
+    messages = items_to_messages(replay).messages
+    assert messages[1] == {"role": "assistant", "content": "It is Paris.", "reasoning_content": "Paris is in France, é."}
+    plain = OutputItems()
+    plain.feed(StreamDelta(reasoning="r"))
+    plain.finish(incomplete=False)
+    assert plain.items[0]["encrypted_content"] is None
+    foreign = [{"type": "reasoning", "summary": [], "encrypted_content": "gAAAAABopenai"}, {"role": "assistant", "content": "a"}]
+    assert items_to_messages(foreign).messages == [{"role": "assistant", "content": "a"}]
+    with pytest.raises(Exception) as err:
+        items_to_messages([{"type": "reasoning", "summary": [], "encrypted_content": "ft1.%%%"}, {"role": "assistant", "content": "a"}])
+    assert getattr(err.value, "param", None) == "input[0].encrypted_content"
+
+
+def test_output_text_logprobs(server: ServeProcess) -> None:
+    """include: ["message.output_text.logprobs"] + top_logprobs: one entry per output token, the
+    same streamed (delta by delta) as not, each with its top alternatives."""
+    ask: dict[str, Any] = {"input": "Count: one two", "max_output_tokens": 6, "temperature": 0.0, "top_logprobs": 2,
+                           "include": ["message.output_text.logprobs"]}
+    body = create(server, **ask)
+    [message] = body["output"]
+    logprobs = message["content"][0]["logprobs"]
+    assert len(logprobs) == body["usage"]["output_tokens"] == 6
+    assert "".join(e["token"] for e in logprobs) == message["content"][0]["text"]
+    for entry in logprobs:
+        assert entry["logprob"] <= 0 and len(entry["top_logprobs"]) == 2
+        assert entry["top_logprobs"][0]["logprob"] >= entry["top_logprobs"][1]["logprob"]
+    events, _ = stream(server, **ask)
+    streamed = [lp for e in events if e["type"] == "response.output_text.delta" for lp in e["logprobs"]]
+    [done] = [e for e in events if e["type"] == "response.output_text.done"]
+    assert streamed == done["logprobs"]
+    assert [e["token"] for e in streamed] == [e["token"] for e in logprobs]  # the same tokens (the values agree to rounding)
+    assert [e["logprob"] for e in streamed] == pytest.approx([e["logprob"] for e in logprobs], abs=1e-3)
+    assert create(server, input="Hi", max_output_tokens=2)["output"][0]["content"][0]["logprobs"] == []  # off unless asked
