@@ -37,6 +37,7 @@ class NullRunner:
 
     vocab_size = VOCAB
     resizable = True
+    model = torch.nn.Module()  # no experts: the engine finds no expert cache to resize
 
     def __init__(self, kv: CheckedKV) -> None:
         self.kv = kv
