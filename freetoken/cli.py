@@ -105,7 +105,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--debug-kv", action="store_true", help="audit the KV cache after every step; a violation is fatal (for tests)")
     p.add_argument("--speculative", default="off", choices=["off", "ngram"],
                    help="ngram: draft tokens from the prompt and output (n-gram lookup), verified in the batched forward; exact (docs/speculative.md; default off)")
-    p.add_argument("--spec-max-draft", type=int, default=8, metavar="K", help="drafted tokens per verified chunk at most (default 8)")
+    p.add_argument("--spec-max-draft", type=int, default=16, metavar="K", help="drafted tokens per verified chunk at most (default 16)")
     p.add_argument("--spec-ngram-min", type=int, default=2, metavar="N", help="shortest n-gram looked up (default 2)")
     p.add_argument("--spec-ngram-max", type=int, default=4, metavar="N", help="longest n-gram looked up, tried first (default 4)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",

@@ -51,7 +51,7 @@ class EngineConfig:
     threads: int | None = None
     tensor_parallel_size: int = 1  # engine processes, one per rank (freetoken.distributed)
     speculative: str = "off"  # off | ngram: draft from the prompt and output (engine/speculative.py)
-    spec_max_draft: int = 8  # drafted tokens per verified chunk at most
+    spec_max_draft: int = 16  # drafted tokens per verified chunk at most (the window starts here)
     spec_ngram_min: int = 2  # n-gram sizes looked up, longest first
     spec_ngram_max: int = 4
     moe_strategy: str = "resident"  # resident | offload: experts decoded at load, or an LRU cache over the file (docs/moe.md)
