@@ -206,6 +206,9 @@ def _packed_bits(qw: QuantizedWeight) -> int:
     return qw.bits
 
 
+_Path = Callable[["PackedWeight", torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
 class PackedWeight:
     """A quantized [N, K] weight in the layout its matmul path reads, built once at load."""
 
@@ -218,17 +221,19 @@ class PackedWeight:
         self.minimum = qw.minimum.contiguous() if qw.minimum is not None else None
         # Only without the kernel, for 4-bit on CPU: torch's int4 layout, beside ours (rows() reads ours).
         self.int4pack: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._small: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
-        self._large: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+        # The paths as plain functions of (self, x, bias), not bound methods: a bound method kept
+        # on self is a reference cycle, and an evicted expert would wait for the garbage collector.
+        self._small: _Path
+        self._large: _Path
         if qw.q.device.type != "cpu":
-            self._small = self._large = self._dequantized_linear
+            self._small = self._large = PackedWeight._dequantized_linear
         elif _KERNEL is not None:
-            self._small = self._large = self._kernel
+            self._small = self._large = PackedWeight._kernel
         else:
-            self._small, self._large = self._dequantized_linear, self._tiled_linear
+            self._small, self._large = PackedWeight._dequantized_linear, PackedWeight._tiled_linear
             if qw.bits == 4 and n % 16 == 0 and hasattr(torch, "_convert_weight_to_int4pack_for_cpu"):
                 self.int4pack = self._torch_int4pack(qw)
-                self._small = self._int4pack_or_dequantized
+                self._small = PackedWeight._int4pack_or_dequantized
 
     @staticmethod
     def from_quantized(qw: QuantizedWeight) -> PackedWeight:
@@ -240,7 +245,7 @@ class PackedWeight:
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def __repr__(self) -> str:
-        kind = "kernel" if self._small == self._kernel else "torch"
+        kind = "kernel" if self._small is PackedWeight._kernel else "torch"
         return f"PackedWeight({self.out_features}x{self.in_features}, bits={self.bits}, {kind})"
 
     # --- dequantization (reference, embedding rows, fallbacks) ---------------------------------
@@ -308,5 +313,5 @@ PREFILL_ROWS = 64
 def qlinear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y[M, N] = x[M, K] @ dequantize(w)^T + bias, in x's dtype (bfloat16 or float32)."""
     if x.shape[0] < PREFILL_ROWS:
-        return w._small(x, bias)
-    return w._large(x, bias)
+        return w._small(w, x, bias)
+    return w._large(w, x, bias)

@@ -13,8 +13,10 @@ Bounds (per output element, r = the float64 reference, |x|·|w| = sum_k |x_k w_k
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -136,6 +138,20 @@ def test_rows_and_dequantize_match_the_reference_exactly(kind: str) -> None:
         assert p.rows(ids.reshape(2, 2)).shape == (2, 2, k)
 
 
+def test_a_dropped_weight_is_freed_at_once() -> None:
+    """No reference cycle: an evicted expert's memory returns without the garbage collector."""
+    gc.disable()
+    try:
+        for qw in (quantize_int8(torch.randn(32, 64)), quantize_int4(torch.randn(32, 64))):
+            p = PackedWeight.from_quantized(qw)
+            qlinear(torch.randn(2, 64), p)
+            ref = weakref.ref(p)
+            del p
+            assert ref() is None
+    finally:
+        gc.enable()
+
+
 def test_nbytes_is_the_packed_size() -> None:
     p8 = PackedWeight.from_quantized(quantize_int8(torch.randn(10, 64)))
     p4 = PackedWeight.from_quantized(quantize_int4(torch.randn(10, 64)))
@@ -161,7 +177,7 @@ def test_fused_mixed_bits_weight_runs_on_every_path() -> None:
 def test_the_kernel_is_used_on_a_cpu_with_the_features() -> None:
     assert kernel_available(), "freetoken.ops._qlinear_cpu did not build or load: run `pip install -e .`"
     p = PackedWeight.from_quantized(quantize_int4(torch.randn(32, 64)))
-    assert p._small == p._kernel and "kernel" in repr(p)
+    assert p._small is PackedWeight._kernel and "kernel" in repr(p)
     assert QLINEAR._FIVE_BITS, "the built kernel predates 5-bit weights: rerun `pip install -e .`"
 
 
