@@ -10,9 +10,10 @@ Grouped-query attention uses SDPA's `enable_gqa`, so K/V are never copied per qu
 SDPA cannot do exactly (attention sinks, logit soft-capping) go to the reference; a decode batch
 (one query per request) takes `ops.decode_attention` (one C++ call reading only the visible K/V
 rows) where it runs, else two plain matmuls instead of the fused kernel. A mixed batch sends its
-decode rows there together and each prefill chunk to SDPA alone (no padding to the longest
-chunk); a long chunk is attended in blocks of QUERY_BLOCK queries over only the keys each block
-sees. The slots and
+decode rows there together and each prefill chunk alone (no padding to the longest chunk); a
+long chunk is attended in blocks of QUERY_BLOCK queries over only the keys each block sees. A
+single request's chunk goes through `chunk.attend_chunk` (SDPA, or in bfloat16 on a CPU three
+GEMMs that are faster than SDPA there). The slots and
 the mask depend only on the batch and the layer kind, so they are built once per step and kept in
 the batch's memo. An 8-bit or narrower cache is dequantized row by row as it is gathered
 (`kv_read.py`; the fused decode op reads only a cache in the query's dtype). It does not write
