@@ -202,22 +202,15 @@ class Engine:
         if sampling:
             states = _generator_states(items) if drafted else {}
             sampling, result = self._sample(logits, rows, sampling, updates)
-        if sampling:
-            groups = _verified(sampling, result) if drafted else (
-                (it, (tok,), (lp,)) for it, tok, lp in zip(sampling, result.token_ids, result.logprobs)
-            )
-            for item, toks, lps in groups:
+        if sampling and not drafted:
+            for item, tok, lp in zip(sampling, result.token_ids, result.logprobs):
                 req = item.req
                 upd = updates.setdefault(req.rid, _update_of(req))
-                if len(req.output_ids) == 0 and req.params.prompt_logprobs is not None:
+                if not req.output_ids and req.params.prompt_logprobs is not None:
                     upd.prompt_logprobs = req.prompt_logprobs
-                if item.draft:
-                    self._count_draft(item, len(toks) - 1, upd, states)
-                for m, (tok, lp) in enumerate(zip(toks, lps)):
-                    if item.draft:  # K/V is written for the last token and the m drafts kept so far
-                        req.num_computed = item.start + 1 + m
-                    if self._emit(req, tok, lp, upd, updates):
-                        break
+                self._emit(req, tok, lp, upd, updates)
+        elif sampling:
+            self._emit_verified(sampling, result, updates, states)
         for item, prompt_chunk in zip(items, prefill):
             req = item.req
             if req.finished or req.status is not RequestStatus.RUNNING:
@@ -251,6 +244,25 @@ class Engine:
             upd.finished, upd.finish_reason = True, reason
             return True
         return False
+
+    def _emit_verified(
+        self, sampling: list[ScheduledItem], result: SampleResult, updates: dict[str, RequestUpdate],
+        states: dict[str, torch.Tensor],
+    ) -> None:
+        """`_emit` for a step with verified chunks: each chunk's accepted drafts and the token
+        after them, with `num_computed` counting the K/V written for the tokens kept so far."""
+        for item, toks, lps in _verified(sampling, result):
+            req = item.req
+            upd = updates.setdefault(req.rid, _update_of(req))
+            if not req.output_ids and req.params.prompt_logprobs is not None:
+                upd.prompt_logprobs = req.prompt_logprobs
+            if item.draft:
+                self._count_draft(item, len(toks) - 1, upd, states)
+            for m, (tok, lp) in enumerate(zip(toks, lps)):
+                if item.draft:  # K/V is written for the last token and the m drafts kept so far
+                    req.num_computed = item.start + 1 + m
+                if self._emit(req, tok, lp, upd, updates):
+                    break
 
     def _count_draft(
         self, item: ScheduledItem, accepted: int, upd: RequestUpdate, states: dict[str, torch.Tensor],

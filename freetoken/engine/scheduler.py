@@ -11,7 +11,7 @@ never an exception. It does not run the model or sample.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from freetoken.config import ResolvedConfig
 from freetoken.engine.speculative import Speculator
@@ -27,7 +27,7 @@ class ScheduledItem:
     req: Request
     start: int
     n: int
-    draft: list[int] = field(default_factory=list)
+    draft: tuple[int, ...] = ()  # no allocation per decode row when nothing is drafted
 
     @property
     def samples(self) -> bool:
@@ -143,7 +143,7 @@ class Scheduler:
                 continue
             draft = speculator.propose(item.req)
             if draft and self.kv.extend_draft(item.req.rid, item.start + 1 + len(draft)):
-                item.draft = draft
+                item.draft = tuple(draft)
                 item.n = 1 + len(draft)
 
     def preempt(self, req: Request) -> None:

@@ -274,3 +274,39 @@ def test_real_gemma_greedy_identical_with_speculation(real_gemma_loaded):
     spec, llm = run(**SPEC)
     assert spec == plain
     assert llm.engine.accepted_tokens > 0
+
+
+def test_ngram_index_and_draft_window():
+    """The lookup proposes what followed the latest earlier occurrence of the longest suffix
+    n-gram; the window doubles after a whole acceptance and falls to j + 1 after a partial one."""
+    from freetoken.engine.speculative import NgramIndex, Speculator, accepted
+
+    req = Request("a", [1, 2, 3, 4, 9, 2, 3, 5, 6, 1, 2, 3], SamplingParams(max_tokens=40))
+    req.output_ids = []
+    index = NgramIndex(1, 3)
+    index.update(req)
+    assert index.lookup(req, 3) == [4, 9, 2]  # "1 2 3" occurred at the start, followed by 4 9 2
+    req.output_ids = [7]  # "3 7" and "7" never occurred
+    index.update(req)
+    assert index.lookup(req, 3) == []
+    req.output_ids = [7, 2, 3]  # "7 2 3" is new; "2 3" last occurred at the prompt's end, then 7 2 3
+    index.update(req)
+    assert index.lookup(req, 3) == [7, 2, 3]
+    assert index.lookup(req, 8) == [7, 2, 3]  # the draft stops at the sequence's end
+    assert accepted([5, 6, 1], [5, 6, 8, 0]) == 2 and accepted([5], [4, 0]) == 0 and accepted([5], [5, 9]) == 1
+
+    spec = Speculator(max_draft=8, ngram_min=1, ngram_max=3)
+    req.output_ids = [7, 2, 3]
+    assert len(spec.propose(req)) == 3  # the window starts at 8; the sequence ends 3 tokens after the match
+    spec.observe("a", 8, 8)
+    assert spec._window["a"] == 8
+    spec.observe("a", 8, 2)
+    assert spec._window["a"] == 3
+    spec.observe("a", 3, 3)
+    assert spec._window["a"] == 6
+    spec.observe("a", 6, 0)
+    assert spec._window["a"] == 1 and len(spec.propose(req)) == 1
+    short = Request("b", [1, 2, 1, 2], SamplingParams(max_tokens=3), output_ids=[1, 2])
+    assert spec.propose(short) == []  # max_tokens - output - 1 = 0: nothing to draft
+    spec.drop("a")
+    assert "a" not in spec._window and "a" not in spec._indexes
