@@ -157,6 +157,26 @@ def table(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def verdict(runs: list[dict[str, Any]]) -> str:
+    """Per workload: FreeToken's best speculative run against its own run without, and against
+    llama-server's best setting (the issue's two bars: >= 2x and ahead)."""
+    lines = []
+    for w in PROMPTS:
+        def rate(r: dict[str, Any], w: str = w) -> float:
+            return r["workloads"][w]["decode_tok_s"] or 0.0
+
+        off = next((r for r in runs if r["label"] == "ft serve"), None)
+        spec = max((r for r in runs if r["label"].startswith("ft serve ngram")), key=rate, default=None)
+        llama = max((r for r in runs if r["label"].startswith("llama-server")), key=rate, default=None)
+        if spec is None or off is None or not rate(off):
+            continue
+        line = f"- {w}: {spec['label']} {rate(spec):.1f} tok/s = {rate(spec) / rate(off):.2f}x ft serve without"
+        if llama is not None and rate(llama):
+            line += f", {rate(spec) / rate(llama):.2f}x llama-server's best ({llama['label']}, {rate(llama):.1f} tok/s)"
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="gemma3-270m", help="short name or .gguf path")
@@ -197,7 +217,7 @@ def main(argv: list[str]) -> None:
         runs.append(run_server(label, cmd, port, out_dir / f"speculative-{slug}.log", source, a))
     head = (f"# Speculative decoding: {Path(gguf).name}, {a.threads} threads, one stream, temperature 0, "
             f"{runs[0]['workloads']['repeat']['prompt_tokens']} prompt tokens\n\n")
-    text = head + table(runs) + "\n"
+    text = head + table(runs) + "\n\n" + verdict(runs) + "\n"
     (out_dir / "speculative.md").write_text(text)
     (out_dir / "speculative.json").write_text(json.dumps({"settings": {k: str(v) for k, v in vars(a).items()}, "runs": runs}, indent=1))
     print("\n" + text)
