@@ -81,7 +81,7 @@ def test_codex_first_turn_streams_as_codex_reads_it(agent_server: ServeProcess) 
     assert [i.id for i in done] == [i.id for i in final.output] and done
     text = "".join(e.delta for e in parsed if e.type == "response.output_text.delta")  # type: ignore[union-attr]
     assert text == final.output_text
-    assert final.usage is not None and final.usage.output_tokens == 12 or final.status == "completed"
+    assert final.usage is not None and (final.usage.output_tokens == 12 or final.status == "completed")
     assert [t.name for t in final.tools] == [t["name"] for t in body["tools"] if t["type"] == "function"]  # type: ignore[union-attr]
     agent_server.assert_balanced_idle()
 
