@@ -12,6 +12,7 @@ context and the prompt as two user messages). It renders nothing else and knows 
 
 from __future__ import annotations
 
+from itertools import pairwise
 from typing import Any
 
 from freetoken.tokenizer import ChatTemplateError, NoChatTemplate, Tokenizer
@@ -46,7 +47,7 @@ def _merge_repeated_users(tokenizer: Tokenizer, messages: list[dict[str, Any]]) 
     def mergeable(m: dict[str, Any]) -> bool:
         return m.get("role") == "user" and isinstance(m.get("content"), str)
 
-    repeated = any(mergeable(a) and mergeable(b) for a, b in zip(messages, messages[1:]))
+    repeated = any(mergeable(a) and mergeable(b) for a, b in pairwise(messages))
     if not repeated or renders_repeated_user(tokenizer):
         return messages
     out: list[dict[str, Any]] = []
