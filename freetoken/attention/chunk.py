@@ -12,8 +12,10 @@ runs in float32. Its error is within 2x of the fused kernel's on random inputs
 (tests/model/test_chunk_attention.py) and 1.2x on Gemma 3's own queries and keys (relative RMS of
 the output, 0.0023 vs 0.0019); the logits after a 600-token prompt move about as much as the fused
 kernel moves them from float32 (0.007-0.05 vs 0.009-0.02 over four prompts). Chunks shorter than
-MIN_QUERIES keep the fused kernel: there the matmuls save little. Float32 and other devices use
-SDPA. It holds no state.
+MIN_QUERIES keep the fused kernel: there the matmuls save little; so do chunks over more than
+MAX_KEYS keys, so that the GEMMs see a bounded set of shapes (oneDNN keeps memory per shape: with
+free shapes, 300 random chunks grew RSS by ~700 MiB; bucketed, by ~70 MiB at most, then flat).
+Float32 and other devices use SDPA. It holds no state.
 """
 
 from __future__ import annotations
@@ -23,13 +25,21 @@ import torch.nn.functional as F
 
 # Queries from which a bfloat16 CPU chunk takes the matmul path (below, the fused call is cheap).
 MIN_QUERIES = 64
+# The GEMMs see few shapes: oneDNN keeps memory per shape it has seen (~2.4 MiB per new chunk
+# shape: free chunk and key lengths grew the engine's RSS without bound). Queries are padded to a
+# multiple of QUERY_BUCKET (a chunk here has at most 2 * 256 - 1 rows), keys to one of KEY_BUCKET,
+# and chunks over more than MAX_KEYS keys keep SDPA: at most 4 x 4 shapes per head layout.
+QUERY_BUCKET = 128
+KEY_BUCKET = 256
+MAX_KEYS = 1024
 
 
 def attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
     """q [1, H, L, D], k and v [1, n_kv, S, D] (H a multiple of n_kv), visible [1, 1, L, S] bool
     (every row sees at least one key) -> [1, H, L, D] in q's dtype."""
     H, n_kv = q.shape[1], k.shape[1]
-    if q.dtype != torch.bfloat16 or q.device.type != "cpu" or q.shape[2] < MIN_QUERIES:
+    fused = q.dtype != torch.bfloat16 or q.device.type != "cpu" or q.shape[2] < MIN_QUERIES or k.shape[2] > MAX_KEYS
+    if fused:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=H > n_kv)
     return _centered(q, k, v, visible, scale)
 
@@ -38,12 +48,18 @@ def _centered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.
     _, H, L, D = q.shape
     n_kv, S = k.shape[1], k.shape[2]
     g = H // n_kv  # query heads per KV head: head h reads KV head h // g
-    qg = q.reshape(n_kv, g * L, D)  # [n_kv, g L, D]
-    kt = k[0].transpose(1, 2)  # [n_kv, D, S]
-    hidden = ~visible[0, 0]  # [L, S]
-    rough = torch.bmm(qg, kt).view(n_kv, g, L, S).masked_fill_(hidden, float("-inf"))
-    m = rough.amax(dim=-1).mul_(scale).view(n_kv, g * L, 1)  # [n_kv, g L, 1]: each row's max, to 2^-8
-    scores = torch.baddbmm(m, qg, kt, beta=-1, alpha=scale).view(n_kv, g, L, S)  # scale q k^T - m
+    Lp, Sp = _bucket(L, QUERY_BUCKET), _bucket(S, KEY_BUCKET)
+    qg = F.pad(q, (0, 0, 0, Lp - L)).reshape(n_kv, g * Lp, D)  # [n_kv, g Lp, D]
+    kt = F.pad(k[0], (0, 0, 0, Sp - S)).transpose(1, 2)  # [n_kv, D, Sp]
+    hidden = F.pad(~visible[0, 0], (0, Sp - S, 0, Lp - L), value=True)  # [Lp, Sp]: padding hidden
+    hidden[L:, 0] = False  # a padded query row sees one key: no row is empty
+    rough = torch.bmm(qg, kt).view(n_kv, g, Lp, Sp).masked_fill_(hidden, float("-inf"))
+    m = rough.amax(dim=-1).mul_(scale).view(n_kv, g * Lp, 1)  # [n_kv, g Lp, 1]: each row's max, to 2^-8
+    scores = torch.baddbmm(m, qg, kt, beta=-1, alpha=scale).view(n_kv, g, Lp, Sp)  # scale q k^T - m
     p = torch.softmax(scores.masked_fill_(hidden, float("-inf")), dim=-1, dtype=torch.float32)
-    out = torch.bmm(p.to(torch.bfloat16).view(n_kv, g * L, S), v[0])  # [n_kv, g L, D]
-    return out.view(1, H, L, D)
+    out = torch.bmm(p.to(torch.bfloat16).view(n_kv, g * Lp, Sp), F.pad(v[0], (0, 0, 0, Sp - S)))  # [n_kv, g Lp, D]
+    return out.view(n_kv, g, Lp, D)[:, :, :L].reshape(1, H, L, D)
+
+
+def _bucket(n: int, step: int) -> int:
+    return -(-n // step) * step

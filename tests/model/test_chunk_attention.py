@@ -56,3 +56,31 @@ def test_float32_and_short_chunks_are_the_fused_kernel(dtype: torch.dtype, L: in
     q, k, v = (t.to(dtype) for t in (q, k, v))
     got = attend_chunk(q, k, v, visible, 0.25)
     assert torch.equal(got, F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=0.25, enable_gqa=True))
+
+
+def test_gemm_shapes_are_bucketed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN keeps memory per GEMM shape it has seen: free chunk and key lengths reach only a few
+    shapes (queries padded to QUERY_BUCKET, keys to KEY_BUCKET, SDPA past MAX_KEYS)."""
+    from freetoken.attention import chunk
+
+    seen: set[tuple[tuple[int, ...], ...]] = set()
+    real_bmm, real_baddbmm = torch.bmm, torch.baddbmm
+
+    def bmm(a, b):  # type: ignore[no-untyped-def]
+        seen.add((tuple(a.shape), tuple(b.shape)))
+        return real_bmm(a, b)
+
+    def baddbmm(c, a, b, **kw):  # type: ignore[no-untyped-def]
+        seen.add((tuple(a.shape), tuple(b.shape)))
+        return real_baddbmm(c, a, b, **kw)
+
+    monkeypatch.setattr(chunk.torch, "bmm", bmm)
+    monkeypatch.setattr(chunk.torch, "baddbmm", baddbmm)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(40):
+        L = int(torch.randint(chunk.MIN_QUERIES, 2 * 256, (), generator=g))
+        S = L + int(torch.randint(0, chunk.MAX_KEYS - L + 1, (), generator=g)) if L < chunk.MAX_KEYS else L
+        q, k, v, visible = _case(4, 1, L, S, 16, None, seed=L)
+        attend_chunk(q.bfloat16(), k.bfloat16(), v.bfloat16(), visible, 0.25)
+    rows = {a[1] for a, _ in seen}
+    assert len(seen) <= 3 * 4 * 4 and rows <= {4 * b for b in (128, 256, 384, 512)}, sorted(seen)
