@@ -4,7 +4,9 @@
                                      [--ft-drafts 4 8 16] [--out-dir bench-out] [--quick]
 
 The prompt holds a source file (~1500 tokens by default: the head of freetoken/kv/manager.py)
-and asks for it back, at temperature 0, streamed, one request at a time:
+and asks for it back, at temperature 0, streamed, one request at a time, as the same raw text
+for both servers on /v1/completions (Gemma's turn format, `--turns`; the reply opens with the
+code fence, so the model starts on the file, and the closing fence stops it):
 
 - `repeat`: "Repeat the following file exactly" (what makes a 270M model copy faithfully);
 - `edit`: "Rewrite the following file with `release` renamed to `drop`" (the issue's workload:
@@ -60,10 +62,13 @@ LLAMA_SPECS = [
     "--spec-type ngram-map-k",
 ]
 PROMPTS = {
-    "repeat": "Repeat the following file exactly, with no commentary and nothing before or after it.\n\n{source}",
-    "edit": "Rewrite the following file with the method `release` renamed to `drop` everywhere. Output the whole "
-            "file and nothing else.\n\n{source}",
+    "repeat": "Repeat the following file exactly, with no commentary and nothing before or after it.",
+    "edit": "Rewrite the following file with the method `release` renamed to `drop` everywhere. Output the whole file "
+            "and nothing else.",
 }
+# The same raw text for both servers (/v1/completions; each adds its BOS): Gemma's turn format, with
+# the reply opened by the code fence, so that the model starts on the file's first line.
+GEMMA_TURNS = "<start_of_turn>user\n{instruction}\n\n```python\n{source}```<end_of_turn>\n<start_of_turn>model\n```python\n"
 
 
 def source_text(path: Path, chars: int) -> str:
@@ -83,18 +88,18 @@ def fidelity(reply: str, source: str) -> float:
     return sum(b.size for b in blocks if b.size >= 8) / len(reply)
 
 
-async def measure(base_url: str, source: str, max_tokens: int, repeats: int) -> dict[str, Any]:
+async def measure(base_url: str, source: str, max_tokens: int, repeats: int, turns: str) -> dict[str, Any]:
     settings = serving.Settings(base_url=base_url, progress=False)
     srv = serving.Server(settings)
     await srv.discover_model()
     out: dict[str, Any] = {}
     # warm-up: one short request (first-call costs are not decode)
-    await srv.stream("/v1/chat/completions", {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 8,
-                                               "temperature": 0.0})
-    for name, template in PROMPTS.items():
-        body = {"messages": [{"role": "user", "content": template.format(source=source)}], "max_tokens": max_tokens,
-                "temperature": 0.0, "ignore_eos": False}
-        streams = [await srv.stream("/v1/chat/completions", body) for _ in range(repeats)]
+    await srv.stream("/v1/completions", {"prompt": turns.format(instruction="Say hi.", source=""), "max_tokens": 8,
+                                         "temperature": 0.0})
+    for name, instruction in PROMPTS.items():
+        body = {"prompt": turns.format(instruction=instruction, source=source), "max_tokens": max_tokens,
+                "temperature": 0.0, "ignore_eos": False, "stop": ["```"]}
+        streams = [await srv.stream("/v1/completions", body) for _ in range(repeats)]
         rates = sorted(r for r in (s.decode_rate for s in streams) if r is not None)
         out[name] = {
             "decode_tok_s": rates[len(rates) // 2] if rates else None,
@@ -130,7 +135,7 @@ def run_server(label: str, cmd: list[str], port: int, log: Path, source: str, a:
     server = ServerProcess(cmd, port, log)
     try:
         server.wait_healthy(a.start_timeout)
-        result = asyncio.run(measure(server.base_url, source, a.max_tokens, a.repeats))
+        result = asyncio.run(measure(server.base_url, source, a.max_tokens, a.repeats, a.turns))
         acceptance = ft_acceptance(server.base_url) if "serve" in cmd else None
     finally:
         server.stop()
@@ -189,6 +194,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--source", type=Path, default=DEFAULT_SOURCE, help="the file the prompt holds")
     p.add_argument("--source-chars", type=int, default=5000, help="its head, in characters (~1500 Gemma tokens of this code)")
     p.add_argument("--max-tokens", type=int, default=1800)
+    p.add_argument("--turns", default=GEMMA_TURNS, help="the raw prompt around {instruction} and {source} (default: Gemma's turns)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--ctx", type=int, default=8192, help="KV tokens of each server (-c, --num-tokens)")
     p.add_argument("--start-timeout", type=float, default=300.0)
