@@ -10,6 +10,9 @@ Supported `tokenizer.ggml.model` values:
 - "llama": a SentencePiece vocabulary run as BPE with byte fallback; the merges are recovered from
   the vocabulary (ranked by file position for the Gemma family, by score otherwise).
 - "gpt2": byte-level BPE with the file's merges.
+- "gemma4": Gemma 4's SentencePiece-style BPE (text spaces become U+2581, byte fallback, no space
+  prefix) with the file's merges; llama.cpp's converter writes the vocabulary as `tokenizer.json`
+  spells it, so no token is respelled.
 """
 
 from __future__ import annotations
@@ -131,20 +134,57 @@ def _spm_backend(metadata: dict[str, object], file_tokens: list[str]) -> Backend
         dropout=None,
     )
     backend = Backend(model)
-    decode_steps = [decoders.Replace(SPIECE_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     if position_ranked:
-        # Gemma: no space prefix; every text space becomes U+2581 before the model sees it.
-        backend.normalizer = normalizers.Replace(" ", SPIECE_SPACE)
-        backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+        _gemma_pipeline(backend)
     else:
+        decode_steps = [decoders.Replace(SPIECE_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
         add_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
         backend.pre_tokenizer = pre_tokenizers.Metaspace(
             replacement=SPIECE_SPACE, prepend_scheme="first" if add_prefix else "never", split=False
         )
         if add_prefix:
             decode_steps.append(decoders.Strip(content=" ", left=1, right=0))
-    backend.decoder = decoders.Sequence(decode_steps)
+        backend.decoder = decoders.Sequence(decode_steps)
     _add_marked_tokens(backend, metadata, file_tokens, vocab, byte_level=False)
+    return backend
+
+
+def _gemma_pipeline(backend: Backend) -> None:
+    """Gemma's (transformers' `GemmaTokenizer`): no space prefix, every text space becomes U+2581
+    before the model sees it, `<0xHH>` pieces decode to their bytes."""
+    backend.normalizer = normalizers.Replace(" ", SPIECE_SPACE)
+    backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    backend.decoder = decoders.Sequence([decoders.Replace(SPIECE_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+
+
+def _file_merges(metadata: dict[str, object]) -> list[tuple[str, str]]:
+    """`tokenizer.ggml.merges` as pairs. Each line is cut at its first space after the first
+    character, as llama.cpp reads it (so a left part may itself be a space)."""
+    merges: list[tuple[str, str]] = []
+    for line in _list_field(metadata, "tokenizer.ggml.merges"):
+        text = str(line)
+        cut = text.find(" ", 1)
+        if cut < 0:
+            raise ModelLoadError(f"GGUF merge {line!r} is not two tokens")
+        merges.append((text[:cut], text[cut + 1 :]))
+    return merges
+
+
+def _gemma4_backend(metadata: dict[str, object], tokens: list[str]) -> Backend:
+    if "tokenizer.ggml.merges" not in metadata:
+        raise ModelLoadError("the gemma4 GGUF tokenizer has no tokenizer.ggml.merges")
+    vocab = {token: index for index, token in enumerate(tokens)}
+    unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
+    if isinstance(unk_id, int) and 0 <= unk_id < len(tokens):
+        unk_token: str | None = tokens[unk_id]
+    else:
+        unk_token = "<unk>" if "<unk>" in vocab else None
+    model = models.BPE(
+        vocab=vocab, merges=_file_merges(metadata), unk_token=unk_token, fuse_unk=True, byte_fallback=True, dropout=None
+    )
+    backend = Backend(model)
+    _gemma_pipeline(backend)
+    _add_marked_tokens(backend, metadata, tokens, vocab, byte_level=False)
     return backend
 
 
@@ -229,7 +269,9 @@ def backend_from_gguf_metadata(metadata: dict[str, object]) -> Backend:
         return _spm_backend(metadata, tokens)
     if kind == "gpt2":
         return _gpt2_backend(metadata, tokens)
-    raise ModelLoadError(f"unsupported GGUF tokenizer model {kind!r} (supported: 'llama', 'gpt2')")
+    if kind == "gemma4":
+        return _gemma4_backend(metadata, tokens)
+    raise ModelLoadError(f"unsupported GGUF tokenizer model {kind!r} (supported: 'llama', 'gpt2', 'gemma4')")
 
 
 def byte_fallback_ids(backend: Backend) -> frozenset[int]:
