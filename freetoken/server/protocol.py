@@ -53,6 +53,7 @@ class _Sampling(_Strict):
     stop_token_ids: list[int] | None = None  # extension
     seed: int | None = None
     ignore_eos: bool | None = None  # extension
+    speculative: bool | None = None  # extension: false opts out of --speculative ngram (docs/speculative.md)
     skip_special_tokens: bool | None = None  # extension
     user: str | None = None  # accepted and unused, as OpenAI documents it (an end-user id)
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
@@ -129,6 +130,7 @@ class _Sampling(_Strict):
             stop=self.stop_strings(),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=bool(self.ignore_eos),
+            speculative=self.speculative is not False,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=True if self.skip_special_tokens is None else self.skip_special_tokens,
