@@ -1,10 +1,11 @@
-"""Reasoning written as `<think>...</think>` (Qwen 3, DeepSeek R1 and their distills): splitting a
-generation into its reasoning and the rest, incrementally.
+"""Reasoning in marked blocks: splitting a generation into its reasoning and the rest, incrementally.
 
-Owns `ThinkStream` (feed text deltas, get the reasoning and the content they make certain; text
-that may still be the start of a marker is held back), `REASONING_PARSERS` (the names
+Two markups: `think`, `<think>...</think>` (Qwen 3, DeepSeek R1 and their distills), and `gemma4`,
+`<|channel>thought\n...<channel|>` (Gemma 4). Owns `ThinkStream` (feed text deltas, get the
+reasoning and the content they make certain; text that may still be the start of a marker is held
+back), `reasoning_stream` (the stream for a parser name), `REASONING_PARSERS` (the names
 `--reasoning-parser` accepts) and `detect_reasoning_parser` (the model's template or vocabulary
-names `<think>`). The reasoning may open in the prompt (DeepSeek R1's template ends its generation
+names the end marker). The reasoning may open in the prompt (DeepSeek R1's template ends its generation
 prompt with `<think>`), so a stream can start inside it. An unclosed reasoning block (the output
 was cut) is all reasoning. Harmony's channels are the Harmony tool parser's, not this module's.
 Tool calls inside the content are the tool parser's to find; this module knows no tools and no HTTP.
@@ -17,15 +18,18 @@ from collections.abc import Iterable
 from freetoken.tokenizer.detokenizer import held_back
 
 THINK_START, THINK_END = "<think>", "</think>"
-THINK = "think"
-REASONING_PARSERS = (THINK, "none")
+GEMMA4_START, GEMMA4_END = "<|channel>thought", "<channel|>"
+THINK, GEMMA4 = "think", "gemma4"
+MARKERS = {THINK: (THINK_START, THINK_END), GEMMA4: (GEMMA4_START, GEMMA4_END)}
+REASONING_PARSERS = (THINK, GEMMA4, "none")
 
 
 class ThinkStream:
-    """One generation's split. Whitespace right inside the markers and right after the end is
-    dropped."""
+    """One generation's split, the reasoning between `start` and `end`. Whitespace right inside
+    the markers and right after the end is dropped."""
 
-    def __init__(self, *, in_reasoning: bool) -> None:
+    def __init__(self, *, in_reasoning: bool, start: str = THINK_START, end: str = THINK_END) -> None:
+        self._start, self._end = start, end
         self._buffer = ""
         self._state = "reasoning" if in_reasoning else "start"  # start -> reasoning -> content, or start -> content
         self._fresh = in_reasoning  # at the start of the reasoning: drop leading whitespace
@@ -44,22 +48,22 @@ class ThinkStream:
         reasoning, content = "", ""
         if self._state == "start":
             head = self._buffer.lstrip()
-            if head.startswith(THINK_START):
-                self._buffer = head[len(THINK_START) :]
+            if head.startswith(self._start):
+                self._buffer = head[len(self._start) :]
                 self._state, self._fresh = "reasoning", True
-            elif (THINK_START.startswith(head) or not head) and not final:
+            elif (self._start.startswith(head) or not head) and not final:
                 return "", ""  # may still open the reasoning
             else:
                 self._state = "content"
         if self._state == "reasoning":
-            end = self._buffer.find(THINK_END)
+            end = self._buffer.find(self._end)
             if end >= 0:
                 reasoning = self._reasoning(self._buffer[:end])
                 self._pending_ws = ""
-                self._buffer = self._buffer[end + len(THINK_END) :].lstrip()
+                self._buffer = self._buffer[end + len(self._end) :].lstrip()
                 self._state = "after"
             else:
-                keep = 0 if final else held_back(self._buffer, (THINK_END,))
+                keep = 0 if final else held_back(self._buffer, (self._end,))
                 reasoning = self._reasoning(self._buffer[: len(self._buffer) - keep])
                 self._buffer = self._buffer[len(self._buffer) - keep :]
                 return reasoning, ""
@@ -86,17 +90,26 @@ class ThinkStream:
         return out
 
 
-def split_reasoning(text: str, *, in_reasoning: bool) -> tuple[str, str]:
+def reasoning_stream(name: str, *, in_reasoning: bool) -> ThinkStream:
+    """The stream of reasoning parser `name` (one of `MARKERS`)."""
+    start, end = MARKERS[name]
+    return ThinkStream(in_reasoning=in_reasoning, start=start, end=end)
+
+
+def split_reasoning(text: str, *, in_reasoning: bool, name: str = THINK) -> tuple[str, str]:
     """A whole generation as (reasoning, content): the same as streaming it in any chunks."""
-    stream = ThinkStream(in_reasoning=in_reasoning)
+    stream = reasoning_stream(name, in_reasoning=in_reasoning)
     r1, c1 = stream.feed(text)
     r2, c2 = stream.finish()
     return r1 + r2, c1 + c2
 
 
 def detect_reasoning_parser(*, chat_template: str | None, tokens: Iterable[str]) -> str | None:
-    """`think` when the model's template or vocabulary knows `</think>`, else None (no reasoning
-    parser: the output is all content)."""
-    if THINK_END in (chat_template or "") or THINK_END in set(tokens):
-        return THINK
+    """`gemma4` when the model's template or vocabulary knows `<channel|>`, `think` when it knows
+    `</think>`, else None (no reasoning parser: the output is all content)."""
+    template, vocab = chat_template or "", set(tokens)
+    for name in (GEMMA4, THINK):
+        end = MARKERS[name][1]
+        if end in template or end in vocab:
+            return name
     return None

@@ -1,13 +1,14 @@
-"""The `<think>` reasoning split: whole and streamed in every chunking give the same result,
-reasoning opened in the prompt, markers split across deltas, unclosed reasoning, plain output,
-and detection from the template or vocabulary."""
+"""The reasoning split (`<think>` and Gemma 4's `<|channel>thought`): whole and streamed in every
+chunking give the same result, reasoning opened in the prompt, markers split across deltas,
+unclosed reasoning, plain output, and detection from the template or vocabulary."""
 
 from __future__ import annotations
 
 import pytest
 
-from freetoken.tokenizer.reasoning import ThinkStream, detect_reasoning_parser, split_reasoning
+from freetoken.tokenizer.reasoning import GEMMA4, ThinkStream, detect_reasoning_parser, reasoning_stream, split_reasoning
 
+THINK_NAME = "think"
 CASES = [
     ("<think>\nLet me see.\n</think>\n\nParis.", False, ("Let me see.", "Paris.")),
     ("  <think>a  b</think>c", False, ("a  b", "c")),
@@ -21,11 +22,22 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("text", "opened", "expected"), CASES)
-def test_whole_and_every_chunking_agree(text: str, opened: bool, expected: tuple[str, str]) -> None:
-    assert split_reasoning(text, in_reasoning=opened) == expected
+# Gemma 4 (thinking on: `<|think|>` in the system turn); an empty block when thinking is off
+GEMMA4_CASES = [
+    ("<|channel>thought\nThe user wants X.\n<channel|>The answer.", False, ("The user wants X.", "The answer.")),
+    ("<|channel>thought\n<channel|>Hi.", False, ("", "Hi.")),
+    ("Hi <|channel>thought not at the start", False, ("", "Hi <|channel>thought not at the start")),
+    ("<|channel>thought\ncut o", False, ("cut o", "")),
+    ("<think>x</think>y", False, ("", "<think>x</think>y")),
+]
+ALL_CASES = [(THINK_NAME, *c) for c in CASES] + [(GEMMA4, *c) for c in GEMMA4_CASES]
+
+
+@pytest.mark.parametrize(("name", "text", "opened", "expected"), ALL_CASES)
+def test_whole_and_every_chunking_agree(name: str, text: str, opened: bool, expected: tuple[str, str]) -> None:
+    assert split_reasoning(text, in_reasoning=opened, name=name) == expected
     for size in (1, 2, 3, 5):
-        stream = ThinkStream(in_reasoning=opened)
+        stream = reasoning_stream(name, in_reasoning=opened)
         parts = [stream.feed(text[i : i + size]) for i in range(0, len(text), size)] + [stream.finish()]
         assert ("".join(r for r, _ in parts), "".join(c for _, c in parts)) == expected, size
 
@@ -41,6 +53,9 @@ def test_detection() -> None:
     assert detect_reasoning_parser(chat_template="{{ '<think>' }}...</think>", tokens=[]) == "think"
     assert detect_reasoning_parser(chat_template=None, tokens=["<|im_start|>", "</think>"]) == "think"
     assert detect_reasoning_parser(chat_template="<|im_start|>", tokens=["<|im_start|>"]) is None
+    assert detect_reasoning_parser(chat_template="{{ '<|channel>thought' }}...{{ '<channel|>' }}", tokens=[]) == GEMMA4
+    assert detect_reasoning_parser(chat_template=None, tokens=["<|turn>", "<channel|>"]) == GEMMA4
+    assert detect_reasoning_parser(chat_template="{{ '<|channel|>' }}", tokens=[]) is None  # Harmony's is not Gemma 4's
 
 
 def test_reasoning_then_a_call_through_the_tool_stream() -> None:

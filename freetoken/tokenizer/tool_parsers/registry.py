@@ -12,17 +12,20 @@ from collections.abc import Iterable
 from freetoken.errors import ConfigError
 from freetoken.tokenizer.tool_parsers.base import ToolParser
 from freetoken.tokenizer.tool_parsers.gemma import GemmaParser
+from freetoken.tokenizer.tool_parsers.gemma4 import Gemma4Parser
 from freetoken.tokenizer.tool_parsers.harmony import HarmonyParser
 from freetoken.tokenizer.tool_parsers.hermes import HermesParser
 from freetoken.tokenizer.tool_parsers.llama3_json import Llama3JsonParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    cls.name: cls for cls in (HermesParser, GemmaParser, Llama3JsonParser, HarmonyParser)
+    cls.name: cls for cls in (HermesParser, GemmaParser, Gemma4Parser, Llama3JsonParser, HarmonyParser)
 }
 
 # (marker in the template or vocabulary, parser), first match wins.
 _MARKERS = (
     ("<|channel|>", "harmony"),
+    ("<|tool_call>", "gemma4"),
+    ("<|turn>", "gemma4"),
     ("<tool_call>", "hermes"),
     ("<|im_start|>", "hermes"),
     ("<start_of_turn>", "gemma"),
@@ -32,6 +35,7 @@ _MARKERS = (
 _ARCHITECTURES = {
     "gpt_oss": "harmony", "gpt-oss": "harmony",
     "gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma", "gemma3_text": "gemma",
+    "gemma4": "gemma4", "gemma4_text": "gemma4",
     "llama": "llama3_json", "qwen2": "hermes", "qwen3": "hermes",
 }
 DEFAULT_PARSER = "hermes"

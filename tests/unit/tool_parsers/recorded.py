@@ -59,6 +59,42 @@ GEMMA_MALFORMED: list[str] = [
     '```json\n{"name": "get_weather", "parameters": "Oslo"}\n```',  # arguments not an object
 ]
 
+# Gemma 4: `<|tool_call>call:NAME{...}<tool_call|>`, values as its template's format_argument writes them
+Q = '<|"|>'
+GEMMA4: list[Case] = [
+    (f"<|tool_call>call:get_weather{{city:{Q}Paris{Q},unit:{Q}celsius{Q}}}<tool_call|>", "", "",
+     [("get_weather", {"city": "Paris", "unit": "celsius"})]),
+    # text before, two parallel calls, then the hand-over to the tool's response
+    (f"Let me check both.\n<|tool_call>call:get_weather{{city:{Q}Paris{Q}}}<tool_call|>"
+     f"<|tool_call>call:search{{q:{Q}Paris events{Q}}}<tool_call|><|tool_response>", "Let me check both.", "",
+     [("get_weather", {"city": "Paris"}), ("search", {"q": "Paris events"})]),
+    # nested mapping and list, a string holding quotes, a backslash and a newline (written literally)
+    (f"<|tool_call>call:search{{filters:{{max:10,open:true,tags:[{Q}a{Q},{Q}b c{Q}]}},q:{Q}say \"hi\" \\ now\n{Q}}}<tool_call|>",
+     "", "", [("search", {"filters": {"max": 10, "open": True, "tags": ["a", "b c"]}, "q": 'say "hi" \\ now\n'})]),
+    # JSON written inside the block (keys and strings double-quoted)
+    ('<|tool_call>call:get_weather{"city": "Oslo", "days": [1, 2]}<tool_call|>', "", "", [("get_weather", {"city": "Oslo", "days": [1, 2]})]),
+    # bare words: a number, None, and a word that is no JSON literal (a string)
+    ("<|tool_call>call:search{q:tea,n:-2.5,page:None}<tool_call|>", "", "", [("search", {"q": "tea", "n": -2.5, "page": None})]),
+    ("<|tool_call>call:search{}<tool_call|>", "", "", [("search", {})]),
+    ("The weather in Paris is mild today.", "The weather in Paris is mild today.", "", []),
+    # text that only looks like the start of a marker
+    ("Use <|tool> tags or a < b <|x.", "Use <|tool> tags or a < b <|x.", "", []),
+]
+GEMMA4_MALFORMED: list[str] = [
+    f"<|tool_call>call:launch_rockets{{now:true}}<tool_call|>",  # unknown tool
+    f"<|tool_call>get_weather{{city:{Q}Paris{Q}}}<tool_call|>",  # no call: prefix
+    '<|tool_call>call:get_weather(city="Paris")<tool_call|>',  # no arguments object
+    "<|tool_call>call:",  # cut off before the name
+    "<|tool_call><tool_call|>",
+]
+# Gemma 4 calls whose head was written: announced and streamed, they stay calls whatever follows.
+GEMMA4_ANNOUNCED: list[tuple[str, str]] = [
+    (f"<|tool_call>call:get_weather{{city:{Q}Paris{Q},<tool_call|>", '{"city":"Paris",'),  # closed early
+    (f"<|tool_call>call:get_weather{{city:{Q}Paris{Q}}}", '{"city":"Paris"}'),  # never closed
+    (f"<|tool_call>call:get_weather{{city:{Q}Pa", '{"city":"Pa'),  # cut off
+    (f"<|tool_call>call:search{{q:{Q}a<tool_call|>b{Q}}}<tool_call|>", '{"q":"a<tool_call|>b"}'),  # marker in a string
+]
+
 LLAMA3: list[Case] = [
     ('{"name": "get_weather", "parameters": {"city": "Lima"}}', "", "", [("get_weather", {"city": "Lima"})]),
     ('<|python_tag|>{"name": "search", "parameters": {"q": "llamas"}}', "", "", [("search", {"q": "llamas"})]),

@@ -11,7 +11,7 @@ from freetoken.tokenizer.tool_parsers import TOOL_PARSERS, detect_tool_parser, m
 
 
 def test_names() -> None:
-    assert set(TOOL_PARSERS) == {"hermes", "gemma", "llama3_json", "harmony"}
+    assert set(TOOL_PARSERS) == {"hermes", "gemma", "gemma4", "llama3_json", "harmony"}
     for name in TOOL_PARSERS:
         assert make_tool_parser(name).name == name
     with pytest.raises(ConfigError, match="hermes"):
@@ -29,11 +29,14 @@ def test_names() -> None:
         ("{{ '<|start|>' }}{{ '<|channel|>' }}", [], "gpt_oss", "harmony"),
         (None, [], "gpt_oss", "harmony"),
         (None, [], "unknown_arch", "hermes"),
+        ("{{ '<|turn>user\\n' }}{{ '<|tool_call>call:' }}", [], "gemma4", "gemma4"),  # Gemma 4's template
+        (None, ["<|turn>", "<turn|>"], "llama", "gemma4"),
+        (None, [], "gemma4_text", "gemma4"),
     ],
 )
 def test_detect(template: str | None, special: list[str], arch: str, expected: str) -> None:
     assert detect_tool_parser(chat_template=template, special_tokens=special, architecture=arch) == expected
 
 
-def test_only_harmony_needs_special_tokens() -> None:
-    assert [n for n, cls in TOOL_PARSERS.items() if cls.needs_special_tokens] == ["harmony"]
+def test_only_harmony_and_gemma4_need_special_tokens() -> None:
+    assert [n for n, cls in TOOL_PARSERS.items() if cls.needs_special_tokens] == ["gemma4", "harmony"]

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from recorded import (  # noqa: E402
-    ANNOUNCED_JSON, GEMMA, GEMMA_MALFORMED, HARMONY, HARMONY_ANNOUNCED, HARMONY_MALFORMED, HERMES, HERMES_ANNOUNCED, HERMES_MALFORMED, LLAMA3, LLAMA3_MALFORMED,
+    ANNOUNCED_JSON, GEMMA, GEMMA4, GEMMA4_MALFORMED, GEMMA_MALFORMED, HARMONY, HARMONY_ANNOUNCED, HARMONY_MALFORMED, HERMES, HERMES_ANNOUNCED, HERMES_MALFORMED, LLAMA3, LLAMA3_MALFORMED,
     TOOLS, Case,
 )
 
@@ -25,6 +25,7 @@ from freetoken.tokenizer.tool_parsers.base import join_calls  # noqa: E402
 CASES: dict[str, tuple[list[Case], list[str]]] = {
     "hermes": (HERMES, HERMES_MALFORMED),
     "gemma": (GEMMA, GEMMA_MALFORMED),
+    "gemma4": (GEMMA4, GEMMA4_MALFORMED),
     "llama3_json": (LLAMA3, LLAMA3_MALFORMED),
     "harmony": (HARMONY, HARMONY_MALFORMED),
 }

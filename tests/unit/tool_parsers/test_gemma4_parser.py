@@ -1,0 +1,79 @@
+"""The Gemma 4 tool-call format beyond the shared recorded cases: announced calls stay calls,
+arguments stream as JSON while they are written (quote markers split across deltas), earlier calls
+render in the template's value syntax and parse back, and Gemma 4 reasoning then a call through the
+chat routes' stream."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from recorded import GEMMA4_ANNOUNCED, TOOLS  # noqa: E402
+
+from freetoken.tokenizer.reasoning import GEMMA4, reasoning_stream  # noqa: E402
+from freetoken.tokenizer.tool_parsers import ToolCall, make_tool_parser  # noqa: E402
+from freetoken.tokenizer.tool_parsers.base import merge_deltas  # noqa: E402
+from freetoken.tokenizer.tool_parsers.gemma4 import ArgumentsJson, gemma_value  # noqa: E402
+
+Q = '<|"|>'
+
+
+@pytest.mark.parametrize(("text", "arguments"), GEMMA4_ANNOUNCED)
+def test_announced_call_stays_a_call(text: str, arguments: str) -> None:
+    out = make_tool_parser("gemma4", TOOLS).parse(text)
+    assert out.content == "" and [c.arguments for c in out.tool_calls] == [arguments]
+
+
+def test_arguments_stream_while_they_are_written() -> None:
+    stream = make_tool_parser("gemma4", TOOLS).stream()
+    first = stream.feed(f"Checking.<|tool_call>call:get_weather{{city:{Q}Os")
+    assert first.content == "Checking."
+    assert [(d.first, d.call.name, d.call.arguments) for d in first.tool_calls] == [(True, "get_weather", ""), (False, "", '{"city":"Os')]
+    assert [d.call.arguments for d in stream.feed('lo<|"').tool_calls] == ["lo"]  # a split quote marker waits
+    assert [d.call.arguments for d in stream.feed('|>,days:3').tool_calls] == ['","days":']  # so does a bare word
+    rest = stream.feed("}<tool_call|>")
+    assert [d.call.arguments for d in rest.tool_calls] == ["3}"]
+    rest.extend(stream.finish())
+    assert rest.content == ""
+
+
+@pytest.mark.parametrize(
+    ("gemma", "expected"),
+    [
+        (f"{{a:{Q}x{Q},b:[1,true,null],c:{{d:{Q}{Q}}}}}", {"a": "x", "b": [1, True, None], "c": {"d": ""}}),
+        (f"{{{Q}quoted key{Q}:False, n : 1e3 }}", {"quoted key": False, "n": 1000.0}),
+        (f"{{t:{Q}tab\there ☃{Q}}}", {"t": "tab\there ☃"}),
+    ],
+)
+def test_arguments_translate_to_json_in_any_pieces(gemma: str, expected: dict) -> None:
+    for size in (1, 2, 3, len(gemma)):
+        conv = ArgumentsJson()
+        text = "".join(conv.feed(gemma[i : i + size]) for i in range(0, len(gemma), size)) + conv.feed("", final=True)
+        assert conv.done and json.loads(text) == expected
+
+
+def test_format_calls_writes_the_template_syntax_and_parses_back() -> None:
+    parser = make_tool_parser("gemma4", TOOLS)
+    args = {"q": 'a "b" \\ c', "opts": {"n": 2, "exact": False, "tags": ["x", None]}}
+    text = parser.format_calls([ToolCall("call_1", "search", json.dumps(args))])
+    assert text == f'<|tool_call>call:search{{opts:{{exact:false,n:2,tags:[{Q}x{Q},null]}},q:{Q}a "b" \\ c{Q}}}<tool_call|>'
+    assert [json.loads(c.arguments) for c in parser.parse(text).tool_calls] == [args]
+    assert gemma_value("x") == f"{Q}x{Q}"
+    assert parser.format_result("18 C", "get_weather") == f"<|tool_response>response:get_weather{{value:{Q}18 C{Q}}}<tool_response|>"
+
+
+def test_reasoning_then_a_call_through_the_tool_stream() -> None:
+    from freetoken.server.tool_calling import ToolStream
+
+    text = f"<|channel>thought\nNeed the weather.<channel|><|tool_call>call:get_weather{{city:{Q}Oslo{Q}}}<tool_call|>"
+    parser = make_tool_parser("gemma4", ["get_weather"])
+    for size in (1, 4, len(text)):
+        stream = ToolStream(parser.stream(), True, reasoning_stream(GEMMA4, in_reasoning=False), incremental=True)
+        out = merge_deltas([stream.feed(text[i : i + size]) for i in range(0, len(text), size)] + [stream.finish()])
+        assert (out.reasoning, out.content) == ("Need the weather.", "")
+        assert [(c.name, c.arguments) for c in out.tool_calls] == [("get_weather", '{"city":"Oslo"}')]
