@@ -62,10 +62,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="finished /v1/responses kept for GET and previous_response_id, least recently used dropped first (default 1024; 0 = none)")
     p.add_argument("--responses-store-ttl", type=float, default=3600.0, metavar="SECONDS",
                    help="how long a stored response is kept (default 3600)")
-    p.add_argument("--tool-call-parser", default=None, choices=["hermes", "gemma", "llama3_json", "harmony"],
+    p.add_argument("--tool-call-parser", default=None, choices=["hermes", "gemma", "gemma4", "llama3_json", "harmony"],
                    help="the tool-call format to parse (default: from the model's chat template and architecture)")
-    p.add_argument("--reasoning-parser", default=None, choices=["think", "none"],
-                   help="split <think>...</think> reasoning off the output (default: think when the model's template or vocabulary has </think>)")
+    p.add_argument("--reasoning-parser", default=None, choices=["think", "gemma4", "none"],
+                   help="split <think>...</think> (think) or <|channel>thought...<channel|> (gemma4) reasoning off the output "
+                        "(default: from the model's template or vocabulary)")
     p.add_argument("--allowed-origins", default="", metavar="ORIGINS",
                    help="comma-separated origins browsers may call from (CORS), or '*' (default: none, no CORS headers)")
     p.add_argument("--unprefixed-routes", action="store_true",
