@@ -22,7 +22,7 @@ from typing import Any
 
 from freetoken.tokenizer.detokenizer import held_back
 from freetoken.tokenizer.tool_parsers.base import StreamDelta, ToolCall, ToolCallDelta, ToolCallStream, ToolParser, new_call_id, tools_json
-from freetoken.tokenizer.tool_parsers.grammar import ANY_OBJECT, COMPACT_JSON, lark_text
+from freetoken.tokenizer.tool_parsers.grammar import ANY_OBJECT, COMPACT_JSON
 
 START, END = "<|tool_call>", "<tool_call|>"
 QUOTE = '<|"|>'
@@ -310,7 +310,8 @@ class Gemma4Parser(ToolParser):
 
     def forced_grammar(self, tools: Sequence[Mapping[str, Any]]) -> str:
         """The call with its arguments as compact JSON (which this parser reads too): one
-        alternative per tool, its name then an object matching its parameters."""
+        alternative per tool, its name then an object matching its parameters. The markers are
+        written bare, so llguidance takes them as the vocabulary's tokens of that name."""
         rules = []
         options = []
         for k, tool in enumerate(tools):
@@ -318,8 +319,7 @@ class Gemma4Parser(ToolParser):
             schema = {**(fn.get("parameters") or ANY_OBJECT), "x-guidance": COMPACT_JSON}
             rules.append(f"args{k}: %json {json.dumps(schema)}")
             options.append(f"{json.dumps(str(fn.get('name')))} args{k}")
-        head = lark_text(START + CALL)
-        return f"start: {head} call {lark_text(END)}\ncall: {' | '.join(options)}\n" + "\n".join(rules) + "\n"
+        return f"start: {START} {json.dumps(CALL)} call {END}\ncall: {' | '.join(options)}\n" + "\n".join(rules) + "\n"
 
     def format_calls(self, calls: Sequence[ToolCall]) -> str:
         parts = []

@@ -1,7 +1,8 @@
 """The Gemma 4 tool-call format beyond the shared recorded cases: announced calls stay calls,
 arguments stream as JSON while they are written (quote markers split across deltas), earlier calls
-render in the template's value syntax and parse back, and Gemma 4 reasoning then a call through the
-chat routes' stream."""
+render in the template's value syntax and parse back, the forced-call grammar accepts a call in
+the tokens of a Gemma 4 vocabulary, and Gemma 4 reasoning then a call through the chat routes'
+stream."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import sys
 from pathlib import Path
 
+import llguidance
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -77,3 +79,24 @@ def test_reasoning_then_a_call_through_the_tool_stream() -> None:
         out = merge_deltas([stream.feed(text[i : i + size]) for i in range(0, len(text), size)] + [stream.finish()])
         assert (out.reasoning, out.content) == ("Need the weather.", "")
         assert [(c.name, c.arguments) for c in out.tool_calls] == [("get_weather", '{"city":"Oslo"}')]
+
+
+def test_forced_grammar_takes_the_markers_as_tokens(tmp_path: Path) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tokenizer"))
+    from test_tokenizer_gguf_gemma4 import write_gemma4_vocab
+
+    from freetoken.engine.grammar import llg_tokenizer
+    from freetoken.tokenizer import Tokenizer
+    from freetoken.weights.gguf_metadata import read_metadata
+
+    write_gemma4_vocab(tmp_path / "vocab.gguf")
+    tokenizer = Tokenizer.from_gguf_metadata(read_metadata(tmp_path / "vocab.gguf"))
+    tools = [{"type": "function", "function": {"name": "hello", "parameters": {"type": "object", "properties": {"w": {"type": "integer"}}}}}]
+    grammar = make_tool_parser("gemma4", ["hello"]).forced_grammar(tools)
+    for text, accepted in [('<|tool_call>call:hello{"w": 12}<tool_call|>', True), ('<|tool_call>call:hello{"w": "x"}<tool_call|>', False)]:
+        matcher = llguidance.LLMatcher(llg_tokenizer(tokenizer), llguidance.LLMatcher.grammar_from_lark(grammar), log_level=0)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert ids[0] == tokenizer.backend.token_to_id("<|tool_call>")  # the marker is one token
+        assert (all(matcher.consume_token(i) for i in ids) and matcher.is_accepting()) == accepted, text
+    out = make_tool_parser("gemma4", ["hello"]).parse('<|tool_call>call:hello{"w": 12}<tool_call|>')
+    assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == [("hello", {"w": 12})]
