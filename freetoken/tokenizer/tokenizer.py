@@ -21,7 +21,10 @@ from freetoken.tokenizer.gguf_vocab import backend_from_gguf_metadata, byte_fall
 
 # Tokens that end a turn in the chat formats we know; each becomes a stop id when the vocabulary
 # has it as a special token.
-END_OF_TURN_TOKENS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|return|>", "<|call|>")
+END_OF_TURN_TOKENS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|return|>", "<|call|>", "<turn|>")
+# ... and ones that stop even when not special: Gemma 4's hand-over to a tool after its calls
+# (llama.cpp ends the generation there; its converter marks the token user-defined).
+HAND_OVER_TOKENS = ("<|tool_response>",)
 
 
 class Tokenizer:
@@ -57,6 +60,10 @@ class Tokenizer:
         for text in END_OF_TURN_TOKENS:
             token_id = backend.token_to_id(text)
             if token_id is not None and token_id in self.special_ids:
+                stops.add(token_id)
+        for text in HAND_OVER_TOKENS:
+            token_id = backend.token_to_id(text)
+            if token_id is not None:
                 stops.add(token_id)
         self.stop_ids: frozenset[int] = frozenset(stops)
 

@@ -16,11 +16,12 @@ from freetoken.tokenizer import Tokenizer
 from freetoken.weights.gguf_metadata import read_metadata
 
 S = "\u2581"
-# Ids 0-4 the control tokens of Gemma 4's tokenizer.json, 5-11 its chat markup (the converter marks
-# the channel / tool markers user-defined so they render), 12 "\n" (an added token), then the bytes.
-HEAD = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<|turn>", "<turn|>",
-        "<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", '<|"|>', "\n"]
-HEAD_TYPES = [3, 3, 3, 2, 3, 3, 3, 4, 4, 4, 4, 4, 4]
+# Ids 0-6 the control tokens of Gemma 4's tokenizer.json (with the turn markers), 7-13 its channel
+# and tool markup (the converter marks them user-defined so they render), 14 "\n" (an added token),
+# then the bytes.
+HEAD = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<|turn>", "<turn|>", "<|channel>", "<channel|>",
+        "<|tool_call>", "<tool_call|>", '<|"|>', "<|tool_response>", "<tool_response|>", "\n"]
+HEAD_TYPES = [3, 3, 3, 2, 3, 3, 3, 4, 4, 4, 4, 4, 4, 4, 4]
 MERGES = [f"{S} h", "h e", "l l", f"{S}h e", "ll o", f"{S}he llo", "o r", f"{S} w", f"{S}w or", "l d",
           f"{S}wor ld", f"{S} {S}", f"{S}{S} {S}", "é t", "ét é", f"{S} été", "1 2"]
 
@@ -119,6 +120,8 @@ def test_merges_and_fallback_are_used(gemma4: Tokenizer) -> None:
     markup = [ids["<|tool_call>"], ids["x"], ids["<tool_call|>"], ids["<eos>"]]
     assert gemma4.decode(markup, skip_special_tokens=True) == "<|tool_call>x<tool_call|>"
     assert gemma4.bos_id == 2 and gemma4.eos_id == 1
+    # <eos>, the end of a turn and the hand-over to a tool end a generation (as llama.cpp's EOG set)
+    assert gemma4.stop_ids == {1, ids["<turn|>"], ids["<|tool_response>"]}
     assert gemma4.encode("x") == [2, ids["x"]]  # the file's add_bos_token (a chat prompt is encoded without it)
 
 
