@@ -100,3 +100,40 @@ def test_forced_grammar_takes_the_markers_as_tokens(tmp_path: Path) -> None:
         assert (all(matcher.consume_token(i) for i in ids) and matcher.is_accepting()) == accepted, text
     out = make_tool_parser("gemma4", ["hello"]).parse('<|tool_call>call:hello{"w": 12}<tool_call|>')
     assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == [("hello", {"w": 12})]
+
+
+# The call rendering of Gemma 4's chat template (its `format_argument` with bare keys), restated
+# for this test: values as the template writes them, keys sorted by `dictsort`.
+CALL_TEMPLATE = """
+{%- macro arg(v) -%}
+{%- if v is string -%}<|"|>{{ v }}<|"|>
+{%- elif v is boolean -%}{{ 'true' if v else 'false' }}
+{%- elif v is mapping -%}{ {%- for k, x in v | dictsort -%}{%- if not loop.first -%},{%- endif -%}{{ k }}:{{ arg(x) }}{%- endfor -%} }
+{%- elif v is sequence -%}[ {%- for x in v -%}{{ arg(x) }}{%- if not loop.last -%},{%- endif -%}{%- endfor -%} ]
+{%- else -%}{{ v }}
+{%- endif -%}
+{%- endmacro -%}
+{%- for m in messages -%}{%- for c in m.tool_calls -%}
+<|tool_call>call:{{ c.function.name }}{ {%- for k, x in c.function.arguments | dictsort -%}{%- if not loop.first -%},{%- endif -%}{{ k }}:{{ arg(x) }}{%- endfor -%} }<tool_call|>
+{%- endfor -%}{%- endfor -%}
+"""
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        {"city": "Paris"},
+        {"q": 'He said "hi",\nthen {left}: a\\b', "n": 3, "ratio": 2.5, "exact": False, "tags": ["a", "b"]},
+        {"filter": {"rows": [{"k": 1}, {"k": 2}], "empty": {}, "none": []}},
+        {"page": None},  # the template writes Python's None as `None`
+    ],
+)
+def test_what_the_template_renders_parses_back(arguments: dict) -> None:
+    from freetoken.tokenizer.chat_template import ChatTemplate
+
+    message = {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "search", "arguments": arguments}}]}
+    rendered = ChatTemplate(CALL_TEMPLATE).render([message], add_generation_prompt=False)
+    parser = make_tool_parser("gemma4", TOOLS)
+    assert [json.loads(c.arguments) for c in parser.parse(rendered).tool_calls] == [arguments]
+    if None not in arguments.values():  # format_calls writes the template's syntax (null for None)
+        assert parser.format_calls([ToolCall("call_1", "search", json.dumps(arguments))]) == rendered
