@@ -1,7 +1,7 @@
 """The shapes every tool-call parser shares: parsed calls, stream deltas and the parser ABC.
 
 Owns `ToolCall`, `ParsedOutput`, `ToolCallDelta`, `StreamDelta`, the `ToolParser` and
-`ToolCallStream` ABCs (four real formats implement them) and `merge_deltas`, which makes a full
+`ToolCallStream` ABCs (five real formats implement them) and `merge_deltas`, which makes a full
 parse the sum of a stream's deltas (a call's argument fragments joined), so the two never
 disagree. It knows no format and no HTTP:
 the server turns these into OpenAI or Anthropic bodies.
