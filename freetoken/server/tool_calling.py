@@ -23,7 +23,7 @@ from freetoken.server.context import ServingContext
 from freetoken.server.errors import bad_request
 from freetoken.server.tool_messages import prepare_messages
 from freetoken.tokenizer import ChatTemplateError, NoChatTemplate
-from freetoken.tokenizer.reasoning import THINK, THINK_START, ThinkStream, detect_reasoning_parser
+from freetoken.tokenizer.reasoning import MARKERS, ThinkStream, detect_reasoning_parser, reasoning_stream
 from freetoken.tokenizer.tool_parsers import (
     ParsedOutput,
     StreamDelta,
@@ -147,7 +147,7 @@ class ToolCalling:
         self.thinking = thinking
         self._ctx = ctx
         self._constrained = False  # a grammar shapes the output: no reasoning opened by the prompt
-        self._opened = self.reasoning == THINK and self._prompt_opens_reasoning()
+        self._opened = self.reasoning is not None and self._prompt_opens_reasoning()
 
     def template_context(self) -> dict[str, Any] | None:
         """Extra chat-template variables: `enable_thinking` where the model reasons and the request said."""
@@ -156,14 +156,14 @@ class ToolCalling:
         return {"enable_thinking": self.thinking}
 
     def _prompt_opens_reasoning(self) -> bool:
-        """Whether the template's generation prompt ends inside `<think>` (DeepSeek R1's does)."""
+        """Whether the template's generation prompt ends inside the reasoning's start marker (DeepSeek R1's does)."""
         try:
             text = self._ctx.tokenizer.apply_chat_template(
                 [{"role": "user", "content": "x"}], add_generation_prompt=True, extra_context=self.template_context()
             )
         except (ChatTemplateError, NoChatTemplate):
             return False
-        return text.rstrip().endswith(THINK_START)
+        return self.reasoning is not None and text.rstrip().endswith(MARKERS[self.reasoning][0])
 
     def template_inputs(self, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
         """The messages and `tools` to hand the chat template (see `tool_messages.prepare_messages`)."""
@@ -179,14 +179,15 @@ class ToolCalling:
         return params
 
     def _think_is_special(self) -> bool:
-        if self.reasoning != THINK:
+        """Whether the reasoning's start marker begins with a special token (decoding would drop it)."""
+        if self.reasoning is None:
             return False
-        tokenizer = self._ctx.tokenizer
-        return any(tokenizer.id_to_token(i) == THINK_START for i in tokenizer.special_ids)
+        start, tokenizer = MARKERS[self.reasoning][0], self._ctx.tokenizer
+        return any(start.startswith(tokenizer.id_to_token(i) or "\0") for i in tokenizer.special_ids)
 
     @property
     def _splits_reasoning(self) -> bool:
-        return self.reasoning == THINK and not self._constrained
+        return self.reasoning is not None and not self._constrained
 
     def parse(self, text: str) -> ParsedOutput:
         """The whole output: the sum of what `stream` gives for it."""
@@ -197,7 +198,7 @@ class ToolCalling:
         """A choice's incremental parse. `incremental`: a call's arguments come as fragments while
         they are written (`ToolCallDelta.first` opens the call); otherwise each call comes whole,
         once the next one starts or the output ends."""
-        think = ThinkStream(in_reasoning=self._opened) if self._splits_reasoning else None
+        think = reasoning_stream(self.reasoning, in_reasoning=self._opened) if self._splits_reasoning and self.reasoning else None
         forced = self.options.forced and self._constrained
         tools = self.options.forced_tools() if forced else []
         return ToolStream(
