@@ -59,6 +59,8 @@ class Piece:
     matched_tokens: int = 0  # the cache report: prompt pages the cache held at admission
     miss_reason: str | None = None  # and why the hit stopped there (kv/miss.py)
     cache_creation_tokens: int = 0  # prompt tokens past the hit that the request's pins keep
+    drafted_tokens: int = 0  # speculative decoding, over the choice so far
+    accepted_tokens: int = 0
 
 
 @dataclass
@@ -75,6 +77,8 @@ class ChoiceResult:
     matched_tokens: int = 0
     miss_reason: str | None = None
     cache_creation_tokens: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
     def add(self, piece: Piece) -> None:
         self.text += piece.text
@@ -82,6 +86,8 @@ class ChoiceResult:
         self.logprobs += piece.logprobs
         self.cached_tokens = max(self.cached_tokens, piece.cached_tokens)
         self.cache_creation_tokens = max(self.cache_creation_tokens, piece.cache_creation_tokens)
+        self.drafted_tokens = max(self.drafted_tokens, piece.drafted_tokens)
+        self.accepted_tokens = max(self.accepted_tokens, piece.accepted_tokens)
         if piece.miss_reason is not None:
             self.matched_tokens, self.miss_reason = piece.matched_tokens, piece.miss_reason
         if piece.prompt_logprobs is not None:
@@ -115,7 +121,8 @@ async def run_choice(client: EngineClient, spec: ChoiceSpec, tokenizer: Tokenize
             piece = Piece(
                 spec.index, cached_tokens=upd.cached_tokens, prompt_logprobs=upd.prompt_logprobs,
                 matched_tokens=upd.matched_tokens, miss_reason=upd.miss_reason,
-                cache_creation_tokens=upd.cache_creation_tokens,
+                cache_creation_tokens=upd.cache_creation_tokens, drafted_tokens=upd.drafted_tokens,
+                accepted_tokens=upd.accepted_tokens,
             )
             if not detok.stopped:
                 piece.text = detok.add_many(upd.token_ids).text

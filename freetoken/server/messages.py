@@ -96,6 +96,8 @@ class TokenUpdate:
     matched_tokens: int = 0  # the cache report (kv/miss.py)
     miss_reason: str | None = None
     cache_creation_tokens: int = 0  # prompt tokens past the hit that the request's pins keep
+    drafted_tokens: int = 0  # speculative decoding, over the request so far: tokens drafted
+    accepted_tokens: int = 0  # ... and accepted by the verification
 
 
 @dataclass

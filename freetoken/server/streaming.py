@@ -1,7 +1,7 @@
 """Server-sent events and usage accounting shared by the OpenAI routes.
 
-Owns `Tally` (prompt, completion and cache-hit tokens of one HTTP request, and its
-`usage` object), `sse_stream` (pieces -> `data: {...}` events, `data: [DONE]` at the end; an engine
+Owns `Tally` (prompt, completion and cache-hit tokens of one HTTP request, its speculative
+drafts, and its `usage` object), `sse_stream` (pieces -> `data: {...}` events, `data: [DONE]` at the end; an engine
 failure after the stream started becomes one `data: {"error": {...}}` event and the stream closes
 without `[DONE]`), and the metrics each request records when it ends. Response bodies are built by
 the callbacks the routes pass in.
@@ -33,15 +33,19 @@ class Tally:
     completion: list[int] = field(default_factory=list)
     cached: list[int] = field(default_factory=list)
     misses: list[tuple[int, str | None]] = field(default_factory=list)  # per choice: (matched, reason)
+    drafts: list[tuple[int, int]] = field(default_factory=list)  # per choice: (drafted, accepted) so far
 
     def __post_init__(self) -> None:
         self.completion = [0] * len(self.choice_prompt)
         self.cached = [0] * len(self.choice_prompt)
         self.misses = [(0, None)] * len(self.choice_prompt)
+        self.drafts = [(0, 0)] * len(self.choice_prompt)
 
     def add(self, piece: Piece) -> None:
         self.completion[piece.index] += len(piece.token_ids)
         self.cached[piece.index] = max(self.cached[piece.index], piece.cached_tokens)
+        if piece.drafted_tokens:
+            self.drafts[piece.index] = (piece.drafted_tokens, piece.accepted_tokens)
         if piece.miss_reason is not None:
             self.misses[piece.index] = (piece.matched_tokens, piece.miss_reason)
 
@@ -50,6 +54,7 @@ class Tally:
             self.completion[i] = len(res.token_ids)
             self.cached[i] = res.cached_tokens
             self.misses[i] = (res.matched_tokens, res.miss_reason)
+            self.drafts[i] = (res.drafted_tokens, res.accepted_tokens)
 
     @property
     def prompt_tokens(self) -> int:
@@ -89,6 +94,12 @@ class Tally:
                 "cached_tokens": self.cached_tokens,
                 "matched_tokens": sum(m for m, _ in misses),
                 "miss_reason": reasons[0] if len(reasons) == 1 else reasons,
+            }
+        drafted = sum(d for d, _ in self.drafts)
+        if drafted:  # --speculative: OpenAI's predicted-output counts (drafted tokens kept / thrown away)
+            accepted = sum(a for _, a in self.drafts)
+            out["completion_tokens_details"] = {
+                "accepted_prediction_tokens": accepted, "rejected_prediction_tokens": drafted - accepted,
             }
         return out
 

@@ -69,6 +69,8 @@ def token_update(u: RequestUpdate) -> TokenUpdate:
         matched_tokens=u.matched_tokens,
         miss_reason=u.miss_reason,
         cache_creation_tokens=u.cache_creation_tokens,
+        drafted_tokens=u.drafted_tokens,
+        accepted_tokens=u.accepted_tokens,
     )
 
 
