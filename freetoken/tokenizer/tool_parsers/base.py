@@ -113,6 +113,28 @@ def call_from_object(obj: object, tool_names: frozenset[str] | None) -> ToolCall
     return None if text is None else ToolCall(new_call_id(), name, text)
 
 
+class CallGapContent:
+    """Content between calls, for a stream that keeps `_after_call` (the last thing released was
+    a call: drop leading whitespace) and `_pending_ws` (trailing whitespace of content, released
+    only with the next text, so a call that follows does not leave it dangling)."""
+
+    _after_call: bool
+    _pending_ws: str
+
+    def _content(self, text: str, out: StreamDelta) -> None:
+        if self._after_call:
+            text = text.lstrip()
+            if not text:
+                return
+            self._after_call = False
+        body = text.rstrip()
+        if body:
+            out.content += self._pending_ws + body
+            self._pending_ws = text[len(body) :]
+        else:
+            self._pending_ws += text
+
+
 class ToolCallStream(ABC):
     """The incremental parser of one generation: feed text deltas, get what is now certain.
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from freetoken.tokenizer.detokenizer import held_back
-from freetoken.tokenizer.tool_parsers.base import StreamDelta, ToolCall, ToolCallDelta, ToolCallStream, new_call_id
+from freetoken.tokenizer.tool_parsers.base import CallGapContent, StreamDelta, ToolCall, ToolCallDelta, ToolCallStream, new_call_id
 
 BlockParser = Callable[[str], list[ToolCall] | None]
 _DECODER = json.JSONDecoder()
@@ -125,7 +125,7 @@ class JsonValueEnd:
         return None
 
 
-class BlockStream(ToolCallStream):
+class BlockStream(CallGapContent, ToolCallStream):
     def __init__(
         self, markers: Sequence[BlockMarker], parse_block: BlockParser, *, bare_json_at_start: bool, bare_head: ArgumentsHead | None = None
     ) -> None:
@@ -280,19 +280,6 @@ class BlockStream(ToolCallStream):
         self._block, self._streaming, self._head_tried = None, None, False
         self._num_calls += 1
         self._after_call = True
-
-    def _content(self, text: str, out: StreamDelta) -> None:
-        if self._after_call:
-            text = text.lstrip()
-            if not text:
-                return
-            self._after_call = False
-        body = text.rstrip()
-        if body:
-            out.content += self._pending_ws + body
-            self._pending_ws = text[len(body) :]
-        else:
-            self._pending_ws += text
 
     def _close_block(self, marker: BlockMarker, body: str, out: StreamDelta, *, final_marker: str) -> None:
         self._block, self._head_tried = None, False

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from freetoken.tokenizer.detokenizer import held_back
-from freetoken.tokenizer.tool_parsers.base import StreamDelta, ToolCall, ToolCallDelta, ToolCallStream, ToolParser, new_call_id, tools_json
+from freetoken.tokenizer.tool_parsers.base import CallGapContent, StreamDelta, ToolCall, ToolCallDelta, ToolCallStream, ToolParser, new_call_id, tools_json
 from freetoken.tokenizer.tool_parsers.grammar import ANY_OBJECT, COMPACT_JSON
 
 START, END = "<|tool_call>", "<tool_call|>"
@@ -142,7 +142,7 @@ class ArgumentsJson:
         return json.dumps(word, ensure_ascii=False)
 
 
-class Gemma4Stream(ToolCallStream):
+class Gemma4Stream(CallGapContent, ToolCallStream):
     """Text outside `<|tool_call>` blocks is content (a possible marker start held back); a block's
     head `call:NAME{` announces the call, then its arguments stream as JSON. Whitespace between
     content and a call is dropped."""
@@ -243,19 +243,6 @@ class Gemma4Stream(ToolCallStream):
         if not self._after_call:
             out.content += self._pending_ws
         self._pending_ws = ""
-
-    def _content(self, text: str, out: StreamDelta) -> None:
-        if self._after_call:
-            text = text.lstrip()
-            if not text:
-                return
-            self._after_call = False
-        body = text.rstrip()
-        if body:
-            out.content += self._pending_ws + body
-            self._pending_ws = text[len(body) :]
-        else:
-            self._pending_ws += text
 
 
 def _head(body: str, tool_names: frozenset[str] | None) -> tuple[str, int] | bool | None:
