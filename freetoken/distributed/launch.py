@@ -24,13 +24,13 @@ import torch
 from freetoken.config import EngineConfig
 from freetoken.distributed.group import free_loopback_port, join_group, leave_group
 from freetoken.distributed.step import StepSender
+from freetoken.server.exit_codes import EXIT_FAILED, EXIT_STARTUP
 
 log = logging.getLogger("freetoken.engine")
 
-# The supervisor's EXIT_FAILED (server/supervisor.py): a restart may help. A rank that could not
-# load the model exits with the supervisor's EXIT_STARTUP (3), which rank 0 passes on as is.
-EXIT_RANK_LOST = 1
-EXIT_STARTUP = 3
+# EXIT_FAILED (server/exit_codes.py): a restart may help. A rank that could not load the model
+# exits with EXIT_STARTUP, which rank 0 passes on as is.
+EXIT_RANK_LOST = EXIT_FAILED
 STOP_WAIT_S = 10.0
 
 

@@ -27,13 +27,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from freetoken.config import EngineConfig
+from freetoken.server.exit_codes import EXIT_STARTUP
 
 log = logging.getLogger("freetoken.server")
-
-# Exit codes of the engine process (worker.py returns them).
-EXIT_OK = 0
-EXIT_FAILED = 1  # a fatal error while serving: a restart may help
-EXIT_STARTUP = 3  # the model or the configuration cannot work: a restart will not help
 
 # --load-timeout: from the engine process's start to its Ready (interpreter start, model load,
 # pools, handshake). Gemma 3 270M takes ~4 s here (3.3 s of it the load) and ~12 s on a busier
