@@ -18,8 +18,7 @@ from freetoken.kv.tensors import KVTensors
 from freetoken.models.config import ModelConfig
 from freetoken.models.linear import Weight
 from freetoken.models.layers import (
-    GatedMLP, RMSNorm, Rotary, attention_inputs, embedding, linear, load_named, output_logits, paged_self_attention,
-    qkv_linear, residual, strip_prefix,
+    GatedMLP, RMSNorm, Rotary, SelfAttention, embedding, linear, load_named, output_logits, residual, strip_prefix,
 )
 
 # Tensors of the multimodal checkpoint that the text model does not use.
@@ -31,33 +30,12 @@ def _norm(dim: int, config: ModelConfig, dtype: torch.dtype, device: torch.devic
     return RMSNorm(dim, config.rms_norm_eps, dtype, device, unit_offset=True, scale_in_float=True)
 
 
-class Gemma3Attention(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
-        super().__init__()
-        c, bias = config, config.attention_bias
-        self.config = config
-        self.qkv_proj = qkv_linear(c, dtype, device)
-        self.o_proj = linear(c.num_heads * c.head_dim, c.hidden_size, bias, dtype, device)
-        self.q_norm = _norm(c.head_dim, c, dtype, device)
-        self.k_norm = _norm(c.head_dim, c, dtype, device)
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, batch: ForwardBatch, kv: KVTensors
-    ) -> torch.Tensor:
-        c = self.config
-        T = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, (H + 2 n_kv) D]
-        q, k, v = attention_inputs(qkv, c, cos, sin, self.q_norm, self.k_norm)  # [T, H, D], [T, n_kv, D] x 2
-        out = paged_self_attention(q, k, v, layer, c, batch, kv)  # [T, H, D]
-        return self.o_proj(out.reshape(T, c.num_heads * c.head_dim))  # [T, hidden]
-
-
 class Gemma3Block(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         c = config
         self.input_layernorm = _norm(c.hidden_size, c, dtype, device)
-        self.self_attn = Gemma3Attention(c, dtype, device)
+        self.self_attn = SelfAttention(c, dtype, device, _norm(c.head_dim, c, dtype, device), _norm(c.head_dim, c, dtype, device))
         self.post_attention_layernorm = _norm(c.hidden_size, c, dtype, device)
         self.pre_feedforward_layernorm = _norm(c.hidden_size, c, dtype, device)
         self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, False, dtype, device)

@@ -276,6 +276,33 @@ FUSED: dict[str, tuple[str, ...]] = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
 _FUSED_INTO: dict[str, str] = {part: fused for fused, parts in FUSED.items() for part in parts}
 
 
+class SelfAttention(nn.Module):
+    """Fused-QKV self-attention over the paged cache, with optional per-head RMSNorms on the
+    queries and keys before rope (Gemma 3, Qwen3; Llama has none). Parameter names follow
+    transformers' (`qkv_proj` fused at load, `o_proj`, `q_norm`, `k_norm`)."""
+
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+        q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
+    ) -> None:
+        super().__init__()
+        c = config
+        self.config = config
+        self.qkv_proj = qkv_linear(c, dtype, device)
+        self.o_proj = linear(c.num_heads * c.head_dim, c.hidden_size, c.attention_bias, dtype, device)
+        self.q_norm, self.k_norm = q_norm, k_norm
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, batch: ForwardBatch, kv: KVTensors
+    ) -> torch.Tensor:
+        c = self.config
+        T = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, (H + 2 n_kv) D]
+        q, k, v = attention_inputs(qkv, c, cos, sin, self.q_norm, self.k_norm)  # [T, H, D], [T, n_kv, D] x 2
+        out = paged_self_attention(q, k, v, layer, c, batch, kv)  # [T, H, D]
+        return self.o_proj(out.reshape(T, c.num_heads * c.head_dim))  # [T, hidden]
+
+
 def _stack(parts: list[Weight]) -> Weight:
     """Rows of `parts` stacked; all-quantized parts stay quantized, a mix becomes float."""
     if all(isinstance(p, QuantizedWeight) for p in parts):

@@ -16,37 +16,20 @@ from freetoken.kv.tensors import KVTensors
 from freetoken.models.config import ModelConfig
 from freetoken.models.linear import Weight
 from freetoken.models.layers import (
-    GatedMLP, RMSNorm, Rotary, attention_inputs, embedding, linear, load_named, output_logits, paged_self_attention,
-    qkv_linear, residual, strip_prefix,
+    GatedMLP, RMSNorm, Rotary, SelfAttention, embedding, linear, load_named, output_logits, residual, strip_prefix,
 )
 
 
-class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
-        super().__init__()
-        c, bias = config, config.attention_bias
-        self.config = config
-        self.qkv_proj = qkv_linear(c, dtype, device)
-        self.o_proj = linear(c.num_heads * c.head_dim, c.hidden_size, bias, dtype, device)
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, batch: ForwardBatch, kv: KVTensors
-    ) -> torch.Tensor:
-        c = self.config
-        T = x.shape[0]
-        q, k, v = attention_inputs(self.qkv_proj(x), c, cos, sin)  # [T, H, D], [T, n_kv, D], [T, n_kv, D]
-        out = paged_self_attention(q, k, v, layer, c, batch, kv)  # [T, H, D]
-        return self.o_proj(out.reshape(T, c.num_heads * c.head_dim))  # [T, hidden]
-
-
 class LlamaBlock(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    """Pre-norm: x + attn(norm(x)), then + mlp(norm(x)); the attention and MLP are given."""
+
+    def __init__(self, config: ModelConfig, self_attn: nn.Module, mlp: nn.Module, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         c = config
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
-        self.self_attn = LlamaAttention(c, dtype, device)
+        self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
-        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, c.mlp_bias, dtype, device)
+        self.mlp = mlp
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, batch: ForwardBatch, kv: KVTensors
@@ -62,10 +45,16 @@ class LlamaForCausalLM(nn.Module):
         c = config
         self.config = config
         self.embed_tokens = embedding(c.vocab_size, c.hidden_size, dtype, device)
-        self.layers = nn.ModuleList(LlamaBlock(c, dtype, device) for _ in range(c.num_layers))
+        self.layers = nn.ModuleList(self.block_of(i, dtype, device) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
         self.lm_head = None if c.tie_word_embeddings else linear(c.hidden_size, c.vocab_size, False, dtype, device)
         self.rotary = Rotary(c.rope_full, c.head_dim, device)
+
+    def block_of(self, layer: int, dtype: torch.dtype, device: torch.device | str) -> LlamaBlock:
+        """Layer `layer`'s block: what a Llama-shaped family (Qwen3) changes."""
+        c = self.config
+        mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, c.mlp_bias, dtype, device)
+        return LlamaBlock(c, SelfAttention(c, dtype, device), mlp, dtype, device)
 
     def _rename(self, name: str) -> str | None:
         if name == "lm_head.weight" and self.lm_head is None:
