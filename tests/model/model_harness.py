@@ -125,3 +125,24 @@ class PagedRunner:
                         self.kv.k[layer][page] = float("nan")
                         self.kv.v[layer][page] = float("nan")
                 self.free_swa.append(page)  # reused next: its NaN tail must never be read
+
+
+def chunked_last_logits(model: CausalLM, ids: list[int]) -> torch.Tensor:
+    """The logits after `ids`, run as a prefill chunk of 8 then decode steps through 4-token pages
+    (float32 cache): float64 [vocab]."""
+    runner = PagedRunner(model, page_size=4, dtype=torch.float32)
+    seq = Seq()
+    runner.step([(seq, ids[:8])])
+    runner.step([(seq, ids[8:9])])
+    return runner.step([(seq, ids[9:])])[0][-1].double()
+
+
+def paged_greedy(model: CausalLM, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens after `prompt`, decoded one at a time through 4-token pages."""
+    runner = PagedRunner(model, page_size=4, dtype=torch.float32)
+    seq, out, new = Seq(), [], prompt
+    for _ in range(n):
+        token = int(runner.step([(seq, new)])[0][-1].argmax())
+        out.append(token)
+        new = [token]
+    return out

@@ -21,7 +21,7 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
-from model_harness import GPT_OSS, PagedRunner, Seq, make_reference
+from model_harness import GPT_OSS, chunked_last_logits, make_reference, paged_greedy
 from safetensors.torch import save_file
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
@@ -68,21 +68,11 @@ def load(tensors: dict, config: dict, weights: str = "auto", cache: ExpertCache 
 
 
 def last_logits(model: CausalLM) -> torch.Tensor:
-    runner = PagedRunner(model, page_size=4, dtype=torch.float32)
-    seq = Seq()
-    runner.step([(seq, IDS[:8])])  # a prefill chunk, then decode steps through the pages
-    runner.step([(seq, IDS[8:9])])
-    return runner.step([(seq, IDS[9:])])[0][-1].double()
+    return chunked_last_logits(model, IDS)
 
 
 def greedy(model: CausalLM, n: int) -> list[int]:
-    runner = PagedRunner(model, page_size=4, dtype=torch.float32)
-    seq, out, new = Seq(), [], IDS[:6]
-    for _ in range(n):
-        token = int(runner.step([(seq, new)])[0][-1].argmax())
-        out.append(token)
-        new = [token]
-    return out
+    return paged_greedy(model, IDS[:6], n)
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -21,7 +21,7 @@ from freetoken.models.experts import experts_of, offload_experts
 from freetoken.models.experts_cache import ExpertCache
 from freetoken.models.registry import CausalLM, build_model
 from freetoken.weights.gguf import load_gguf
-from model_harness import PagedRunner, Seq
+from model_harness import chunked_last_logits, paged_greedy
 from test_qwen3_gemma4_parity import ARCH, gguf_metadata, gguf_tensors, make_reference
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "weights"))
@@ -59,21 +59,11 @@ def load(path: Path, keep_quantized: bool, cache: ExpertCache | None = None) -> 
 
 
 def last_logits(model: CausalLM) -> torch.Tensor:
-    runner = PagedRunner(model, page_size=4, dtype=torch.float32)
-    seq = Seq()
-    runner.step([(seq, IDS[:8])])
-    runner.step([(seq, IDS[8:9])])
-    return runner.step([(seq, IDS[9:])])[0][-1].double()
+    return chunked_last_logits(model, IDS)
 
 
 def greedy(model: CausalLM, n: int) -> list[int]:
-    runner = PagedRunner(model, page_size=4, dtype=torch.float32)
-    seq, out, new = Seq(), [], IDS[:6]
-    for _ in range(n):
-        token = int(runner.step([(seq, new)])[0][-1].argmax())
-        out.append(token)
-        new = [token]
-    return out
+    return paged_greedy(model, IDS[:6], n)
 
 
 def test_gguf_experts_stay_packed(q8_file: tuple[str, Path]) -> None:
