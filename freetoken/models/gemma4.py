@@ -34,8 +34,8 @@ from freetoken.kv.tensors import KVTensors
 from freetoken.models.config import ModelConfig, RopeConfig
 from freetoken.models.experts import Experts
 from freetoken.models.layers import (
-    GatedMLP, RMSNorm, Rotary, attention_inputs, compute_dtype, embedding, linear, load_named, output_logits,
-    paged_self_attention, residual, strip_prefix,
+    GatedMLP, RMSNorm, Rotary, SelfAttention, compute_dtype, embedding, linear, load_named, output_logits, residual,
+    strip_prefix,
 )
 from freetoken.models.linear import Weight
 from freetoken.models.qwen3_moe import take_experts
@@ -64,27 +64,17 @@ def rotary(rope: RopeConfig, head_dim: int, device: torch.device | str) -> Rotar
     return table
 
 
-class Gemma4Attention(nn.Module):
+class Gemma4Attention(SelfAttention):
+    """Layer `layer`'s own head shape (full layers: wider heads, fewer KV heads), q/k norms, and
+    the values RMS-normed without a weight."""
+
     def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device | str) -> None:
-        super().__init__()
         c = config.for_layer(layer)
-        self.config = c
-        self.qkv_proj = linear(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.attention_bias, dtype, device)
-        self.o_proj = linear(c.num_heads * c.head_dim, c.hidden_size, c.attention_bias, dtype, device)
-        self.q_norm = _norm(c.head_dim, c, dtype, device)
-        self.k_norm = _norm(c.head_dim, c, dtype, device)
+        super().__init__(c, dtype, device, _norm(c.head_dim, c, dtype, device), _norm(c.head_dim, c, dtype, device))
         self.register_buffer("v_ones", torch.ones(c.head_dim, dtype=compute_dtype(dtype), device=device), persistent=False)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, batch: ForwardBatch, kv: KVTensors
-    ) -> torch.Tensor:
-        c = self.config
-        T = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, (H + 2 n_kv) D]
-        q, k, v = attention_inputs(qkv, c, cos, sin, self.q_norm, self.k_norm)  # [T, H, D], [T, n_kv, D] x 2
-        v = rms_norm(v, self.v_ones, c.rms_norm_eps)  # [T, n_kv, D], unweighted (ones)
-        out = paged_self_attention(q, k, v, layer, c, batch, kv)  # [T, H, D]
-        return self.o_proj(out.reshape(T, c.num_heads * c.head_dim))  # [T, hidden]
+    def values(self, v: torch.Tensor) -> torch.Tensor:
+        return rms_norm(v, self.v_ones, self.config.rms_norm_eps)  # [T, n_kv, D], unweighted (ones)
 
 
 class Gemma4Router(nn.Module):

@@ -279,7 +279,8 @@ _FUSED_INTO: dict[str, str] = {part: fused for fused, parts in FUSED.items() for
 class SelfAttention(nn.Module):
     """Fused-QKV self-attention over the paged cache, with optional per-head RMSNorms on the
     queries and keys before rope (Gemma 3, Qwen3; Llama has none). Parameter names follow
-    transformers' (`qkv_proj` fused at load, `o_proj`, `q_norm`, `k_norm`)."""
+    transformers' (`qkv_proj` fused at load, `o_proj`, `q_norm`, `k_norm`). A family that also
+    transforms the values (Gemma 4 norms them) overrides `values`."""
 
     def __init__(
         self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
@@ -299,8 +300,12 @@ class SelfAttention(nn.Module):
         T = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (H + 2 n_kv) D]
         q, k, v = attention_inputs(qkv, c, cos, sin, self.q_norm, self.k_norm)  # [T, H, D], [T, n_kv, D] x 2
-        out = paged_self_attention(q, k, v, layer, c, batch, kv)  # [T, H, D]
+        out = paged_self_attention(q, k, self.values(v), layer, c, batch, kv)  # [T, H, D]
         return self.o_proj(out.reshape(T, c.num_heads * c.head_dim))  # [T, hidden]
+
+    def values(self, v: torch.Tensor) -> torch.Tensor:
+        """v [T, n_kv, D] as it is stored and attended."""
+        return v
 
 
 def _stack(parts: list[Weight]) -> Weight:
