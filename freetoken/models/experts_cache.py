@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import gc
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
@@ -29,10 +28,9 @@ def _load_malloc_trim() -> Callable[[int], int] | None:
         return None
 
 
-# Returning an evicted expert's memory takes two steps: a PackedWeight is in a reference cycle
-# (its bound-method paths), so only the cyclic collector frees it, and glibc then keeps the freed
-# heap pages until malloc_trim. Without them the RSS of benchmarks/moe.py (a 54 MB cache) grew
-# ~20 MB per decode step.
+# An evicted expert is freed when its entry is dropped (no reference cycle holds a PackedWeight),
+# but glibc keeps the freed heap pages until malloc_trim: without it the RSS of benchmarks/moe.py
+# (a 54 MB cache) grew ~20 MB per decode step.
 _MALLOC_TRIM = _load_malloc_trim()
 
 
@@ -83,7 +81,7 @@ class ExpertCache:
                     return  # the entry in use is the only one: it stays until the next miss
                 self._entries.move_to_end(key)
                 continue
-            size = self._entries.pop(key)[1]  # the entry itself is not kept: _trim may free it
+            size = self._entries.pop(key)[1]  # the entry is not kept: freed here, trimmed later
             self.bytes -= size
             self.evictions += 1
             self._evicted_since_trim += size
@@ -91,9 +89,8 @@ class ExpertCache:
             self._trim()
 
     def _trim(self) -> None:
-        """Free the evicted entries now and hand their heap memory back to the OS (glibc)."""
+        """Hand the evicted entries' freed heap memory back to the OS (glibc)."""
         self._evicted_since_trim = 0
-        gc.collect()
         if _MALLOC_TRIM is not None:
             _MALLOC_TRIM(0)
 

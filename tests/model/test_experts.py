@@ -35,7 +35,8 @@ from freetoken.models.experts import (
 from freetoken.models.experts_cache import TRIM_BYTES, ExpertCache
 from freetoken.models.inspect import _param_count, weight_kinds
 from freetoken.models.registry import CausalLM, build_model
-from freetoken.ops.quantized import dequantize
+from freetoken.ops.qlinear import PackedWeight
+from freetoken.ops.quantized import dequantize, quantize_int8
 from freetoken.weights.dequant import Deferred, mxfp4_float, mxfp4_q, mxfp4_to_int8
 from freetoken.weights.gguf import load_gguf
 from freetoken.weights.safetensors import load_safetensors_dir
@@ -228,24 +229,19 @@ def test_expert_cache_is_lru_within_its_budget() -> None:
     assert cache.status()["hit_rate"] == pytest.approx(2 / 8)
 
 
-def test_evicted_entries_in_reference_cycles_are_freed() -> None:
-    """A PackedWeight sits in a reference cycle: the cache collects it once evictions pass
-    TRIM_BYTES[0], instead of leaving it to the cyclic collector's own schedule."""
-
-    class Cyclic:
-        def __init__(self) -> None:
-            self.me = self
-
-    gc.disable()  # the collector would otherwise run on its own schedule
+def test_evicted_experts_are_freed_at_eviction() -> None:
+    """An evicted expert's packed matrices are freed when the cache drops them (no reference cycle
+    waits for the collector), across the trims that give the heap back after TRIM_BYTES[0]."""
+    gc.disable()  # nothing may depend on the collector
     try:
         cache, refs = ExpertCache(TRIM_BYTES[0] // 4), []
         for key in range(8):
-            entry = Cyclic()
-            refs.append(weakref.ref(entry))
+            entry = tuple(PackedWeight.from_quantized(quantize_int8(torch.randn(32, 64))) for _ in range(2))
+            refs.append([weakref.ref(p) for p in entry])
             cache.get(key, lambda entry=entry: (entry, TRIM_BYTES[0] // 4))
             del entry
-        assert cache.evictions == 7 and refs[-1]() is not None
-        assert all(ref() is None for ref in refs[:4])  # freed by the trim after 16 MB evicted
+        assert cache.evictions == 7 and all(r() is not None for r in refs[-1])
+        assert all(r() is None for rs in refs[:7] for r in rs)
     finally:
         gc.enable()
 
