@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from freetoken.reasoning_budget import ReasoningBudget, ReasoningState
+
 if TYPE_CHECKING:  # the API process imports this module and must not pay for torch
     import torch
 
@@ -63,13 +65,20 @@ class SamplingParams:
     # Speculative decoding (`--speculative ngram`, engine/speculative.py) applies to this request
     # when the engine has it on; False opts out (the `speculative` extension field of the API).
     speculative: bool = True
+    # At most this many tokens inside the model's reasoning, then the engine writes its close
+    # (freetoken/reasoning_budget.py); None: no budget.
+    reasoning_budget: ReasoningBudget | None = None
 
     def __post_init__(self) -> None:
-        # The wire form (msgpack) turns the pairs into lists; the params stay hashable tuples.
+        # The wire form (msgpack) turns the pairs into lists and the budget into a dict; the
+        # params stay hashable tuples and dataclasses.
         object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
+        if self.reasoning_budget is not None:
+            object.__setattr__(self, "reasoning_budget", ReasoningBudget.of(self.reasoning_budget))
 
     def validate(self) -> None:
         """Raise ValueError naming the first parameter that is out of range."""
+        budget_problem = None if self.reasoning_budget is None else self.reasoning_budget.problem()
         checks: list[tuple[str, bool, str]] = [
             ("max_tokens", self.max_tokens >= 1, "must be at least 1"),
             ("temperature", 0.0 <= self.temperature <= 100.0 and math.isfinite(self.temperature), "must be in [0, 100]"),
@@ -83,6 +92,7 @@ class SamplingParams:
             ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "must be in [0, 20]"),
             ("grammar", _valid_grammar(self.grammar), f"must be None or (kind, text) with kind in {GRAMMAR_KINDS}"),
             ("logit_bias", all(t >= 0 and -100.0 <= b <= 100.0 for t, b in self.logit_bias), "must be (id >= 0, bias in [-100, 100]) pairs"),
+            ("reasoning_budget", budget_problem is None, str(budget_problem)),
         ]
         for name, ok, why in checks:
             if not ok:
@@ -140,6 +150,7 @@ class Request:
     preemptions: int = 0
     drafted_tokens: int = 0  # speculative decoding: tokens drafted and verified
     accepted_tokens: int = 0  # ... of which the verification accepted
+    reasoning: ReasoningState | None = None  # set by the engine when params.reasoning_budget is
 
     @property
     def all_ids(self) -> list[int]:
