@@ -5,6 +5,9 @@ ones, scheduler.py): its 1 + k rows are sampled as usual, the longest confirmed 
 token after it are kept (speculative.py), and `KVManager.accept` releases the pages only rejected
 tokens were written to before anything is committed.
 
+A request with a reasoning budget (freetoken/reasoning_budget.py) whose budget is spent gets the
+close of its reasoning forced: its row is sampled as usual and the forced token replaces the draw.
+
 Owns the requests in flight, finishing them (EOS, stop ids, max_tokens, context, a completed
 grammar — constrained rows are masked before sampling, see `grammar.py`), aborts, and
 integrity handling: a `KVIntegrityError` or a failed audit is logged with its full report, its
@@ -32,6 +35,7 @@ from freetoken.errors import FreeTokenError
 from freetoken.kv.errors import KVIntegrityError
 from freetoken.kv.manager import KVManager
 from freetoken.models.experts import expert_cache, expert_status
+from freetoken.reasoning_budget import ReasoningState
 from freetoken.request import FinishReason, Request, RequestStatus, TokenLogprob
 
 log = logging.getLogger("freetoken.engine")
@@ -119,6 +123,11 @@ class Engine:
                 self.grammars.start(req.rid, req.params.grammar)
             except GrammarError as err:
                 raise RequestRefused(str(err), code="invalid_grammar", param="response_format") from None
+        budget = req.params.reasoning_budget
+        if budget is not None:
+            if any(t >= vocab for t in budget.start_ids + budget.end_ids):
+                raise RequestRefused(f"reasoning_budget token ids must be in [0, {vocab})", param="reasoning_budget")
+            req.reasoning = ReasoningState(budget)
         if req.params.seed is not None:
             req.generator = torch.Generator().manual_seed(req.params.seed)
         self.requests[req.rid] = req
@@ -229,6 +238,8 @@ class Engine:
     ) -> bool:
         """Append one sampled token to `req` and its update; True when that ended the request."""
         req.output_ids.append(tok)
+        if req.reasoning is not None:
+            req.reasoning.advance(tok)
         if lp is not None:
             req.logprobs.append(lp)
         upd.new_token_ids.append(tok)
@@ -304,7 +315,13 @@ class Engine:
         if dead:
             keep = [i for i in range(len(sampling)) if i not in dead]
             sampling, chosen = [sampling[i] for i in keep], chosen[keep]
-        return sampling, (sample(chosen, [it.req for it in sampling]) if sampling else None)
+        if not sampling:
+            return sampling, None
+        forced = _forced_tokens(chosen, sampling)  # before `sample` edits the rows in place
+        result = sample(chosen, [it.req for it in sampling])
+        for i, tok, lp in forced:
+            result.token_ids[i], result.logprobs[i] = tok, lp
+        return sampling, result
 
     def _record_prompt_logprobs(self, item: ScheduledItem, chunk: torch.Tensor) -> None:
         prompt = item.req.prompt_ids
@@ -396,6 +413,22 @@ def _rows_of(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
     if rows[-1] - rows[0] == len(rows) - 1:
         return logits[rows[0] : rows[-1] + 1]
     return logits[rows]
+
+
+def _forced_tokens(rows: torch.Tensor, sampling: list[ScheduledItem]) -> list[tuple[int, int, TokenLogprob | None]]:
+    """(row, token, logprob) of each row whose reasoning budget forces its token: the row is
+    sampled as usual (a seeded generator draws as always) and the forced token replaces the draw,
+    with its logprob under the model's distribution. A row with a draft is never forced (the
+    speculator keeps drafts within `ReasoningState.free_tokens`)."""
+    # rows: [S, V], the raw logits (grammar-masked) of the sampling rows
+    out: list[tuple[int, int, TokenLogprob | None]] = []
+    for i, item in enumerate(sampling):
+        state = item.req.reasoning
+        tok = state.forced() if state is not None else None
+        if tok is not None:
+            k = item.req.params.logprobs
+            out.append((i, tok, None if k is None else prompt_logprobs(rows[i : i + 1], [tok], k)[0]))
+    return out
 
 
 def _generator_states(items: list[ScheduledItem]) -> dict[str, torch.Tensor]:

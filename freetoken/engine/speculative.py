@@ -91,10 +91,14 @@ class Speculator:
 
     def propose(self, req: Request) -> list[int]:
         """The draft of a decoding request: at most its window and never more than its output
-        budget leaves after the token the verification adds anyway."""
+        budget (or its reasoning budget's free tokens) leaves after the token the verification
+        adds anyway."""
         if not eligible(req.params):
             return []
         k = min(self._window.get(req.rid, self.max_draft), req.params.max_tokens - len(req.output_ids) - 1)
+        free = req.reasoning.free_tokens() if req.reasoning is not None else None
+        if free is not None:
+            k = min(k, free - 1)  # no row of the chunk may be one the budget forces
         if k < 1:
             return []
         index = self._indexes.get(req.rid)
