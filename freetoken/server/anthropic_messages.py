@@ -29,14 +29,14 @@ from freetoken.server.anthropic_protocol import AnthropicMessage, Conversation, 
 from freetoken.server.anthropic_threads import KeptThread, ThreadStore
 from freetoken.server.cache_pins import anthropic_pins
 from freetoken.server.context import ServingContext
-from freetoken.server.errors import bad_request
-from freetoken.server.generation import ChoiceSpec, Clock, Piece, _close, collect, engine_error, failed_choice, first_piece, merge, run_choice
-from freetoken.server.openai_chat import render_chat
-from freetoken.server.protocol import check_context
+from freetoken.server.core.chat_prompt import render_chat
+from freetoken.server.core.errors import bad_request
+from freetoken.server.core.generation import ChoiceSpec, Clock, Piece, _close, collect, engine_error, failed_choice, first_piece, merge, run_choice
+from freetoken.server.core.limits import check_context
+from freetoken.server.core.streaming import CLIENT_CLOSED, Tally, record, sse_response
+from freetoken.server.core.tool_calling import ToolCalling
 from freetoken.server.request_hygiene import engine_rid
-from freetoken.server.streaming import CLIENT_CLOSED, Tally, record, sse_response
 from freetoken.server.tool_blocks import AnthropicBlockStream, anthropic_content, tool_stop_reason
-from freetoken.server.tool_calling import ToolCalling
 from freetoken.tokenizer.tool_parsers import StreamDelta
 from freetoken.tokenizer.tool_parsers.base import merge_deltas
 

@@ -23,9 +23,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from freetoken.request import SamplingParams
-from freetoken.server.errors import bad_request
+from freetoken.server.core.errors import bad_request
+from freetoken.server.core.tool_calling import ToolOptions
 from freetoken.server.tool_blocks import anthropic_tool_options
-from freetoken.server.tool_calling import ToolOptions
 
 MAX_STOP_SEQUENCES = 16
 BILLING_HEADER = "x-anthropic-billing-header:"  # Claude Code's first system block: for Anthropic's billing, not the model

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from freetoken.server.anthropic_protocol import CacheControl, Conversation, convert_message
-from freetoken.server.errors import bad_request
+from freetoken.server.core.errors import bad_request
 
 ANTHROPIC_TTL_S = {None: 300.0, "5m": 300.0, "1h": 3600.0}
 OPENAI_TTL_S = {None: 300.0, "in_memory": 300.0, "24h": 86400.0}

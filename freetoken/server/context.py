@@ -11,8 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from freetoken.server.core.errors import APIError
 from freetoken.server.drain import DrainGate
-from freetoken.server.errors import APIError
 from freetoken.server.messages import Ready
 from freetoken.server.metrics import Metrics
 from freetoken.server.settings import ServerConfig

@@ -1,11 +1,10 @@
 """`POST /v1/chat/completions`: messages -> the model's chat template -> engine choices.
 
-Owns rendering the conversation (the model's template, the built-in Gemma 3 one, or
-`--chat-template`; a model with none is a 400 that says so), the message boundaries handed to
-the engine (token offsets where each message ends, so the prefix cache keeps their windows),
-the default `max_tokens` (the rest of the context) and the `chat.completion` bodies and stream
-chunks, logprobs included. Tool calling (prompt, grammar, parsing) is `tool_calling.py`'s; here
-its results are placed in the bodies and chunks.
+Owns the chat route over the shared core: the request's messages rendered by
+`core.chat_prompt.render_chat` (template, message boundaries), the default `max_tokens` (the rest
+of the context) and the `chat.completion` bodies and stream chunks, logprobs included. Tool
+calling (prompt, grammar, parsing) is `core.tool_calling`'s; here its results are placed in the
+bodies and chunks.
 """
 
 from __future__ import annotations
@@ -19,73 +18,17 @@ from fastapi.responses import JSONResponse, Response
 
 from freetoken.server.cache_pins import openai_pins
 from freetoken.server.context import ServingContext
-from freetoken.server.errors import bad_request
-from freetoken.server.generation import ChoiceSpec, Clock, Piece, collect, first_piece, merge, run_choice
-from freetoken.server.protocol import ChatCompletionRequest, check_context, check_max_tokens
+from freetoken.server.core.chat_prompt import render_chat
+from freetoken.server.core.errors import bad_request
+from freetoken.server.core.generation import ChoiceSpec, Clock, Piece, collect, first_piece, merge, run_choice
+from freetoken.server.core.limits import check_context, check_max_tokens
+from freetoken.server.core.logprobs import chat_logprobs
+from freetoken.server.core.streaming import Tally, record, sse_response, sse_stream
+from freetoken.server.core.tool_calling import ToolCalling, finish_reason, openai_delta, openai_message, openai_tool_options
+from freetoken.server.protocol import ChatCompletionRequest
 from freetoken.server.request_hygiene import engine_rid
-from freetoken.server.streaming import Tally, record, sse_response, sse_stream
-from freetoken.server.system_messages import fold_system_messages
-from freetoken.server.tool_calling import ToolCalling, finish_reason, openai_delta, openai_message, openai_tool_options
-from freetoken.tokenizer import ChatTemplateError, NoChatTemplate, Tokenizer
 
 ENDPOINT = "chat"
-MAX_BOUNDARY_MESSAGES = 256  # past this many messages, boundaries are not computed (quadratic renders)
-
-
-def render_chat(
-    tokenizer: Tokenizer,
-    messages: list[dict[str, Any]],
-    tools: list[dict[str, Any]] | None = None,
-    extra_context: dict[str, Any] | None = None,
-) -> tuple[list[int], tuple[int, ...]]:
-    """Prompt ids of the conversation and the token offset where each message ends (where that is
-    a token edge of the full prompt; a template that renders a prefix differently gives none).
-    System messages past the start are fitted to the template first (`fold_system_messages`);
-    `extra_context` adds template variables (`ToolCalling.template_context`)."""
-    messages = fold_system_messages(tokenizer, messages)
-    try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools, extra_context=extra_context)
-    except NoChatTemplate:
-        raise bad_request(
-            "this model has no chat template and none is built in for its architecture; start the server with "
-            "--chat-template FILE, or use /v1/completions",
-            param="messages",
-            code="no_chat_template",
-        ) from None
-    except ChatTemplateError as err:
-        raise bad_request(f"the chat template refused these messages: {err}", param="messages") from None
-    encoding = tokenizer.backend.encode(text, add_special_tokens=False)
-    ids = list(encoding.ids)
-    if len(messages) > MAX_BOUNDARY_MESSAGES:
-        return ids, ()
-    token_end = {end: i + 1 for i, (_, end) in enumerate(encoding.offsets)}
-    boundaries: list[int] = []
-    for k in range(1, len(messages) + 1):
-        try:
-            prefix = tokenizer.apply_chat_template(messages[:k], add_generation_prompt=False, tools=tools, extra_context=extra_context)
-        except (ChatTemplateError, NoChatTemplate):
-            continue
-        if text.startswith(prefix) and len(prefix) in token_end:
-            offset = token_end[len(prefix)]
-            if offset < len(ids) and (not boundaries or offset > boundaries[-1]):
-                boundaries.append(offset)
-    return ids, tuple(boundaries)
-
-
-def chat_logprobs(tokenizer: Tokenizer, entries: list[Any]) -> list[dict[str, Any]]:
-    """OpenAI's chat logprobs `content` items."""
-
-    def item(token_id: int, logprob: float) -> dict[str, Any]:
-        text = tokenizer.decode([token_id])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-    out = []
-    for entry in entries:
-        if entry is None:
-            continue
-        top = entry[2] if len(entry) > 2 else []
-        out.append({**item(entry[0], entry[1]), "top_logprobs": [item(t, lp) for t, lp in top]})
-    return out
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, request_id: str) -> Response:

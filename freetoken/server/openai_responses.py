@@ -19,10 +19,12 @@ from typing import Any
 from fastapi.responses import JSONResponse, Response
 
 from freetoken.server.context import ServingContext
-from freetoken.server.errors import APIError, bad_request
-from freetoken.server.generation import ChoiceSpec, Clock, Piece, collect, first_piece, merge, run_choice
-from freetoken.server.openai_chat import chat_logprobs
-from freetoken.server.protocol import check_context
+from freetoken.server.core.errors import APIError, bad_request
+from freetoken.server.core.generation import ChoiceSpec, Clock, Piece, collect, first_piece, merge, run_choice
+from freetoken.server.core.limits import check_context
+from freetoken.server.core.logprobs import chat_logprobs
+from freetoken.server.core.streaming import Tally, record, sse_response
+from freetoken.server.core.tool_calling import ToolCalling
 from freetoken.server.request_hygiene import engine_rid
 from freetoken.server.responses_items import call_names, items_to_messages, listed_items
 from freetoken.server.responses_output import OutputItems, new_id, response_body, usage
@@ -31,8 +33,6 @@ from freetoken.server.responses_protocol import ResponsesRequest
 from freetoken.server.responses_store import ResponseStore, StoredResponse
 from freetoken.server.responses_stream import response_events
 from freetoken.server.responses_tools import ResponsesTools, responses_tools, text_grammar
-from freetoken.server.streaming import Tally, record, sse_response
-from freetoken.server.tool_calling import ToolCalling
 from freetoken.tokenizer.tool_parsers import StreamDelta, ToolCallDelta
 
 log = logging.getLogger(__name__)

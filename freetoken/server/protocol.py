@@ -19,8 +19,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from freetoken.request import SamplingParams
-from freetoken.server.errors import APIError, bad_request
-from freetoken.server.response_format import grammar_of
+from freetoken.server.core.errors import bad_request
+from freetoken.server.core.response_format import grammar_of
 
 MAX_N = 16
 MAX_STOP_STRINGS = 16
@@ -339,27 +339,3 @@ def logit_bias_pairs(bias: dict[str, float] | None, vocab_size: int | None) -> t
             raise bad_request(f"logit_bias values must be in [-100, 100], got {value} for {key}", param=param, code="invalid_value")
         pairs.append((token, value))
     return tuple(pairs)
-
-
-def check_max_tokens(max_tokens: int | None, param: str = "max_tokens") -> None:
-    if max_tokens is not None and max_tokens < 1:
-        raise bad_request(f"{param} must be at least 1, got {max_tokens}", param=param, code="invalid_value")
-
-
-def check_context(prompt_len: int, max_tokens: int, context_length: int, *, prompt_param: str, max_param: str) -> None:
-    """Prompt + max_tokens past the context is a 400 `context_length_exceeded`, never clamped."""
-    if prompt_len >= context_length:
-        raise APIError(
-            400,
-            f"this model's context length is {context_length} tokens; the prompt has {prompt_len}",
-            param=prompt_param,
-            code="context_length_exceeded",
-        )
-    if prompt_len + max_tokens > context_length:
-        raise APIError(
-            400,
-            f"this model's context length is {context_length} tokens; the request asks for {prompt_len} prompt "
-            f"+ {max_tokens} completion tokens; lower {max_param}",
-            param=max_param,
-            code="context_length_exceeded",
-        )

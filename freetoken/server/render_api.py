@@ -15,11 +15,11 @@ import uuid
 from typing import Any
 
 from freetoken.server.context import ServingContext
-from freetoken.server.errors import bad_request
-from freetoken.server.openai_chat import render_chat
+from freetoken.server.core.chat_prompt import render_chat
+from freetoken.server.core.errors import bad_request
+from freetoken.server.core.tool_calling import ToolCalling, openai_tool_options
 from freetoken.server.openai_completions import prompt_ids
 from freetoken.server.protocol import ChatCompletionRequest, CompletionRequest
-from freetoken.server.tool_calling import ToolCalling, openai_tool_options
 
 
 def render_chat_request(ctx: ServingContext, req: ChatCompletionRequest) -> dict[str, Any]:

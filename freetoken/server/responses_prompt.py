@@ -1,7 +1,7 @@
 """A Responses request's prompt: the conversation rendered, and for a chained request
 (`previous_response_id`) the earlier turn's exact tokens spliced in so the prefix cache hits.
 
-Owns `build_prompt`. Without an earlier turn it is the chat route's `render_chat` (template,
+Owns `build_prompt`. Without an earlier turn it is the core's `render_chat` (template,
 tools, message boundaries). With one, the earlier prompt's ids and the ids the model sampled are
 reused as they are: re-tokenizing model output need not give back the ids the model sampled (nor
 the ones the engine cached; random bytes, special tokens), and this way the whole earlier
@@ -20,10 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from freetoken.server.openai_chat import render_chat
+from freetoken.server.core.chat_prompt import render_chat
+from freetoken.server.core.system_messages import fold_system_messages
+from freetoken.server.core.tool_calling import ToolCalling
 from freetoken.server.responses_store import StoredResponse
-from freetoken.server.system_messages import fold_system_messages
-from freetoken.server.tool_calling import ToolCalling
 from freetoken.tokenizer import ChatTemplateError, NoChatTemplate, Tokenizer
 
 MARKER = "\x00ft-earlier-output\x00"  # stands for the earlier output's content in a render

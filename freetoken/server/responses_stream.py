@@ -19,11 +19,11 @@ from typing import Any
 
 from freetoken.errors import FreeTokenError
 from freetoken.server.context import ServingContext
-from freetoken.server.errors import APIError
-from freetoken.server.generation import Clock, Piece, closing, engine_error, failed_choice
+from freetoken.server.core.errors import APIError
+from freetoken.server.core.generation import Clock, Piece, closing, engine_error, failed_choice
+from freetoken.server.core.streaming import CLIENT_CLOSED, Tally, record
+from freetoken.server.core.tool_calling import ToolStream
 from freetoken.server.responses_output import OutputItems
-from freetoken.server.streaming import CLIENT_CLOSED, Tally, record
-from freetoken.server.tool_calling import ToolStream
 
 # (status, output items, usage or None) -> the `response` object
 BodyOf = Callable[[str, list[dict[str, Any]], "dict[str, Any] | None"], dict[str, Any]]

@@ -21,7 +21,7 @@ import pytest
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as Backend
 
-from freetoken.server.tool_calling import ToolCalling, ToolOptions
+from freetoken.server.core.tool_calling import ToolCalling, ToolOptions
 from freetoken.tokenizer.detokenizer import IncrementalDetokenizer
 from freetoken.tokenizer.reasoning import detect_reasoning_parser
 from freetoken.tokenizer.testing import write_tiny_tokenizer

@@ -20,14 +20,14 @@ from pydantic import TypeAdapter
 from serving import ServeProcess
 
 from freetoken.server.client import EngineUnavailable
-from freetoken.server.generation import Clock, Piece
+from freetoken.server.core.generation import Clock, Piece
+from freetoken.server.core.streaming import Tally
+from freetoken.server.core.tool_calling import ToolStream
 from freetoken.server.metrics import Metrics
 from freetoken.server.responses_items import items_to_messages
 from freetoken.server.responses_output import OutputItems, response_body, usage
 from freetoken.server.responses_store import ResponseStore, StoredResponse
 from freetoken.server.responses_stream import response_events
-from freetoken.server.streaming import Tally
-from freetoken.server.tool_calling import ToolStream
 from freetoken.tokenizer.tool_parsers import StreamDelta, ToolCall, ToolCallDelta
 
 MODEL = "tiny-gemma"
@@ -400,7 +400,7 @@ def test_items_become_chat_messages() -> None:
 
 def _tooling(tokenizer: Any) -> Any:
     from freetoken.server.settings import ServerConfig
-    from freetoken.server.tool_calling import ToolCalling, ToolOptions
+    from freetoken.server.core.tool_calling import ToolCalling, ToolOptions
 
     ctx: Any = SimpleNamespace(tokenizer=tokenizer, config=ServerConfig(), client=SimpleNamespace(info=None))
     return ToolCalling(ctx, ToolOptions())

@@ -13,7 +13,7 @@ import pytest
 from conftest import API_KEY
 from serving import ServeProcess
 
-from freetoken.server.tool_messages import prepare_messages, template_support
+from freetoken.server.core.tool_messages import prepare_messages, template_support
 from freetoken.tokenizer import Tokenizer
 from freetoken.tokenizer.chat_template import GEMMA3_CHAT_TEMPLATE
 from freetoken.tokenizer.tool_parsers import make_tool_parser

@@ -61,7 +61,7 @@ def test_detection() -> None:
 def test_reasoning_then_a_call_through_the_tool_stream() -> None:
     """The chat routes' stream: reasoning split off first, then the content's tool calls, the
     same whole as streamed in pieces."""
-    from freetoken.server.tool_calling import ToolStream
+    from freetoken.server.core.tool_calling import ToolStream
     from freetoken.tokenizer.tool_parsers import make_tool_parser
     from freetoken.tokenizer.tool_parsers.base import merge_deltas
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from freetoken.server.system_messages import fold_system_messages, renders_late_system
+from freetoken.server.core.system_messages import fold_system_messages, renders_late_system
 from freetoken.tokenizer import Tokenizer
 from freetoken.tokenizer.chat_template import GEMMA3_CHAT_TEMPLATE
 from freetoken.tokenizer.testing import CHATML_TEMPLATE

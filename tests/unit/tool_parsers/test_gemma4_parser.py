@@ -70,7 +70,7 @@ def test_format_calls_writes_the_template_syntax_and_parses_back() -> None:
 
 
 def test_reasoning_then_a_call_through_the_tool_stream() -> None:
-    from freetoken.server.tool_calling import ToolStream
+    from freetoken.server.core.tool_calling import ToolStream
 
     text = f"<|channel>thought\nNeed the weather.<channel|><|tool_call>call:get_weather{{city:{Q}Oslo{Q}}}<tool_call|>"
     parser = make_tool_parser("gemma4", ["get_weather"])

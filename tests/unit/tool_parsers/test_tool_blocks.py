@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from freetoken.server.errors import APIError
+from freetoken.server.core.errors import APIError
 from freetoken.server.tool_blocks import AnthropicBlockStream, anthropic_content, anthropic_tool_options, tool_stop_reason
 from freetoken.tokenizer.tool_parsers import make_tool_parser
 

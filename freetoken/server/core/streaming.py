@@ -19,7 +19,7 @@ from fastapi.responses import StreamingResponse
 
 from freetoken.errors import FreeTokenError
 from freetoken.server.context import ServingContext
-from freetoken.server.generation import DONE_EVENT, ChoiceResult, Clock, Piece, _close, engine_error, failed_choice, sse
+from freetoken.server.core.generation import DONE_EVENT, ChoiceResult, Clock, Piece, _close, engine_error, failed_choice, sse
 
 CLIENT_CLOSED = 499  # the status recorded for a client that went away mid-stream
 

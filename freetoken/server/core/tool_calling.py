@@ -20,8 +20,8 @@ from typing import Any
 
 from freetoken.request import SamplingParams
 from freetoken.server.context import ServingContext
-from freetoken.server.errors import bad_request
-from freetoken.server.tool_messages import prepare_messages
+from freetoken.server.core.errors import bad_request
+from freetoken.server.core.tool_messages import prepare_messages
 from freetoken.tokenizer import ChatTemplateError, NoChatTemplate
 from freetoken.tokenizer.reasoning import MARKERS, ThinkStream, detect_reasoning_parser, reasoning_stream
 from freetoken.tokenizer.tool_parsers import (
