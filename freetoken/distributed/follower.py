@@ -31,7 +31,7 @@ from freetoken.engine.runner import build_batch, run_model
 from freetoken.errors import FreeTokenError
 from freetoken.kv.tensors import KVTensors
 from freetoken.models.load import load_model
-from freetoken.server.exit_codes import EXIT_STARTUP
+from freetoken.server.process.exit_codes import EXIT_STARTUP
 from freetoken.utils.hardware import default_device, resolve_dtype
 
 log = logging.getLogger("freetoken.engine")

@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING
 
 from freetoken.server.core.errors import APIError
 from freetoken.server.drain import DrainGate
-from freetoken.server.messages import Ready
 from freetoken.server.metrics import Metrics
+from freetoken.server.process.messages import Ready
 from freetoken.server.settings import ServerConfig
 from freetoken.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from freetoken.server.client import EngineClient
+    from freetoken.server.process.client import EngineClient
 
 DEFAULT_MODEL_ALIAS = "default"
 

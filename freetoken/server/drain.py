@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from freetoken.server.core.errors import APIError
 
 if TYPE_CHECKING:
-    from freetoken.server.client import EngineClient
+    from freetoken.server.process.client import EngineClient
 
 log = logging.getLogger("freetoken.server")
 

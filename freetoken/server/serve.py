@@ -96,7 +96,7 @@ class _Server(uvicorn.Server):
 def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None:
     """Serve until drained (returns) or the engine cannot be kept up (raises EngineGaveUp).
     Raises ConfigError / ModelLoadError before listening."""
-    from freetoken.server.client import EngineClient
+    from freetoken.server.process.client import EngineClient
 
     engine_config.validate()
     server_config.validate()

@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from freetoken.errors import ConfigError
-from freetoken.tokenizer.reasoning import REASONING_PARSERS
 from freetoken.server.drain import DEFAULT_SHUTDOWN_TIMEOUT_S
-from freetoken.server.heartbeat import DEFAULT_HANG_TIMEOUT_S, MIN_HANG_TIMEOUT_S
-from freetoken.server.supervisor import DEFAULT_LOAD_TIMEOUT_S, MIN_LOAD_TIMEOUT_S
+from freetoken.server.process.heartbeat import DEFAULT_HANG_TIMEOUT_S, MIN_HANG_TIMEOUT_S
+from freetoken.server.process.supervisor import DEFAULT_LOAD_TIMEOUT_S, MIN_LOAD_TIMEOUT_S
+from freetoken.tokenizer.reasoning import REASONING_PARSERS
 from freetoken.tokenizer.tool_parsers import TOOL_PARSERS
 
 

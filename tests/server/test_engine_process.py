@@ -22,9 +22,9 @@ from tiny_models import write_tiny_model  # noqa: E402
 
 from freetoken.config import EngineConfig  # noqa: E402
 from freetoken.request import SamplingParams  # noqa: E402
-from freetoken.server import messages as m  # noqa: E402
-from freetoken.server.client import EngineClient, EngineRefused, EngineUnavailable  # noqa: E402
-from freetoken.server.supervisor import RestartPolicy  # noqa: E402
+from freetoken.server.process import messages as m  # noqa: E402
+from freetoken.server.process.client import EngineClient, EngineRefused, EngineUnavailable  # noqa: E402
+from freetoken.server.process.supervisor import RestartPolicy  # noqa: E402
 
 PROMPT = [5, 17, 33, 60, 61, 62, 99, 120, 7, 8, 9]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -63,7 +63,7 @@ def client(runner: LoopRunner, model_dir: Path) -> Iterator[EngineClient]:
 def reference(model_dir: Path) -> dict[str, list[int]]:
     """Greedy ids of PROMPT from an engine in this process (the worker's loop, no sockets)."""
     from freetoken.engine.build import build_engine
-    from freetoken.server.worker import WorkerLoop
+    from freetoken.server.process.worker import WorkerLoop
 
     engine, _ = build_engine(engine_config(model_dir))
     sent: list[object] = []
@@ -126,7 +126,7 @@ def test_restart_policy_backs_off_then_gives_up() -> None:
 
 def test_worker_loop_ends_a_failed_step_with_an_error_and_serves_on(model_dir: Path) -> None:
     from freetoken.engine.build import build_engine
-    from freetoken.server.worker import WorkerLoop
+    from freetoken.server.process.worker import WorkerLoop
 
     engine, _ = build_engine(engine_config(model_dir))
     sent: list[object] = []
@@ -158,7 +158,7 @@ def test_worker_loop_ends_a_failed_step_with_an_error_and_serves_on(model_dir: P
 
 def test_worker_loop_refuses_bad_requests(model_dir: Path) -> None:
     from freetoken.engine.build import build_engine
-    from freetoken.server.worker import WorkerLoop
+    from freetoken.server.process.worker import WorkerLoop
 
     engine, _ = build_engine(engine_config(model_dir))
     sent: list[object] = []

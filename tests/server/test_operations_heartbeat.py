@@ -4,8 +4,8 @@ as its beats come, and the longest gap is kept for /metrics."""
 
 from __future__ import annotations
 
-from freetoken.server.heartbeat import HeartbeatWatch, Progress
-from freetoken.server.messages import Heartbeat, decode, encode
+from freetoken.server.process.heartbeat import HeartbeatWatch, Progress
+from freetoken.server.process.messages import Heartbeat, decode, encode
 
 
 def beat(phase: str = "serving", steps: int = 0, running: float = 0.0) -> Heartbeat:

@@ -22,7 +22,7 @@ import psutil
 from serving import free_port, pid_alive
 
 from freetoken.config import EngineConfig
-from freetoken.server.supervisor import (
+from freetoken.server.process.supervisor import (
     ExitReport,
     RestartPolicy,
     Supervisor,

@@ -19,11 +19,11 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 from serving import ServeProcess
 
-from freetoken.server.client import EngineUnavailable
 from freetoken.server.core.generation import Clock, Piece
 from freetoken.server.core.streaming import Tally
 from freetoken.server.core.tool_calling import ToolStream
 from freetoken.server.metrics import Metrics
+from freetoken.server.process.client import EngineUnavailable
 from freetoken.server.responses_items import items_to_messages
 from freetoken.server.responses_output import OutputItems, response_body, usage
 from freetoken.server.responses_store import ResponseStore, StoredResponse

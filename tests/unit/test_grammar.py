@@ -14,8 +14,8 @@ import torch
 from freetoken.engine.grammar import GrammarCompiler, GrammarError, GrammarSet, unpack_bitmask
 from freetoken.errors import ModelLoadError
 from freetoken.request import SamplingParams
-from freetoken.server.messages import AddRequest, decode, encode
-from freetoken.server.worker import sampling_params
+from freetoken.server.process.messages import AddRequest, decode, encode
+from freetoken.server.process.worker import sampling_params
 from freetoken.tokenizer import Tokenizer
 from freetoken.tokenizer.gguf_vocab import byte_to_unicode
 from freetoken.tokenizer.testing import write_tiny_tokenizer

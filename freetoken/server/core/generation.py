@@ -25,7 +25,7 @@ from freetoken.server.core.errors import APIError, bad_request
 from freetoken.tokenizer import IncrementalDetokenizer, Tokenizer
 
 if TYPE_CHECKING:
-    from freetoken.server.client import EngineClient
+    from freetoken.server.process.client import EngineClient
 
 DONE_EVENT = "data: [DONE]\n\n"
 _CONTEXT_IDS = 8  # prompt ids that seed the detokenizer, so the first token decodes as after the prompt

@@ -118,7 +118,7 @@ class StatusReply:
 
 @dataclass
 class Heartbeat:
-    """The engine process is alive (server/heartbeat.py): sent every interval by its own thread."""
+    """The engine process is alive (server/process/heartbeat.py): sent every interval by its own thread."""
 
     pid: int
     phase: str  # loading | serving

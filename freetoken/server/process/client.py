@@ -28,12 +28,12 @@ import zmq.asyncio
 from freetoken.config import EngineConfig
 from freetoken.errors import FreeTokenError
 from freetoken.request import SamplingParams
-from freetoken.server.heartbeat import DEFAULT_HANG_TIMEOUT_S, INTERVAL_S as HEARTBEAT_INTERVAL_S, HeartbeatWatch
-from freetoken.server.messages import (
+from freetoken.server.process.heartbeat import DEFAULT_HANG_TIMEOUT_S, INTERVAL_S as HEARTBEAT_INTERVAL_S, HeartbeatWatch
+from freetoken.server.process.messages import (
     AbortRequest, AddRequest, EngineError, FinishRequest, Heartbeat, Ready, Refused, ResizeCache, Shutdown, StatusQuery, StatusReply,
     TokenUpdate, decode, encode,
 )
-from freetoken.server.supervisor import DEFAULT_LOAD_TIMEOUT_S, ExitReport, RestartPolicy, Supervisor, WorkerEndpoints
+from freetoken.server.process.supervisor import DEFAULT_LOAD_TIMEOUT_S, ExitReport, RestartPolicy, Supervisor, WorkerEndpoints
 from freetoken.utils.heap import freeze_startup_heap
 
 log = logging.getLogger("freetoken.server")

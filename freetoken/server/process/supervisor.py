@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from freetoken.config import EngineConfig
-from freetoken.server.exit_codes import EXIT_STARTUP
+from freetoken.server.process.exit_codes import EXIT_STARTUP
 
 log = logging.getLogger("freetoken.server")
 
@@ -95,7 +95,7 @@ def _engine_process_main(config: EngineConfig, endpoints: WorkerEndpoints, serve
     in the engine process, so that the API process never pays for it."""
     import sys
 
-    from freetoken.server.worker import run_worker
+    from freetoken.server.process.worker import run_worker
 
     sys.exit(run_worker(config, engine_endpoint=endpoints.engine, api_endpoint=endpoints.api, served_name=served_name))
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from freetoken.server.messages import Heartbeat, encode
+from freetoken.server.process.messages import Heartbeat, encode
 
 log = logging.getLogger("freetoken.server")
 

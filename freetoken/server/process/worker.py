@@ -29,9 +29,9 @@ from freetoken.engine.resize import ResizeRefused
 from freetoken.errors import FreeTokenError
 from freetoken.kv.errors import KVIntegrityError
 from freetoken.request import FinishReason, Request, SamplingParams, TokenLogprob
-from freetoken.server.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_STARTUP
-from freetoken.server.heartbeat import HeartbeatSender, Progress
-from freetoken.server.messages import (
+from freetoken.server.process.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_STARTUP
+from freetoken.server.process.heartbeat import HeartbeatSender, Progress
+from freetoken.server.process.messages import (
     AbortRequest, AddRequest, EngineError, FinishRequest, Ready, Refused, ResizeCache, Shutdown, StatusQuery, StatusReply,
     TokenUpdate, decode, encode,
 )
