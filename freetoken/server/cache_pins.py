@@ -1,15 +1,10 @@
-"""Where a request's retention pins go (kv/pins.py): Anthropic `cache_control` breakpoints and
-OpenAI `prompt_cache_key`.
+"""Where an Anthropic request's retention pins go (kv/pins.py): its `cache_control` breakpoints.
 
-Owns turning a request into `(prompt position, TTL seconds)` pins. A breakpoint pins the prefix
-up to the end of the chat message that holds the marked block (a block of `system` or a marked
-tool definition: the end of the system message; the top-level `cache_control`, Anthropic's
-automatic caching: the end of the last message), so positions are message boundaries from
-`render_chat`, and the SWA window before each stays live. When the template's boundaries do not
-line up one per message (a template that rewrites a prefix), no pin is placed: the request is
-served, the prefix cache works as always. `prompt_cache_key` pins the end of a leading system
-(or developer) message. TTLs: `"5m"` (the default) 300 s, `"1h"` 3600 s; OpenAI's
-`prompt_cache_retention` `"24h"` 86400 s, else 300 s. Another `ttl` is a 400 naming the key.
+Owns `anthropic_pins`: a breakpoint pins the prefix up to the end of the chat message that holds
+the marked block (a block of `system` or a marked tool definition: the end of the system message;
+the top-level `cache_control`, Anthropic's automatic caching: the end of the last message), placed
+at the message boundaries by `core.pins.at_boundaries`. TTLs: `"5m"` (the default) 300 s, `"1h"`
+3600 s; another `ttl` is a 400 naming the key.
 """
 
 from __future__ import annotations
@@ -19,11 +14,9 @@ from typing import Any
 
 from freetoken.server.anthropic_protocol import CacheControl, Conversation, convert_message
 from freetoken.server.core.errors import bad_request
+from freetoken.server.core.pins import Pins, at_boundaries
 
 ANTHROPIC_TTL_S = {None: 300.0, "5m": 300.0, "1h": 3600.0}
-OPENAI_TTL_S = {None: 300.0, "in_memory": 300.0, "24h": 86400.0}
-
-Pins = tuple[tuple[int, float], ...]
 
 
 def _ttl(control: CacheControl, where: str) -> float:
@@ -57,17 +50,4 @@ def anthropic_pins(req: Conversation, boundaries: Sequence[int]) -> Pins:
                 marks[count] = max(marks.get(count, 0.0), _ttl(control, f"messages[{i}].content[{j}]"))
     if req.cache_control is not None:
         marks[count] = max(marks.get(count, 0.0), _ttl(req.cache_control, "request"))
-    return _at_boundaries(marks, boundaries, count)
-
-
-def openai_pins(messages: Sequence[dict[str, Any]], boundaries: Sequence[int], key: str | None, retention: str | None) -> Pins:
-    """`prompt_cache_key`: a pin at the end of a leading system / developer message."""
-    if key is None or not messages or messages[0].get("role") not in ("system", "developer"):
-        return ()
-    return _at_boundaries({1: OPENAI_TTL_S.get(retention, 300.0)}, boundaries, len(messages))
-
-
-def _at_boundaries(marks: dict[int, float], boundaries: Sequence[int], num_messages: int) -> Pins:
-    if not marks or len(boundaries) != num_messages:
-        return ()
-    return tuple((boundaries[k - 1], ttl) for k, ttl in sorted(marks.items()) if 1 <= k <= num_messages)
+    return at_boundaries(marks, boundaries, count)

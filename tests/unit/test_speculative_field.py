@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from freetoken.server.protocol import ChatCompletionRequest, CompletionRequest
+from freetoken.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 

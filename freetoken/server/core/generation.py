@@ -40,7 +40,7 @@ class ChoiceSpec:
     eos_ids: frozenset[int]
     boundaries: tuple[int, ...] = ()
     include_stop: bool = False  # `no_stop_trim`: a matched stop string stays at the end of the text
-    pins: tuple[tuple[int, float], ...] = ()  # retention pins (server/cache_pins.py): (position, TTL s)
+    pins: tuple[tuple[int, float], ...] = ()  # retention pins (core/pins.py): (position, TTL s)
 
 
 @dataclass

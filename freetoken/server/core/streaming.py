@@ -1,10 +1,12 @@
-"""Server-sent events and usage accounting shared by the OpenAI routes.
+"""Server-sent events and usage accounting shared by the routes.
 
 Owns `Tally` (prompt, completion and cache-hit tokens of one HTTP request, its speculative
 drafts, and its `usage` object), `sse_stream` (pieces -> `data: {...}` events, `data: [DONE]` at the end; an engine
 failure after the stream started becomes one `data: {"error": {...}}` event and the stream closes
 without `[DONE]`), and the metrics each request records when it ends. Response bodies are built by
-the callbacks the routes pass in.
+the callbacks the routes pass in. Every route counts with `Tally` and records with `record`;
+`Tally.usage` and `sse_stream` are the `data:` stream and `usage` object that chat completions and
+completions share (Responses and Messages frame their own events and usage from the same tally).
 """
 
 from __future__ import annotations

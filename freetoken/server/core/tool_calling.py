@@ -1,14 +1,14 @@
-"""Tool calling and reasoning for the chat routes: request options, prompt rendering, sampling, parsing.
+"""Tool calling and reasoning for every chat-shaped route: request options, prompt rendering, sampling, parsing.
 
-Owns `ToolOptions` (validated `tools` / `tool_choice` / `parallel_tool_calls`, from the OpenAI or
-the Anthropic request), `ToolCalling` (one request's output handling: what goes to the chat
+Owns `ToolOptions` (validated `tools` / `tool_choice` / `parallel_tool_calls`; `openai_tool_options`
+checks OpenAI-style function tools, the form every protocol's tools are translated into), `ToolCalling` (one request's output handling: what goes to the chat
 template — tools, and `enable_thinking` when the request says whether to think —, the sampling
 changes — a forced-call grammar for `required` or a named function, special tokens kept for
 Harmony —, and the parsed result: reasoning split off by the `<think>` parser where the model has
 one, then tool calls, with `parallel_tool_calls: false` applied), `tool_parser_name`
 (`--tool-call-parser` or the model's own) and `reasoning_parser_name` (`--reasoning-parser` or the
 model's own). Message conversion for templates that cannot render tools is in
-`tool_messages.py`; wire shapes are built by the route modules.
+`tool_messages.py`; wire shapes are built by the protocol packages.
 """
 
 from __future__ import annotations
@@ -274,45 +274,3 @@ class ToolStream:
         """The pending calls with an index below `below` (None: all), whole."""
         done = sorted(i for i in self._pending if below is None or i < below)
         return [ToolCallDelta(i, self._pending.pop(i)) for i in done]
-
-
-def finish_reason(reason: str | None, num_calls: int) -> str | None:
-    """`tool_calls` replaces a normal end when the output held calls; a call cut off by max_tokens
-    ends with `length`."""
-    return "tool_calls" if num_calls and reason == "stop" else reason
-
-
-def openai_tool_calls(out: ParsedOutput | StreamDelta) -> list[dict[str, Any]]:
-    """OpenAI's `tool_calls` items; stream deltas carry `index`, and the id, type and name only
-    in a call's first delta (later ones add argument text)."""
-    if isinstance(out, StreamDelta):
-        return [
-            {"index": d.index, "id": d.call.id, "type": "function", "function": {"name": d.call.name, "arguments": d.call.arguments}}
-            if d.first
-            else {"index": d.index, "function": {"arguments": d.call.arguments}}
-            for d in out.tool_calls
-        ]
-    return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in out.tool_calls]
-
-
-def openai_message(out: ParsedOutput) -> dict[str, Any]:
-    """The assistant `message` of a non-streamed choice."""
-    message: dict[str, Any] = {"role": "assistant", "content": out.content if out.content or not out.tool_calls else None}
-    if out.reasoning:
-        message["reasoning_content"] = out.reasoning
-    if out.tool_calls:
-        message["tool_calls"] = openai_tool_calls(out)
-    return message
-
-
-def openai_delta(delta: StreamDelta) -> dict[str, Any]:
-    """A stream chunk's `delta` (empty when nothing is certain yet)."""
-    out: dict[str, Any] = {}
-    if delta.reasoning:
-        out["reasoning_content"] = delta.reasoning
-    if delta.content:
-        out["content"] = delta.content
-    if delta.tool_calls:
-        out["tool_calls"] = openai_tool_calls(delta)
-    return out
-

@@ -18,7 +18,7 @@ from freetoken.server.context import ServingContext
 from freetoken.server.core.chat_prompt import render_chat
 from freetoken.server.core.errors import bad_request
 from freetoken.server.core.tool_calling import ToolCalling, openai_tool_options
-from freetoken.server.protocol import ChatMessage
+from freetoken.server.openai.protocol import ChatMessage
 from freetoken.tokenizer import ChatTemplateError, NoChatTemplate
 
 MAX_DETOKENIZE_IDS = 1_000_000

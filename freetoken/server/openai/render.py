@@ -18,8 +18,8 @@ from freetoken.server.context import ServingContext
 from freetoken.server.core.chat_prompt import render_chat
 from freetoken.server.core.errors import bad_request
 from freetoken.server.core.tool_calling import ToolCalling, openai_tool_options
-from freetoken.server.openai_completions import prompt_ids
-from freetoken.server.protocol import ChatCompletionRequest, CompletionRequest
+from freetoken.server.openai.completions import prompt_ids
+from freetoken.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 
 def render_chat_request(ctx: ServingContext, req: ChatCompletionRequest) -> dict[str, Any]:

@@ -3,8 +3,8 @@
 Owns the chat route over the shared core: the request's messages rendered by
 `core.chat_prompt.render_chat` (template, message boundaries), the default `max_tokens` (the rest
 of the context) and the `chat.completion` bodies and stream chunks, logprobs included. Tool
-calling (prompt, grammar, parsing) is `core.tool_calling`'s; here its results are placed in the
-bodies and chunks.
+calling (prompt, grammar, parsing) is `core.tool_calling`'s; its results are shaped by
+`tool_shapes` and placed in the bodies and chunks here.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, Response
 
-from freetoken.server.cache_pins import openai_pins
 from freetoken.server.context import ServingContext
 from freetoken.server.core.chat_prompt import render_chat
 from freetoken.server.core.errors import bad_request
@@ -24,8 +23,10 @@ from freetoken.server.core.generation import ChoiceSpec, Clock, Piece, collect, 
 from freetoken.server.core.limits import check_context, check_max_tokens
 from freetoken.server.core.logprobs import chat_logprobs
 from freetoken.server.core.streaming import Tally, record, sse_response, sse_stream
-from freetoken.server.core.tool_calling import ToolCalling, finish_reason, openai_delta, openai_message, openai_tool_options
-from freetoken.server.protocol import ChatCompletionRequest
+from freetoken.server.core.tool_calling import ToolCalling, openai_tool_options
+from freetoken.server.openai.pins import openai_pins
+from freetoken.server.openai.protocol import ChatCompletionRequest
+from freetoken.server.openai.tool_shapes import finish_reason, openai_delta, openai_message
 from freetoken.server.request_hygiene import engine_rid
 
 ENDPOINT = "chat"
