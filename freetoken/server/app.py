@@ -48,10 +48,10 @@ from freetoken.server.openai.completions import create_completion
 from freetoken.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from freetoken.server.openai.render import render_chat_request, render_completion_request
 from freetoken.server.openai.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
-from freetoken.server.openai_responses import create_response, delete_response, get_response, list_input_items
 from freetoken.server.request_hygiene import CLIENT_CLOSED, Deadline, RequestIdMiddleware, cancel_on_disconnect, request_id_of
-from freetoken.server.responses_protocol import ResponsesRequest
-from freetoken.server.responses_store import ResponseStore
+from freetoken.server.responses.protocol import ResponsesRequest
+from freetoken.server.responses.routes import create_response, delete_response, get_response, list_input_items
+from freetoken.server.responses.store import ResponseStore
 from freetoken.server.worker_info import PROBE_PATHS, install_worker_routes
 
 log = logging.getLogger(__name__)

@@ -24,10 +24,10 @@ from freetoken.server.core.streaming import Tally
 from freetoken.server.core.tool_calling import ToolStream
 from freetoken.server.metrics import Metrics
 from freetoken.server.process.client import EngineUnavailable
-from freetoken.server.responses_items import items_to_messages
-from freetoken.server.responses_output import OutputItems, response_body, usage
-from freetoken.server.responses_store import ResponseStore, StoredResponse
-from freetoken.server.responses_stream import response_events
+from freetoken.server.responses.items import items_to_messages
+from freetoken.server.responses.output import OutputItems, response_body, usage
+from freetoken.server.responses.store import ResponseStore, StoredResponse
+from freetoken.server.responses.stream import response_events
 from freetoken.tokenizer.tool_parsers import StreamDelta, ToolCall, ToolCallDelta
 
 MODEL = "tiny-gemma"
@@ -413,7 +413,7 @@ def test_a_chained_prompt_reuses_the_sampled_ids(tmp_path: Any, template: str) -
     prompt's ids and exactly the sampled ids, then the template's text after the output."""
     from array import array
 
-    from freetoken.server.responses_prompt import build_prompt
+    from freetoken.server.responses.prompt import build_prompt
     from freetoken.tokenizer import Tokenizer
     from freetoken.tokenizer.chat_template import GEMMA3_CHAT_TEMPLATE
     from freetoken.tokenizer.testing import write_tiny_tokenizer

@@ -23,7 +23,7 @@ from typing import Any
 from freetoken.server.core.chat_prompt import render_chat
 from freetoken.server.core.system_messages import fold_system_messages
 from freetoken.server.core.tool_calling import ToolCalling
-from freetoken.server.responses_store import StoredResponse
+from freetoken.server.responses.store import StoredResponse
 from freetoken.tokenizer import ChatTemplateError, NoChatTemplate, Tokenizer
 
 MARKER = "\x00ft-earlier-output\x00"  # stands for the earlier output's content in a render

@@ -1,10 +1,10 @@
 """`POST /v1/responses`, `GET` / `DELETE /v1/responses/{id}` and `GET /v1/responses/{id}/input_items`.
 
 Owns the OpenAI Responses route over the shared generation core: the request's items, tools and
-`text.format` (via `responses_items` / `responses_tools`) become a chat conversation, rendered
-(and, after `previous_response_id`, spliced) by `responses_prompt`, generated as one choice by
-`generation.run_choice` with the chat layer's tool parsing and forced-call grammar, and answered as
-a `response` object or as the event stream of `responses_stream`. Finished responses are kept in
+`text.format` (via `items` / `tools`) become a chat conversation, rendered
+(and, after `previous_response_id`, spliced) by `prompt`, generated as one choice by
+`core.generation.run_choice` with the core's tool parsing and forced-call grammar, and answered as
+a `response` object or as the event stream of `stream`. Finished responses are kept in
 the `ResponseStore` unless `store` is false. Hosted tool types left out of the prompt are named in
 the `x-freetoken-ignored-tools` header and a log line.
 """
@@ -26,13 +26,13 @@ from freetoken.server.core.logprobs import chat_logprobs
 from freetoken.server.core.streaming import Tally, record, sse_response
 from freetoken.server.core.tool_calling import ToolCalling
 from freetoken.server.request_hygiene import engine_rid
-from freetoken.server.responses_items import call_names, items_to_messages, listed_items
-from freetoken.server.responses_output import OutputItems, new_id, response_body, usage
-from freetoken.server.responses_prompt import Prompt, build_prompt
-from freetoken.server.responses_protocol import ResponsesRequest
-from freetoken.server.responses_store import ResponseStore, StoredResponse
-from freetoken.server.responses_stream import response_events
-from freetoken.server.responses_tools import ResponsesTools, responses_tools, text_grammar
+from freetoken.server.responses.items import call_names, items_to_messages, listed_items
+from freetoken.server.responses.output import OutputItems, new_id, response_body, usage
+from freetoken.server.responses.prompt import Prompt, build_prompt
+from freetoken.server.responses.protocol import ResponsesRequest
+from freetoken.server.responses.store import ResponseStore, StoredResponse
+from freetoken.server.responses.stream import response_events
+from freetoken.server.responses.tools import ResponsesTools, responses_tools, text_grammar
 from freetoken.tokenizer.tool_parsers import StreamDelta, ToolCallDelta
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from freetoken.server.core.errors import APIError
 from freetoken.server.core.generation import Clock, Piece, closing, engine_error, failed_choice
 from freetoken.server.core.streaming import CLIENT_CLOSED, Tally, record
 from freetoken.server.core.tool_calling import ToolStream
-from freetoken.server.responses_output import OutputItems
+from freetoken.server.responses.output import OutputItems
 
 # (status, output items, usage or None) -> the `response` object
 BodyOf = Callable[[str, list[dict[str, Any]], "dict[str, Any] | None"], dict[str, Any]]

@@ -4,7 +4,7 @@ Owns `ResponseStore`: an LRU of at most `max_entries` responses, each dropped `t
 after it was stored (a read refreshes its LRU place, not its age). It lives in the API process
 only: a restart of the server forgets every response, and the engine's prefix cache is what makes
 a chained request fast, not this store. `StoredResponse` keeps what a later turn needs to render
-the same conversation and splice its exact tokens (see `responses_prompt.py`). The clock is
+the same conversation and splice its exact tokens (see `prompt.py`). The clock is
 injected so tests can age entries without sleeping. It knows nothing of HTTP.
 """
 

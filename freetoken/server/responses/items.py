@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from freetoken.server.core.errors import bad_request
-from freetoken.server.responses_reasoning import unseal
+from freetoken.server.responses.reasoning import unseal
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = {"input_text": "text", "output_text": "text", "text": "text", "refusal": "refusal"}

@@ -1,7 +1,7 @@
-"""Responses API `tools`, `tool_choice` and `text.format` -> the chat layer's options and grammar.
+"""Responses API `tools`, `tool_choice` and `text.format` -> the core's tool options and grammar.
 
 Owns the Responses shapes: function tools are flat (`{"type": "function", "name", "description",
-"parameters", "strict"}`) and become the chat layer's `ToolOptions`; tools of the hosted types
+"parameters", "strict"}`) and become the core's `ToolOptions`; tools of the hosted types
 this server cannot run (`web_search`, `file_search`, `namespace`, `local_shell`, `custom`, `mcp`,
 ...) are left out of the prompt and reported (the route lists them in a response header), never
 refused. `tool_choice` may be a mode, `{"type": "function", "name"}` or `{"type":

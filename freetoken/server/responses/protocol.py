@@ -10,7 +10,7 @@ Owns which top-level fields a Responses request may carry and what each means he
 `stream_options`, `max_tool_calls`, `context_management`, `prompt_cache_retention`,
 `text.verbosity`, `priority`: sglang-router adds `priority: 0`), and refused with a 400 naming them (`background: true`, `conversation`,
 `prompt`). Unknown fields are refused. Input items, tools and `text` are validated by
-`responses_items.py` and `responses_tools.py`, which know their shapes; this module builds no
+`items.py` and `tools.py`, which know their shapes; this module builds no
 response bodies and knows nothing of the engine.
 """
 

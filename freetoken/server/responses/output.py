@@ -11,7 +11,7 @@ both paths give the same items. Whitespace written before any message or call is
 only becomes a message when nothing else was written. A call's arguments go out as the parser
 gives them: fragment by fragment where it streams them, else whole in one delta; a call item stays
 open until the next item starts or the output ends. With `seal_reasoning`, a finished reasoning
-item carries its text as `encrypted_content` (`responses_reasoning.seal`). Token logprobs fed with
+item carries its text as `encrypted_content` (`reasoning.seal`). Token logprobs fed with
 a delta go with the message text written next (a message's `logprobs` cover its tokens; those of
 reasoning and calls are dropped). Also owns `response_body` and `usage`, the `response`
 object's fields. It knows nothing of HTTP or the engine.
@@ -23,7 +23,7 @@ import time
 import uuid
 from typing import Any
 
-from freetoken.server.responses_reasoning import seal
+from freetoken.server.responses.reasoning import seal
 from freetoken.tokenizer.tool_parsers import StreamDelta, ToolCall
 
 Event = dict[str, Any]
