@@ -35,10 +35,10 @@ from pydantic import BaseModel, ValidationError
 from freetoken import __version__
 from freetoken.errors import FreeTokenError
 from freetoken.server.admin_cache import ResizeRequest, resize_cache
-from freetoken.server.anthropic_errors import anthropic_error_response, error_event
-from freetoken.server.anthropic_messages import count_message_tokens, create_message
-from freetoken.server.anthropic_protocol import CountTokensRequest, MessagesRequest
-from freetoken.server.anthropic_threads import ThreadStore
+from freetoken.server.anthropic.errors import anthropic_error_response, error_event
+from freetoken.server.anthropic.messages import count_message_tokens, create_message
+from freetoken.server.anthropic.protocol import CountTokensRequest, MessagesRequest
+from freetoken.server.anthropic.threads import ThreadStore
 from freetoken.server.context import DEFAULT_MODEL_ALIAS, ServingContext
 from freetoken.server.core.errors import APIError, bad_request, from_pydantic, http_error, install_error_handlers
 from freetoken.server.core.generation import sse

@@ -17,7 +17,7 @@ import pytest
 from conftest import API_KEY
 from serving import ServeProcess
 
-from freetoken.server.anthropic_protocol import MessagesRequest
+from freetoken.server.anthropic.protocol import MessagesRequest
 from freetoken.server.core.tool_messages import prepare_messages
 from freetoken.tokenizer import Tokenizer
 from freetoken.tokenizer.tool_parsers import make_tool_parser

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from freetoken.server.anthropic_protocol import AnthropicMessage, TextBlock
+from freetoken.server.anthropic.protocol import AnthropicMessage, TextBlock
 from freetoken.server.core.errors import APIError
 
 DEFAULT_MAX_ENTRIES = 256

@@ -9,7 +9,7 @@ first start), `message_delta`, `message_stop`; a failure after the stream starte
 `event: error` and the stream ends. Conversations, tools included, are rendered through the same
 chat-template path as `/v1/chat/completions`, so `count_tokens` counts exactly the prompt
 `/v1/messages` would run. Tool calling (prompt, forced-call grammar, parsing) is
-`tool_calling.py`'s and its Anthropic shapes `tool_blocks.py`'s; here they are placed in the body
+`core.tool_calling`'s and its Anthropic shapes `tool_blocks.py`'s; here they are placed in the body
 and the stream. Request-level errors are raised as `APIError`; the app renders them in
 Anthropic's shape. It never imports torch.
 """
@@ -24,10 +24,11 @@ from typing import Any
 from fastapi.responses import JSONResponse, Response
 
 from freetoken.errors import FreeTokenError
-from freetoken.server.anthropic_errors import error_event, event
-from freetoken.server.anthropic_protocol import AnthropicMessage, Conversation, CountTokensRequest, MessagesRequest
-from freetoken.server.anthropic_threads import KeptThread, ThreadStore
-from freetoken.server.cache_pins import anthropic_pins
+from freetoken.server.anthropic.errors import error_event, event
+from freetoken.server.anthropic.pins import anthropic_pins
+from freetoken.server.anthropic.protocol import AnthropicMessage, Conversation, CountTokensRequest, MessagesRequest
+from freetoken.server.anthropic.threads import KeptThread, ThreadStore
+from freetoken.server.anthropic.tool_blocks import AnthropicBlockStream, anthropic_content, tool_stop_reason
 from freetoken.server.context import ServingContext
 from freetoken.server.core.chat_prompt import render_chat
 from freetoken.server.core.errors import bad_request
@@ -36,7 +37,6 @@ from freetoken.server.core.limits import check_context
 from freetoken.server.core.streaming import CLIENT_CLOSED, Tally, record, sse_response
 from freetoken.server.core.tool_calling import ToolCalling
 from freetoken.server.request_hygiene import engine_rid
-from freetoken.server.tool_blocks import AnthropicBlockStream, anthropic_content, tool_stop_reason
 from freetoken.tokenizer.tool_parsers import StreamDelta
 from freetoken.tokenizer.tool_parsers.base import merge_deltas
 

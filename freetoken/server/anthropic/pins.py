@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from freetoken.server.anthropic_protocol import CacheControl, Conversation, convert_message
+from freetoken.server.anthropic.protocol import CacheControl, Conversation, convert_message
 from freetoken.server.core.errors import bad_request
 from freetoken.server.core.pins import Pins, at_boundaries
 

@@ -23,9 +23,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from freetoken.request import SamplingParams
+from freetoken.server.anthropic.tool_blocks import anthropic_tool_options
 from freetoken.server.core.errors import bad_request
 from freetoken.server.core.tool_calling import ToolOptions
-from freetoken.server.tool_blocks import anthropic_tool_options
 
 MAX_STOP_SEQUENCES = 16
 BILLING_HEADER = "x-anthropic-billing-header:"  # Claude Code's first system block: for Anthropic's billing, not the model
@@ -158,7 +158,7 @@ class ContextManagement(_Strict):
 class Thread(_Strict):
     """Server-held conversation state, as the SDK's tool runner asks for it: `create` keeps this
     conversation under the reply's id, `continue` sends only the new turn after the one kept
-    under `previous_message_id` (anthropic_threads.py). The response shape is unchanged."""
+    under `previous_message_id` (threads.py). The response shape is unchanged."""
 
     type: Literal["create", "continue"]
     previous_message_id: str | None = None
