@@ -4,11 +4,13 @@ Owns the HTTP surface of DESIGN.md §4: `/v1/completions`, `/v1/chat/completions
 (+ `/count_tokens`, Anthropic error bodies), `/v1/tokenize`, `/v1/detokenize`, `/v1/models`,
 `/v1/responses` (+ `GET`/`DELETE /v1/responses/{id}` and `/input_items`, over the app's response store), `/health`,
 `/v1/cache/status`, `/metrics`, `POST /admin/drain` (docs/operations.md), vLLM's render routes
-(`/v1/chat/completions/render`, `/v1/completions/render`: render_api.py) and the router probes
-of worker_info.py (`/server_info`, `/model_info`, `/get_load`, ...; docs/scale-out.md). The API
+(`/v1/chat/completions/render`, `/v1/completions/render`: openai/render.py) and the router probes
+of operations/worker_info.py (`/server_info`, `/model_info`, `/get_load`, ...; docs/scale-out.md). The API
 key guards every path under `KEYED_PREFIXES` (an `/admin/...` route added later is covered
 without code of its own). Bodies are parsed here (malformed JSON, a body that is
-not an object and schema errors are 400s naming the field), then handed to the route modules;
+not an object and schema errors are 400s naming the field), then handed to the route modules of
+the protocol packages (`openai`, `responses`, `anthropic`; this is the one module that imports
+all three);
 generation passes the drain gate (503 while shutting down), runs under `--request-timeout` and
 is cancelled when its client disconnects; every response carries `x-request-id`.
 The app reaches the engine only through its `EngineClient`; it never imports torch.
@@ -34,7 +36,6 @@ from pydantic import BaseModel, ValidationError
 
 from freetoken import __version__
 from freetoken.errors import FreeTokenError
-from freetoken.server.admin_cache import ResizeRequest, resize_cache
 from freetoken.server.anthropic.errors import anthropic_error_response, error_event
 from freetoken.server.anthropic.messages import count_message_tokens, create_message
 from freetoken.server.anthropic.protocol import CountTokensRequest, MessagesRequest
@@ -48,11 +49,12 @@ from freetoken.server.openai.completions import create_completion
 from freetoken.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from freetoken.server.openai.render import render_chat_request, render_completion_request
 from freetoken.server.openai.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
+from freetoken.server.operations.admin_cache import ResizeRequest, resize_cache
+from freetoken.server.operations.worker_info import PROBE_PATHS, install_worker_routes
 from freetoken.server.request_hygiene import CLIENT_CLOSED, Deadline, RequestIdMiddleware, cancel_on_disconnect, request_id_of
 from freetoken.server.responses.protocol import ResponsesRequest
 from freetoken.server.responses.routes import create_response, delete_response, get_response, list_input_items
 from freetoken.server.responses.store import ResponseStore
-from freetoken.server.worker_info import PROBE_PATHS, install_worker_routes
 
 log = logging.getLogger(__name__)
 

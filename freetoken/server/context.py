@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from freetoken.server.core.errors import APIError
-from freetoken.server.drain import DrainGate
-from freetoken.server.metrics import Metrics
+from freetoken.server.operations.drain import DrainGate
+from freetoken.server.operations.metrics import Metrics
 from freetoken.server.process.messages import Ready
 from freetoken.server.settings import ServerConfig
 from freetoken.tokenizer import Tokenizer

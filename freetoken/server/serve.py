@@ -6,7 +6,7 @@ model directory), the metadata-only preflight (preflight.py: a refused configura
 ConfigError before any engine process starts), the tokenizer and the `--chat-template` override,
 the served model name, and uvicorn's lifetime with its signals:
 
-- the first SIGTERM or SIGINT starts a drain (drain.py): no new requests, in-flight ones finish
+- the first SIGTERM or SIGINT starts a drain (operations/drain.py): no new requests, in-flight ones finish
   up to `--shutdown-timeout`, the rest are aborted, the engine stops, `run_server` returns (exit 0);
 - a second SIGTERM or SIGINT exits at once (the engine process is killed first);
 - when the supervisor gives up on the engine, uvicorn stops and `run_server` raises
@@ -29,7 +29,7 @@ from freetoken.config import EngineConfig
 from freetoken.errors import ConfigError, FreeTokenError
 from freetoken.server.app import build_app
 from freetoken.server.context import ServingContext
-from freetoken.server.metrics import Metrics
+from freetoken.server.operations.metrics import Metrics
 from freetoken.server.preflight import model_facts, preflight
 from freetoken.server.settings import ServerConfig
 from freetoken.tokenizer import Tokenizer

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from freetoken.errors import ConfigError
-from freetoken.server.drain import DEFAULT_SHUTDOWN_TIMEOUT_S
+from freetoken.server.operations.drain import DEFAULT_SHUTDOWN_TIMEOUT_S
 from freetoken.server.process.heartbeat import DEFAULT_HANG_TIMEOUT_S, MIN_HANG_TIMEOUT_S
 from freetoken.server.process.supervisor import DEFAULT_LOAD_TIMEOUT_S, MIN_LOAD_TIMEOUT_S
 from freetoken.tokenizer.reasoning import REASONING_PARSERS

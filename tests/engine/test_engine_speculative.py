@@ -228,7 +228,7 @@ def test_request_update_reports_drafted_and_accepted(tiny_gemma):
     assert engine.drafted_tokens == req.drafted_tokens
     status = engine.status()["speculative"]
     assert status == {"method": "ngram", "drafted_tokens": req.drafted_tokens, "accepted_tokens": req.accepted_tokens}
-    from freetoken.server.metrics import Metrics
+    from freetoken.server.operations.metrics import Metrics
 
     metrics = Metrics()
     metrics.update_engine(up=True, restarts=0, in_flight=0, status=engine.status())

@@ -22,7 +22,7 @@ from serving import ServeProcess
 from freetoken.server.core.generation import Clock, Piece
 from freetoken.server.core.streaming import Tally
 from freetoken.server.core.tool_calling import ToolStream
-from freetoken.server.metrics import Metrics
+from freetoken.server.operations.metrics import Metrics
 from freetoken.server.process.client import EngineUnavailable
 from freetoken.server.responses.items import items_to_messages
 from freetoken.server.responses.output import OutputItems, response_body, usage

@@ -16,8 +16,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from freetoken.server.metrics_experts import ExpertMetrics
-from freetoken.server.metrics_speculative import SpeculativeMetrics
+from freetoken.server.operations.metrics_experts import ExpertMetrics
+from freetoken.server.operations.metrics_speculative import SpeculativeMetrics
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 POOL_STATES = ("capacity", "free", "cached", "in_use", "quarantined")
