@@ -73,6 +73,28 @@ def test_completions_json_schema(oa: openai.OpenAI) -> None:
     jsonschema.validate(json.loads(out.choices[0].text), SCHEMA)
 
 
+def test_logprobs_under_a_grammar_are_json(server: ServeProcess) -> None:
+    """Alternatives the grammar rules out have a logprob of minus infinity: they are written as
+    -9999.0 (JSON has no infinity), on completions and chat, streamed and not."""
+    body = {"model": MODEL, "max_tokens": 40, "temperature": 0, "response_format": FORMAT}
+    with server.http() as c:
+        plain = c.post("/v1/completions", json={**body, "prompt": "City:", "logprobs": 3})
+        chat = c.post("/v1/chat/completions", json={**body, "messages": MESSAGES, "logprobs": True, "top_logprobs": 3})
+        streamed = c.post("/v1/chat/completions", json={**body, "messages": MESSAGES, "logprobs": True, "top_logprobs": 3, "stream": True})
+    assert plain.status_code == chat.status_code == streamed.status_code == 200, (plain.text, chat.text)
+    tops = [lp for top in plain.json()["choices"][0]["logprobs"]["top_logprobs"] for lp in top.values()]
+    content = chat.json()["choices"][0]["logprobs"]["content"]
+    tops_chat = [t["logprob"] for e in content for t in e["top_logprobs"]]
+    def strict(text: str) -> Any:  # Python's json takes `-Infinity`; JSON does not
+        return json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} is not JSON"))
+
+    chunks = [strict(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    tops_streamed = [t["logprob"] for ch in chunks for choice in ch["choices"] if choice["logprobs"]
+                     for e in choice["logprobs"]["content"] for t in e["top_logprobs"]]
+    for found in (tops, tops_chat, tops_streamed):
+        assert -9999.0 in found and min(found) == -9999.0
+
+
 def test_json_object(oa: openai.OpenAI) -> None:
     """Any object: strings are unbounded, so a random model gets a generous budget; of three
     seeds, those that close their object (most do) parse as an object, and none starts otherwise."""

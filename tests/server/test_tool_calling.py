@@ -66,6 +66,25 @@ def test_named_function_forces_that_call(oa: openai.OpenAI) -> None:
         check_call(out.choices[0].message.tool_calls[0], "get_time")
 
 
+def test_logprobs_of_a_call_streamed_and_not(server: ServeProcess) -> None:
+    """A forced call's tokens have logprobs, the same non-streamed as joined from the stream."""
+    body = {"model": MODEL, "messages": USER, "tools": TOOLS, "tool_choice": "required", "max_tokens": 120, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2}
+    with server.http() as c:
+        out = c.post("/v1/chat/completions", json=body).json()
+        lines = c.post("/v1/chat/completions", json={**body, "stream": True}).text.splitlines()
+    choice = out["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["tool_calls"], out
+    logprobs = choice["logprobs"]["content"]
+    assert len(logprobs) == out["usage"]["completion_tokens"]
+    chunks = [json.loads(line[6:])["choices"] for line in lines if line.startswith("data: {")]
+    streamed = [lp for c in chunks if c and c[0]["logprobs"] for lp in c[0]["logprobs"]["content"]]
+    assert [e["token"] for e in streamed] == [e["token"] for e in logprobs]
+    assert [e["logprob"] for e in streamed] == pytest.approx([e["logprob"] for e in logprobs], abs=1e-3)
+    assert all(len(e["top_logprobs"]) == 2 for e in logprobs)
+    assert -9999.0 in [t["logprob"] for e in logprobs for t in e["top_logprobs"]]  # ruled out by the grammar: not -inf
+
+
 def stream_call(oa: openai.OpenAI, messages: Any, tool_choice: Any) -> tuple[str, list[dict[str, Any]], str | None]:
     """Content, the tool calls assembled from the deltas as a client does, and the finish reason."""
     content, calls, finish = "", {}, None

@@ -3,7 +3,9 @@
 Owns `chat_logprobs`, shared by chat completions (`choices[].logprobs.content`) and Responses
 (`output_text.logprobs`), which use the same item shape. The engine's entries are
 `(token id, logprob, [(id, logprob), ...])`; a `None` entry (no logprob for that position) is
-skipped.
+skipped. A logprob of minus infinity (a token a grammar or `logit_bias` ruled out, among the top
+alternatives) is written as -9999.0, as OpenAI and vLLM write it: JSON has no infinity, and an
+`-Infinity` literal breaks clients' parsers (and failed the non-streamed response).
 """
 
 from __future__ import annotations
@@ -13,12 +15,20 @@ from typing import Any
 from freetoken.tokenizer import Tokenizer
 
 
+MIN_LOGPROB = -9999.0
+
+
+def wire_logprob(logprob: float) -> float:
+    """A logprob as JSON can carry it: minus infinity (and anything below) is MIN_LOGPROB."""
+    return max(logprob, MIN_LOGPROB)
+
+
 def chat_logprobs(tokenizer: Tokenizer, entries: list[Any]) -> list[dict[str, Any]]:
     """OpenAI's chat logprobs `content` items."""
 
     def item(token_id: int, logprob: float) -> dict[str, Any]:
         text = tokenizer.decode([token_id])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": wire_logprob(logprob), "bytes": list(text.encode("utf-8"))}
 
     out = []
     for entry in entries:

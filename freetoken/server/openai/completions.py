@@ -18,6 +18,7 @@ from freetoken.server.context import ServingContext
 from freetoken.server.core.errors import bad_request
 from freetoken.server.core.generation import ChoiceSpec, Clock, Piece, collect, first_piece, merge, run_choice
 from freetoken.server.core.limits import check_context, check_max_tokens
+from freetoken.server.core.logprobs import wire_logprob
 from freetoken.server.core.streaming import Tally, record, sse_response, sse_stream
 from freetoken.server.openai.protocol import CompletionRequest
 from freetoken.server.request_hygiene import engine_rid
@@ -61,8 +62,8 @@ def legacy_logprobs(tokenizer: Tokenizer, entries: list[Any], offset: int) -> di
         token_id, logprob, top = entry[0], entry[1], entry[2] if len(entry) > 2 else []
         text = tokenizer.decode([token_id])
         out["tokens"].append(text)
-        out["token_logprobs"].append(logprob)
-        out["top_logprobs"].append({tokenizer.decode([t]): lp for t, lp in top})
+        out["token_logprobs"].append(wire_logprob(logprob))
+        out["top_logprobs"].append({tokenizer.decode([t]): wire_logprob(lp) for t, lp in top})
         out["text_offset"].append(offset)
         offset += len(text)
     return out
@@ -77,8 +78,8 @@ def _echo_logprobs(tokenizer: Tokenizer, ids: list[int], prompt_lps: list[Any] |
         entry = entries[i] if i < len(entries) else None
         text = tokenizer.decode([token_id])
         out["tokens"].append(text)
-        out["token_logprobs"].append(None if entry is None else entry[1])
-        out["top_logprobs"].append(None if entry is None else {tokenizer.decode([t]): lp for t, lp in entry[2]})
+        out["token_logprobs"].append(None if entry is None else wire_logprob(entry[1]))
+        out["top_logprobs"].append(None if entry is None else {tokenizer.decode([t]): wire_logprob(lp) for t, lp in entry[2]})
         out["text_offset"].append(offset)
         offset += len(text)
     return out
