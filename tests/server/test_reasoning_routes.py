@@ -62,6 +62,29 @@ def test_chat_reasoning_content(think_server: ServeProcess) -> None:
     assert not "".join(c[0]["delta"].get("content", "") for c in deltas if c)
 
 
+def chat_logprobs_both_ways(server: ServeProcess, body: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A chat request's non-streamed response, and the logprobs of its streamed twin joined."""
+    body = {"model": MODEL, "temperature": 0, "logprobs": True, "top_logprobs": 1, **body}
+    r = post(server, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    r2 = post(server, "/v1/chat/completions", {**body, "stream": True})
+    chunks = [json.loads(line[6:])["choices"] for line in r2.text.splitlines() if line.startswith("data: {")]
+    streamed = [lp for c in chunks if c and c[0]["logprobs"] for lp in c[0]["logprobs"]["content"]]
+    return r.json(), streamed
+
+
+def test_chat_logprobs_of_reasoning(think_server: ServeProcess) -> None:
+    """An all-reasoning output: the non-streamed logprobs cover every generated token, the same
+    tokens (and values) as the stream's."""
+    out, streamed = chat_logprobs_both_ways(think_server, {"messages": USER, "max_tokens": 6})
+    choice = out["choices"][0]
+    assert choice["message"]["reasoning_content"] and not choice["message"]["content"]
+    logprobs = choice["logprobs"]["content"]
+    assert len(logprobs) == out["usage"]["completion_tokens"] == 6
+    assert [e["token"] for e in streamed] == [e["token"] for e in logprobs]
+    assert [e["logprob"] for e in streamed] == pytest.approx([e["logprob"] for e in logprobs], abs=1e-3)
+
+
 def test_messages_thinking_blocks_only_when_asked(think_server: ServeProcess) -> None:
     body = {"model": MODEL, "messages": USER, "max_tokens": 6, "temperature": 0}
     thinking = post(think_server, "/v1/messages", {**body, "thinking": {"type": "adaptive"}}).json()

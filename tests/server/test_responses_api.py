@@ -27,8 +27,9 @@ from freetoken.server.process.client import EngineUnavailable
 from freetoken.server.responses.items import items_to_messages
 from freetoken.server.responses.output import OutputItems, response_body, usage
 from freetoken.server.responses.store import ResponseStore, StoredResponse
-from freetoken.server.responses.stream import response_events
-from freetoken.tokenizer.tool_parsers import StreamDelta, ToolCall, ToolCallDelta
+from freetoken.server.responses.stream import collected_items, response_events
+from freetoken.tokenizer.reasoning import reasoning_stream
+from freetoken.tokenizer.tool_parsers import StreamDelta, ToolCall, ToolCallDelta, make_tool_parser
 
 MODEL = "tiny-gemma"
 PAGE = 4  # the shared server's --page-size
@@ -491,3 +492,65 @@ def test_output_text_logprobs(server: ServeProcess) -> None:
     assert [e["token"] for e in streamed] == [e["token"] for e in logprobs]  # the same tokens (the values agree to rounding)
     assert [e["logprob"] for e in streamed] == pytest.approx([e["logprob"] for e in logprobs], abs=1e-3)
     assert create(server, input="Hi", max_output_tokens=2)["output"][0]["content"][0]["logprobs"] == []  # off unless asked
+
+
+def _scripted(texts: list[str]) -> list[Piece]:
+    """One piece per text, its tokens one per character (ids 100, 101, ...), each with a logprob."""
+    pieces, token = [], 100
+    for k, text in enumerate(texts):
+        ids = list(range(token, token + len(text)))
+        token += len(text)
+        pieces.append(Piece(0, text=text, token_ids=ids, logprobs=[[t, -t / 1000, []] for t in ids],
+                            finish_reason="stop" if k == len(texts) - 1 else None))
+    return pieces
+
+
+def _logprob_items(piece: Piece) -> list[dict[str, Any]]:
+    return [{"token": str(t), "logprob": lp, "bytes": [], "top_logprobs": []} for t, lp, _ in piece.logprobs]
+
+
+@pytest.mark.parametrize(
+    ("texts", "parser", "types"),
+    [
+        (["Let me", " think.</th", "ink>\n\nHel", "lo", " there."], "think", ["reasoning", "message"]),
+        (["Sure, ", "checking.", ' <tool_call>{"name": "f", "arguments": {}}</tool_call>'], "hermes", ["message", "function_call"]),
+    ],
+)
+def test_unstreamed_logprobs_are_the_streamed_ones(texts: list[str], parser: str, types: list[str]) -> None:
+    """An output with reasoning or a tool call beside its text: the non-streamed route's items carry
+    the message's logprobs exactly as the stream sends them (they were dropped whole when the
+    output held anything but text)."""
+
+    def tool_stream() -> ToolStream:
+        if parser == "think":
+            return ToolStream(None, True, reasoning_stream("think", in_reasoning=True), incremental=True)
+        return ToolStream(make_tool_parser("hermes", ["f"]).stream(), True, incremental=True)
+
+    ctx: Any = SimpleNamespace(client=SimpleNamespace(state="ready"), metrics=Metrics())
+
+    def body(status: str, output: list[dict[str, Any]], usage_doc: dict[str, Any] | None) -> dict[str, Any]:
+        return response_body("resp_1", 0, MODEL, {"tools": [], "tool_choice": "auto", "parallel_tool_calls": True}, status=status,
+                             output=output, usage_doc=usage_doc)
+
+    async def rest() -> AsyncIterator[Piece]:
+        for piece in _scripted(texts)[1:]:
+            yield piece
+
+    async def run() -> list[str]:
+        events = response_events(
+            ctx, "responses", rest(), _scripted(texts)[0], tally=Tally([3], [0]), clock=Clock(), parser=tool_stream(), body=body,
+            usage_of=lambda t: usage(t.prompt_tokens, t.completion_tokens, 0), on_done=lambda final, ids: None,
+            logprobs_of=_logprob_items,
+        )
+        return [frame async for frame in events]
+
+    events = [json.loads(f.split("data: ", 1)[1]) for f in asyncio.run(run())]
+    streamed = [lp for e in events if e["type"] == "response.output_text.delta" for lp in e["logprobs"]]
+    items = collected_items(_scripted(texts), tool_stream(), incomplete=False, logprobs_of=_logprob_items).items
+    assert [i["type"] for i in items] == types
+    [message] = [i for i in items if i["type"] == "message"]
+    assert streamed and message["content"][0]["logprobs"] == streamed
+    def unnamed(output: list[dict[str, Any]]) -> list[dict[str, Any]]:  # item and call ids are fresh each time
+        return [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in output]
+
+    assert unnamed(items) == unnamed(events[-1]["response"]["output"])  # the whole output, not only its logprobs

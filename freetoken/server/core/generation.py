@@ -79,8 +79,10 @@ class ChoiceResult:
     cache_creation_tokens: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    pieces: list[Piece] = field(default_factory=list)  # as they came, for a route that parses piece by piece
 
     def add(self, piece: Piece) -> None:
+        self.pieces.append(piece)
         self.text += piece.text
         self.token_ids += piece.token_ids
         self.logprobs += piece.logprobs

@@ -6,8 +6,8 @@ and each step yields the Responses stream events of the published sequence
 (`response.output_item.added`, `response.content_part.added`, `response.output_text.delta` /
 `.done`, `response.reasoning_text.delta` / `.done`, `response.function_call_arguments.delta` /
 `.done`, `response.content_part.done`, `response.output_item.done`), without sequence numbers
-(the stream adds them). The non-streamed route feeds the whole parse through the same object, so
-both paths give the same items. Whitespace written before any message or call is held back and
+(the stream adds them). The non-streamed route feeds the same pieces through the same object
+(`stream.feed_piece`), so both paths give the same items and logprobs. Whitespace written before any message or call is held back and
 only becomes a message when nothing else was written. A call's arguments go out as the parser
 gives them: fragment by fragment where it streams them, else whole in one delta; a call item stays
 open until the next item starts or the output ends. With `seal_reasoning`, a finished reasoning

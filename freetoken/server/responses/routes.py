@@ -27,13 +27,12 @@ from freetoken.server.core.streaming import Tally, record, sse_response
 from freetoken.server.core.tool_calling import ToolCalling
 from freetoken.server.request_hygiene import engine_rid
 from freetoken.server.responses.items import call_names, items_to_messages, listed_items
-from freetoken.server.responses.output import OutputItems, new_id, response_body, usage
+from freetoken.server.responses.output import new_id, response_body, usage
 from freetoken.server.responses.prompt import Prompt, build_prompt
 from freetoken.server.responses.protocol import ResponsesRequest
 from freetoken.server.responses.store import ResponseStore, StoredResponse
-from freetoken.server.responses.stream import response_events
+from freetoken.server.responses.stream import collected_items, response_events
 from freetoken.server.responses.tools import ResponsesTools, responses_tools, text_grammar
-from freetoken.tokenizer.tool_parsers import StreamDelta, ToolCallDelta
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +121,8 @@ async def create_response(ctx: ServingContext, store: ResponseStore, req: Respon
     def piece_logprobs(piece: Piece) -> list[dict[str, Any]]:
         return chat_logprobs(ctx.tokenizer, piece.logprobs)
 
+    logprobs_of = None if req.logprobs_k() is None else piece_logprobs
+
     def keep(final: dict[str, Any], output_ids: list[int]) -> None:
         if req.stores:
             store.put(response_id, stored(final, kept, prompt, output_ids, inputs))
@@ -129,16 +130,11 @@ async def create_response(ctx: ServingContext, store: ResponseStore, req: Respon
     if not req.stream:
         result = (await collect(ctx.client, pieces, 1, clock))[0]
         tally.add_results([result])
-        parsed = tooling.parse(result.text)
-        items = OutputItems(seal_reasoning=req.seals_reasoning)
-        # logprobs of a whole output are placed only where they all belong to its text
-        text_only = req.logprobs_k() is not None and not parsed.tool_calls and not parsed.reasoning
-        items.feed(
-            StreamDelta(parsed.content, parsed.reasoning, [ToolCallDelta(k, c) for k, c in enumerate(parsed.tool_calls)]),
-            chat_logprobs(ctx.tokenizer, result.logprobs) if text_only else None,
-        )
         incomplete = result.finish_reason == "length"
-        items.finish(incomplete)
+        items = collected_items(  # fed as the stream feeds them: the streamed items and logprobs
+            result.pieces, tooling.stream(incremental=True), incomplete=incomplete, seal_reasoning=req.seals_reasoning,
+            logprobs_of=logprobs_of,
+        )
         final = body("incomplete" if incomplete else "completed", items.items, usage_of(tally))
         keep(final, result.token_ids)
         record(ctx, ENDPOINT, 200, tally, clock)
@@ -147,7 +143,7 @@ async def create_response(ctx: ServingContext, store: ResponseStore, req: Respon
     first = await first_piece(ctx.client, pieces)
     events = response_events(
         ctx, ENDPOINT, pieces, first, tally=tally, clock=clock, parser=tooling.stream(incremental=True), body=body, usage_of=usage_of, on_done=keep,
-        seal_reasoning=req.seals_reasoning, logprobs_of=None if req.logprobs_k() is None else piece_logprobs,
+        seal_reasoning=req.seals_reasoning, logprobs_of=logprobs_of,
     )
     response = sse_response(events)
     response.headers.update(headers)

@@ -6,7 +6,9 @@ Owns `response_events`: `response.created`, `response.in_progress`, the item eve
 `sequence_number` counting from 0, and no `[DONE]` (OpenAI sends none on this route). An engine
 failure after the stream started is an `error` event followed by `response.failed`; a client that
 goes away aborts the request. Metrics are recorded when the stream ends. Bodies come from the
-callbacks the route passes in.
+callbacks the route passes in. Also `collected_items`, a non-streamed response's output: the same
+pieces through the same `feed_piece`, so it has the streamed items and logprobs (those of reasoning
+and call tokens are left out on both paths; `output_text` has the only place for logprobs).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from freetoken.errors import FreeTokenError
@@ -27,6 +29,34 @@ from freetoken.server.responses.output import OutputItems
 
 # (status, output items, usage or None) -> the `response` object
 BodyOf = Callable[[str, list[dict[str, Any]], "dict[str, Any] | None"], dict[str, Any]]
+
+
+def feed_piece(
+    items: OutputItems, parser: ToolStream, piece: Piece, logprobs_of: Callable[[Piece], list[dict[str, Any]]] | None
+) -> list[dict[str, Any]]:
+    """One piece through the parser (finished with the choice's last piece) into `items`, with its
+    tokens' logprobs when asked. Both paths build their items this way, so a non-streamed response
+    has the streamed one's items and logprobs."""
+    delta = parser.feed(piece.text)
+    if piece.finish_reason is not None:
+        delta.extend(parser.finish())
+    return items.feed(delta, logprobs_of(piece) if logprobs_of is not None else None)
+
+
+def collected_items(
+    pieces: Sequence[Piece],
+    parser: ToolStream,
+    *,
+    incomplete: bool,
+    seal_reasoning: bool = False,
+    logprobs_of: Callable[[Piece], list[dict[str, Any]]] | None = None,
+) -> OutputItems:
+    """A non-streamed response's output: its pieces fed as the stream feeds them, then closed."""
+    items = OutputItems(seal_reasoning=seal_reasoning)
+    for piece in pieces:
+        feed_piece(items, parser, piece, logprobs_of)
+    items.finish(incomplete)
+    return items
 
 
 def frame(event: dict[str, Any]) -> str:
@@ -74,11 +104,9 @@ async def response_events(
                         yield line
                     return
                 token_ids += piece.token_ids
-                delta = parser.feed(piece.text)
                 if piece.finish_reason is not None:
-                    delta.extend(parser.finish())
                     finish = piece.finish_reason
-                for event in items.feed(delta, logprobs_of(piece) if logprobs_of is not None else None):
+                for event in feed_piece(items, parser, piece, logprobs_of):
                     yield emit(event)
                 try:
                     piece = await anext(pieces)
