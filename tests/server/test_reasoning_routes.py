@@ -103,6 +103,26 @@ def test_messages_thinking_blocks_only_when_asked(think_server: ServeProcess) ->
     assert omitted["content"][0] == {"type": "thinking", "thinking": "", "signature": ""}
 
 
+def test_thinking_budget_ends_the_reasoning(think_server: ServeProcess) -> None:
+    """`thinking.budget_tokens` N: the tiny model never closes its reasoning on its own; with the
+    budget the engine writes `</think>` after N tokens and the answer follows. The thinking block
+    is the same N greedy tokens a request stopped at exactly N (max_tokens) thinks, and without a
+    budget (adaptive) the same room is all thinking."""
+    budget = 1024
+    body = {"model": MODEL, "messages": USER, "temperature": 0}
+    enabled = {"type": "enabled", "budget_tokens": budget}
+    at_budget = post(think_server, "/v1/messages", {**body, "max_tokens": budget, "thinking": enabled}).json()
+    past = post(think_server, "/v1/messages", {**body, "max_tokens": budget + 40, "thinking": enabled}).json()
+    unbounded = post(think_server, "/v1/messages", {**body, "max_tokens": budget + 40, "thinking": {"type": "adaptive"}}).json()
+    assert at_budget["usage"]["output_tokens"] == budget and at_budget["stop_reason"] == "max_tokens", at_budget["usage"]
+    thought = at_budget["content"][0]["thinking"]
+    assert [b["type"] for b in past["content"]] == ["thinking", "text"], past
+    assert past["content"][0]["thinking"].strip() == thought.strip()  # at most N tokens of thinking
+    assert past["content"][1]["text"].strip() and past["usage"]["output_tokens"] > budget + len("</think>")
+    assert [b["type"] for b in unbounded["content"]] == ["thinking", "text"] and not unbounded["content"][1]["text"]
+    assert len(unbounded["content"][0]["thinking"]) > len(thought) and unbounded["content"][0]["thinking"].startswith(thought.strip())
+
+
 def test_cors(think_server: ServeProcess) -> None:
     pre = httpx.options(f"{think_server.base}/v1/chat/completions", headers={
         "Origin": ORIGIN, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"})

@@ -106,7 +106,7 @@ async def create_message(ctx: ServingContext, req: MessagesRequest, request_id: 
     params = req.sampling_params(req.max_tokens)  # range checks before anything else
     info = ctx.ready_info()
     ids, boundaries, tooling = render_conversation(ctx, req)
-    params = tooling.sampling(params)
+    params = tooling.sampling(params, reasoning_budget=req.thinking_budget())
     check_context(len(ids), req.max_tokens, info.context_length, prompt_param="messages", max_param="max_tokens")
     ctx.check_capacity(1)
     message_id = f"msg_{uuid.uuid4().hex}"

@@ -120,8 +120,9 @@ MIN_THINKING_BUDGET = 1024  # Anthropic's smallest budget_tokens
 
 
 class ThinkingEnabled(_Strict):
-    """Think first, where the model can. `budget_tokens` is checked, not enforced: reasoning
-    counts against max_tokens."""
+    """Think first, where the model can, for at most `budget_tokens` tokens: past them the engine
+    ends the reasoning itself (the reasoning parser's end marker) and the answer follows. The
+    reasoning counts against max_tokens."""
 
     type: Literal["enabled"]
     budget_tokens: int
@@ -189,6 +190,10 @@ class Conversation(_Strict):
                 param="thinking.budget_tokens",
             )
         return not isinstance(self.thinking, ThinkingDisabled)
+
+    def thinking_budget(self) -> int | None:
+        """`budget_tokens` of an enabled `thinking` (adaptive and disabled have none)."""
+        return self.thinking.budget_tokens if isinstance(self.thinking, ThinkingEnabled) else None
 
     def omits_thinking(self) -> bool:
         """`display: "omitted"`: thinking blocks go out empty (the reasoning still happens)."""

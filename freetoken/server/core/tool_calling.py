@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from freetoken.reasoning_budget import ReasoningBudget
 from freetoken.request import SamplingParams
 from freetoken.server.context import ServingContext
 from freetoken.server.core.errors import bad_request
@@ -170,13 +171,27 @@ class ToolCalling:
         tools = list(self.options.tools) if self.options.active else []
         return prepare_messages(self._ctx.tokenizer, messages, tools, self.parser, parallel=self.options.parallel)
 
-    def sampling(self, params: SamplingParams) -> SamplingParams:
+    def sampling(self, params: SamplingParams, *, reasoning_budget: int | None = None) -> SamplingParams:
+        """The request's params with what its tools and reasoning need; `reasoning_budget`: at most
+        that many tokens inside the reasoning (see `_budget`)."""
         if self.parser.needs_special_tokens or self._think_is_special():
             params = replace(params, skip_special_tokens=False)
         if self.options.forced:
             params = replace(params, grammar=("lark", self.parser.forced_grammar(self.options.forced_tools())))
         self._constrained = params.grammar is not None
+        if reasoning_budget is not None and self._splits_reasoning:
+            params = replace(params, reasoning_budget=self._budget(reasoning_budget))
         return params
+
+    def _budget(self, max_tokens: int) -> ReasoningBudget:
+        """`max_tokens` model tokens between the reasoning parser's markers, then the engine writes
+        the end marker (freetoken/reasoning_budget.py); the reasoning is open from the start where
+        the generation prompt opened it. Only where the reasoning is split off: a grammar's output
+        (forced calls, structured output) has none, and the engine must not write past a grammar."""
+        start, end = MARKERS[self.reasoning or ""]
+        tokenizer = self._ctx.tokenizer
+        start_ids = () if self._opened else tuple(tokenizer.encode(start, add_special_tokens=False))
+        return ReasoningBudget(max_tokens, start_ids, tuple(tokenizer.encode(end, add_special_tokens=False)))
 
     def _think_is_special(self) -> bool:
         """Whether the reasoning's start marker begins with a special token (decoding would drop it)."""
