@@ -21,7 +21,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from freetoken.ops.sampling import row_stats_
 from freetoken.request import Request, SamplingParams, TokenLogprob
+
+# (row maxima [R] float32, log normalisers [R] float64, block maxima [R, V / BLOCK] or None)
+RowStats = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 # k of the topk for rows whose top_k is off: Gemma 3's rows keep 1-85 tokens at temperature 0.8,
 # top_p 0.95 (benchmarks/sampler_bench.py --gguf), and topk(256) costs about what topk(40) does.
@@ -89,23 +93,27 @@ def _has_filter(p: SamplingParams, vocab: int) -> bool:
     return 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0
 
 
-def _topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`x.topk(k)`, through the k blocks with the largest maxima when that is smaller."""
+def _topk(x: torch.Tensor, k: int, block_max: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x.topk(k)`, through the k blocks with the largest maxima when that is smaller (`block_max`
+    [R, V / BLOCK]: those maxima, when the caller has them)."""
     # x: [R, V] -> values, ids: [R, k] (which of equal values come back is unspecified, as topk's)
     rows, vocab = x.shape
     if vocab % BLOCK or 2 * k * BLOCK > vocab:
         return x.topk(k, dim=-1)
-    blocks = x.reshape(rows, vocab // BLOCK, BLOCK)  # [R, V / BLOCK, BLOCK]
-    best = blocks.amax(dim=-1).topk(k, dim=-1).indices  # [R, k]
-    candidates = blocks.gather(1, best[:, :, None].expand(rows, k, BLOCK)).reshape(rows, k * BLOCK)
+    nblocks = vocab // BLOCK
+    if block_max is None:
+        block_max = x.reshape(rows, nblocks, BLOCK).amax(dim=-1)
+    best = block_max.topk(k, dim=-1).indices  # [R, k]
+    flat = (best + torch.arange(rows)[:, None] * nblocks).reshape(-1)
+    candidates = x.reshape(rows * nblocks, BLOCK).index_select(0, flat).reshape(rows, k * BLOCK)
     vals, pos = candidates.topk(k, dim=-1)  # [R, k]
     return vals, best.gather(1, pos // BLOCK) * BLOCK + pos % BLOCK
 
 
-def _ranked_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _ranked_topk(x: torch.Tensor, k: int, block_max: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest of each row, descending, equal values by ascending id."""
     # x: [R, V] -> values, ids: [R, k]
-    vals, ids = _topk(x, k)
+    vals, ids = _topk(x, k, block_max)
     ids, order = ids.sort(dim=-1)
     vals, order = vals.gather(1, order).sort(dim=-1, descending=True, stable=True)
     return vals, ids.gather(1, order)
@@ -180,7 +188,7 @@ def _cut_below(row: torch.Tensor, tau: float, f: _Filters) -> tuple[torch.Tensor
 
 
 def filtered_distribution(
-    logits: torch.Tensor, params: list[SamplingParams], start_k: int = START_K
+    logits: torch.Tensor, params: list[SamplingParams], start_k: int = START_K, stats: RowStats | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The tokens each row keeps after top-k, top-p and min-p, and their renormalised probabilities.
 
@@ -194,15 +202,11 @@ def filtered_distribution(
     about the kept set, where doubling k until the cut fits costs more than sorting the row.
     """
     # logits: [S, V] float32, temperature applied -> ids: [S, K] long, probs: [S, K] float64
-    # (a row's tokens past those it keeps have probability 0)
+    # (a row's tokens past those it keeps have probability 0). `stats`: `row_stats_` of these
+    # rows with the normaliser of every top_p row, when the caller has them.
     n, vocab = logits.shape
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64)
-    row_max = logits.amax(dim=-1)  # [S] float32
-    log_mass = torch.zeros(n, dtype=torch.float64)
-    m_rows = (top_p < 1.0).nonzero()[:, 0]
-    if len(m_rows):
-        x = logits if len(m_rows) == n else logits[m_rows]
-        log_mass[m_rows] = (x - row_max[m_rows, None]).exp_().sum(dim=-1).double().log()  # float32 cascade sum
+    row_max, log_mass, block_max = stats if stats is not None else row_stats_(logits, None, top_p < 1.0, BLOCK)
     f = _Filters(
         torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params]),
         top_p,
@@ -211,7 +215,7 @@ def filtered_distribution(
         log_mass,
     )
     k = min(vocab, max(max(int(t) if t < vocab else start_k for t in f.top_k), 1))
-    vals, ids = _ranked_topk(logits, k)  # [S, k]
+    vals, ids = _ranked_topk(logits, k, block_max)  # [S, k]
     m, rel, closed = _cut(vals, f)
     last = (m - 1)[:, None]
     group_inside = (vals.gather(1, last)[:, 0] > vals[:, -1]) | (rel.gather(1, last)[:, 0] == 0)
@@ -274,14 +278,18 @@ def _draw(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -
     # logits: [S, V] float32 (scaled in place), u: [S]
     n, vocab = logits.shape
     temps = [p.temperature for p in params]
-    if any(t != 1.0 for t in temps):
-        logits.div_(torch.tensor(temps, dtype=logits.dtype)[:, None])
-    chosen = [0] * n
     filtered = [i for i, p in enumerate(params) if _has_filter(p, vocab)]
     whole = [i for i, p in enumerate(params) if not _has_filter(p, vocab)]
+    needs_mass = torch.tensor([_has_filter(p, vocab) and p.top_p < 1.0 for p in params])
+    row_max, log_mass, block_max = row_stats_(
+        logits, torch.tensor(temps) if any(t != 1.0 for t in temps) else None, needs_mass, BLOCK
+    )
+    chosen = [0] * n
     if filtered:
         rows = logits if len(filtered) == n else logits[filtered]
-        ids, probs = filtered_distribution(rows, [params[i] for i in filtered])
+        sel = slice(None) if len(filtered) == n else torch.tensor(filtered)
+        stats = (row_max[sel], log_mass[sel], block_max[sel] if block_max is not None else None)
+        ids, probs = filtered_distribution(rows, [params[i] for i in filtered], stats=stats)
         # draw over the kept tokens in token-id order, as a draw over the whole row would
         ids, order = ids.masked_fill(probs == 0, vocab).sort(dim=-1)
         picks = _inverse_cdf(probs.gather(1, order), u[filtered])
@@ -289,7 +297,8 @@ def _draw(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -
             chosen[i] = tok
     if whole:
         rows = logits if len(whole) == n else logits[whole]
-        weights = rows.sub_(rows.amax(dim=-1, keepdim=True)).exp_()  # [W, V], max 1 (in place: no 16 MB temporary)
+        maxima = row_max if len(whole) == n else row_max[whole]
+        weights = rows.sub_(maxima[:, None]).exp_()  # [W, V], max 1 (in place: no 16 MB temporary)
         for i, tok in zip(whole, _inverse_cdf_blocked(weights, u[whole]).tolist()):
             chosen[i] = tok
     return chosen

@@ -1,0 +1,53 @@
+"""The sampler's whole-row passes as one op: temperature applied in place, each row's maximum,
+the log of its softmax normaliser and the maxima of its blocks of logits. The C++ code of
+csrc/sampling.cpp on CPU for float32 rows; torch's ops elsewhere (other devices, no extension).
+
+Owns the choice. Both paths divide by the temperature (IEEE division, as `div_`), so the scaled
+logits and every maximum are the same bit for bit; the normaliser differs by float32 summation
+order and the kernel's exp (~1e-6 relative), which the sampler's top-p cut tolerates. No request or
+vocabulary knowledge here.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def _load() -> ModuleType | None:
+    try:
+        from freetoken.ops import _sampling_cpu  # built by `pip install -e .` (setup.py)
+    except ImportError as err:
+        log.info("freetoken.ops: C++ sampler passes not built (%s); using torch", err)
+        return None
+    return _sampling_cpu
+
+
+_KERNEL: ModuleType | None = _load()  # decided once at import
+
+
+def row_stats_(
+    x: torch.Tensor, temps: torch.Tensor | None, mass: torch.Tensor, block: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """x [R, V] float32, divided in place by `temps` [R] when given. Returns each row's maximum [R]
+    (float32), log sum exp(x - max) [R] (float64; 0 for rows where `mass` [R] bool is False) and the
+    maxima of its blocks of `block` logits [R, V / block] (None when `block` does not divide V)."""
+    if _KERNEL is not None and x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous() and x.dim() == 2:
+        row_max, log_mass, block_max = _KERNEL.row_stats_(
+            x, temps.float().contiguous() if temps is not None else None, mass.contiguous(), block
+        )
+        return row_max, log_mass, block_max if block_max.shape[1] else None
+    if temps is not None:
+        x.div_(temps.to(x.dtype)[:, None])
+    row_max = x.amax(dim=-1)  # [R]
+    log_mass = torch.zeros(x.shape[0], dtype=torch.float64, device=x.device)
+    rows = mass.nonzero()[:, 0]
+    if len(rows):
+        log_mass[rows] = (x[rows] - row_max[rows, None]).exp_().sum(dim=-1).double().log()  # float32 cascade sum
+    vocab = x.shape[1]
+    block_max = x.reshape(x.shape[0], vocab // block, block).amax(dim=-1) if block > 0 and vocab % block == 0 else None
+    return row_max, log_mass, block_max
