@@ -75,18 +75,18 @@ def paged_attention(
         return torch_backend.paged_attention(
             q, k_pages, v_pages, page_table, batch, scale, sliding_window, sinks, softcap,
         )
-    T, H, D = q.shape
-    n_kv = k_pages.shape[2]
     key = ("sdpa", sliding_window, page_table is batch.swa_table)
     plan = batch.memo.get(key)
     if plan is None:  # the same for every layer of this kind in this step: built once
         plan = batch.memo[key] = _plan(page_table, batch, sliding_window, k_pages.shape[1], q.device)
-    flat, visible, S = plan
-    B, Lq = batch.num_requests, batch.max_query_len
-    if Lq == 1 and k_pages.dtype == q.dtype:  # a decode batch: the fused op reads the visible rows in place
-        out = decode_attention(q, k_pages, v_pages, flat.view(B, S), visible.view(B, S), scale)
+    flat, visible, S, decode_keys = plan
+    if decode_keys is not None and k_pages.dtype == q.dtype:  # a decode batch: the fused op reads the visible rows in place
+        out = decode_attention(q, k_pages, v_pages, *decode_keys, scale)
         if out is not None:
             return out
+    T, H, D = q.shape
+    n_kv = k_pages.shape[2]
+    B, Lq = batch.num_requests, batch.max_query_len
     k = take_rows(k_pages, flat, q.dtype).view(B, S, n_kv, D).transpose(1, 2)  # [B, n_kv, S, D], dequantized
     v = take_rows(v_pages, flat, q.dtype).view(B, S, n_kv, D).transpose(1, 2)  # [B, n_kv, S, D]
 
@@ -213,10 +213,13 @@ def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Te
     return torch.matmul(probs, v.to(dtype)).to(q.dtype).view(B, H, D)  # [B, H, D]
 
 
-def _plan(
-    page_table: torch.Tensor, batch: ForwardBatch, sliding_window: int | None, P: int, device: torch.device,
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """What every layer of one kind gathers and masks: pool slots [B * S], mask [B, 1, Lq, S], S."""
+_Plan = tuple[torch.Tensor, torch.Tensor, int, "tuple[torch.Tensor, torch.Tensor] | None"]
+
+
+def _plan(page_table: torch.Tensor, batch: ForwardBatch, sliding_window: int | None, P: int, device: torch.device) -> _Plan:
+    """What every layer of one kind gathers and masks: pool slots [B * S], mask [B, 1, Lq, S], S,
+    and for a decode batch (Lq = 1) the slots and mask as `decode_attention` takes them, [B, S]
+    each (views made once here rather than per layer)."""
     B, Lq, T = batch.num_requests, batch.max_query_len, batch.num_tokens
     slots, k_pos = _key_slots(page_table, batch, sliding_window, P)  # [B, S], [B or 1, S]
     unpadded = T == B * Lq
@@ -232,4 +235,6 @@ def _plan(
         visible &= diff < sliding_window
     if not unpadded:  # a padded row would see nothing (SDPA gives NaN): let it see all; it is dropped
         visible |= (q_pos < 0)[:, :, None]
-    return slots.reshape(-1), visible[:, None], slots.shape[1]
+    S = slots.shape[1]
+    decode_keys = (slots.view(B, S), visible.view(B, S)) if Lq == 1 else None
+    return slots.reshape(-1), visible[:, None], S, decode_keys

@@ -43,7 +43,13 @@ _KERNEL: ModuleType | None = _load()  # decided once at import
 
 
 def _fast(x: torch.Tensor) -> bool:
-    return _KERNEL is not None and x.device.type == "cpu" and x.dtype in _FAST_DTYPES and x.stride(-1) == 1
+    # `is_cpu`, not `device.type`: these checks run a few times per layer and step, and making
+    # the device object costs more than the check.
+    return _KERNEL is not None and x.is_cpu and x.dtype in _FAST_DTYPES and x.stride(-1) == 1
+
+
+def _float32_or_none(w: torch.Tensor | None) -> bool:
+    return w is None or w.dtype == torch.float32
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_after_cast: bool = False) -> torch.Tensor:
@@ -81,8 +87,9 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x_out = x + rms_norm(h, h_weight) (x + h without h_weight); y = rms_norm(x_out, weight)
     (None without weight). x, h [T, D]; weights [D] in the compute dtype."""
-    if _fast(x) and x.dim() == 2 and x.shape[0] <= ADD_NORM_MAX_ROWS and x.is_contiguous() and h.is_contiguous() and h.dtype == x.dtype and all(
-        w is None or w.dtype == torch.float32 for w in (h_weight, weight)
+    if (
+        _fast(x) and x.dim() == 2 and x.shape[0] <= ADD_NORM_MAX_ROWS and x.is_contiguous() and h.is_contiguous()
+        and h.dtype == x.dtype and _float32_or_none(h_weight) and _float32_or_none(weight)
     ):
         out = _KERNEL.add_rms_norm(x, h, h_weight, weight, eps, weight_after_cast)  # type: ignore[union-attr]
         return out[0], (out[1] if len(out) > 1 else None)
@@ -108,7 +115,7 @@ def qk_norm_rope_(
 ) -> bool:
     """Norm (where a weight is given) and rotate the query and key heads of qkv [T, (H + 2 n_kv) D]
     in place; False (nothing done) where only the caller's unfused path can run."""
-    if not (_fast(qkv) and qkv.dim() == 2 and all(w is None or w.dtype == torch.float32 for w in (q_weight, k_weight))):
+    if not (_fast(qkv) and qkv.dim() == 2 and _float32_or_none(q_weight) and _float32_or_none(k_weight)):
         return False
     _KERNEL.qk_norm_rope_(qkv, heads, kv_heads, q_weight, k_weight, eps, weight_after_cast, cos, sin)  # type: ignore[union-attr]
     return True

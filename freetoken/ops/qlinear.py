@@ -221,6 +221,7 @@ class PackedWeight:
         self.minimum = qw.minimum.contiguous() if qw.minimum is not None else None
         # Only without the kernel, for 4-bit on CPU: torch's int4 layout, beside ours (rows() reads ours).
         self.int4pack: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._order: torch.Tensor | None = None  # see _natural_order
         # The paths as plain functions of (self, x, bias), not bound methods: a bound method kept
         # on self is a reference cycle, and an evicted expert would wait for the garbage collector.
         self._small: _Path
@@ -252,8 +253,12 @@ class PackedWeight:
 
     def _rows_of(self, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None,
                  dtype: torch.dtype) -> torch.Tensor:
-        r, k = packed.shape[0], self.in_features
-        q = _unpack(packed, self.bits, k)
+        return self._scaled(_unpack(packed, self.bits, self.in_features), scale, minimum, dtype)
+
+    def _scaled(self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """Integers q [R, K] (int8, or their exact float32 values) with their groups' scale and
+        minimum [R, K / 32] -> the weight rows [R, K] in `dtype`."""
+        r, k = q.shape
         w = q.float().reshape(r, k // GROUP, GROUP) * scale.float().unsqueeze(2)  # [R, G, 32]
         if minimum is not None:
             w = w + minimum.float().unsqueeze(2)
@@ -261,10 +266,23 @@ class PackedWeight:
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """Rows `ids` of the dequantized weight (an embedding lookup): ids.shape + [K], in `dtype`."""
-        flat = ids.reshape(-1)
+        flat = ids if ids.dim() == 1 else ids.reshape(-1)
+        packed, scale = self.packed.index_select(0, flat), self.scale.index_select(0, flat)
         m = self.minimum.index_select(0, flat) if self.minimum is not None else None
-        out = self._rows_of(self.packed.index_select(0, flat), self.scale.index_select(0, flat), m, dtype)
-        return out.reshape(*ids.shape, self.in_features)
+        if self.bits == 8:  # once per step (the embedding): one gather undoes the kernel's byte order
+            q = packed.index_select(1, self._natural_order()).float() - 128  # [R, K], the int8 values
+            out = self._scaled(q, scale, m, dtype)
+        else:
+            out = self._rows_of(packed, scale, m, dtype)
+        return out if ids.dim() == 1 else out.reshape(*ids.shape, self.in_features)
+
+    def _natural_order(self) -> torch.Tensor:
+        """int64 [K]: the byte of a packed 8-bit row holding each weight, in the row's order
+        (`_chunk_transpose` inverted, as an index; made at the first lookup)."""
+        if self._order is None:
+            k = self.in_features
+            self._order = _chunk_transpose(torch.arange(k, device=self.packed.device).view(1, k), inverse=True)[0].contiguous()
+        return self._order
 
     def rows_range(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
         m = self.minimum[start:stop] if self.minimum is not None else None
