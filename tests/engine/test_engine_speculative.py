@@ -102,7 +102,10 @@ class BigramRunner:
     def __init__(self) -> None:
         self.table = torch.randn(self.vocab_size, self.vocab_size, generator=torch.Generator().manual_seed(5), dtype=torch.float64) * 1.5
 
-    def forward(self, items) -> torch.Tensor:
+    @staticmethod
+    def previous_tokens(items) -> list[int]:
+        """The token before each logits row the engine asks for: every row of a verified draft,
+        the last row of a sampling prefill or decode."""
         rows: list[int] = []
         for item in items:
             tokens = item.req.token_slice(0, item.start + item.n - len(item.draft)) + list(item.draft)
@@ -110,7 +113,10 @@ class BigramRunner:
                 rows.extend(tokens[item.start : item.start + item.n])
             elif item.samples:
                 rows.append(tokens[-1])
-        return self.table[rows].float()
+        return rows
+
+    def forward(self, items) -> torch.Tensor:
+        return self.table[self.previous_tokens(items)].float()
 
     def resize_kv(self, kind: str, pages: int) -> None:
         raise AssertionError("not resized in this test")

@@ -15,6 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from test_engine_speculative import BigramRunner
+
 from freetoken.config import EngineConfig
 from freetoken.engine.build import build_engine_for
 from freetoken.engine.engine import Engine, RequestRefused
@@ -204,13 +206,7 @@ class CountingRunner:
     resizable = False
 
     def forward(self, items) -> torch.Tensor:
-        rows: list[int] = []
-        for item in items:
-            tokens = item.req.token_slice(0, item.start + item.n - len(item.draft)) + list(item.draft)
-            if item.draft:
-                rows.extend(tokens[item.start : item.start + item.n])
-            elif item.samples:
-                rows.append(tokens[-1])
+        rows = BigramRunner.previous_tokens(items)
         nxt = torch.tensor([(t + 1) % 8 if t < 8 else 0 for t in rows])
         return torch.nn.functional.one_hot(nxt, self.vocab_size).float() * 10.0
 
