@@ -14,6 +14,7 @@ import torch
 
 from freetoken.errors import ModelLoadError
 from freetoken.models import shard
+from freetoken.models.bind import bind_submodules
 from freetoken.models.config import ModelConfig
 from freetoken.models.experts import offload_experts
 from freetoken.models.experts_cache import GIB, ExpertCache
@@ -78,6 +79,7 @@ def load_model(
     if plan is not None:
         shard.install_collectives(model, plan)
     model.eval()
+    bind_submodules(model)
     tokenizer = load_tokenizer(source, ckpt.metadata)
     log.info("loaded %s (%s, %s, weights %s) in %.1f s", source.name, config.architecture, dtype, weights,
              time.perf_counter() - t0)
