@@ -1,6 +1,7 @@
 // The small per-layer ops of a decode step, each one call instead of two to ten torch ops:
 // RMSNorm (computed in float32, as transformers does), rotary embedding applied in place, q/k
-// norms with rope, and the residual add fused with the norms around it.
+// norms with rope, the residual add fused with the norms around it, and the MLP's act(gate) * up
+// (torch's kernels, called from here).
 //
 // Owns the arithmetic only; freetoken/ops/layers.py chooses between these and the torch
 // reference (float64, other devices) and documents the rounding. Rows (every dimension but the
@@ -231,6 +232,18 @@ void qk_norm_rope_(at::Tensor qkv, int64_t H, int64_t n_kv, const c10::optional<
   });
 }
 
+// act(gate) * up on the fused gate/up output gate_up [..., 2 I] (gate columns first): torch's own
+// silu / tanh-gelu and multiply (the same kernels, so the same bits), called from here so that a
+// decode step pays one Python call for the three ops instead of three (~5 -> ~3 us at one row).
+// A loop of our own with libm's tanh was 3x slower than torch's vectorized kernels.
+at::Tensor gated_act(const at::Tensor& gate_up, bool gelu_tanh) {
+  TORCH_CHECK(gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0, "gated_act: the last dimension must be 2 I");
+  const int64_t I = gate_up.size(-1) / 2;
+  const at::Tensor gate = gate_up.narrow(-1, 0, I);
+  at::Tensor act = gelu_tanh ? at::gelu(gate, "tanh") : at::silu(gate);
+  return act.mul_(gate_up.narrow(-1, I, I));  // in place on act's fresh memory: the values of act * up
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -243,4 +256,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qk_norm_rope_", &qk_norm_rope_, "q/k head norms and rope in place on the fused projection", py::arg("qkv"),
         py::arg("heads"), py::arg("kv_heads"), py::arg("q_weight"), py::arg("k_weight"), py::arg("eps"),
         py::arg("weight_after_cast"), py::arg("cos"), py::arg("sin"));
+  m.def("gated_act", &gated_act, "act(gate) * up by torch's kernels, one call", py::arg("gate_up"),
+        py::arg("gelu_tanh"));
 }

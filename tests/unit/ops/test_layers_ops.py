@@ -110,3 +110,17 @@ def test_qk_norm_rope_equals_norms_then_rope(dtype: torch.dtype, norms: bool) ->
     assert torch.equal(got[:, : H * D].view(T, H, D), want_q)
     assert torch.equal(got[:, H * D : (H + n_kv) * D].view(T, n_kv, D), want_k)
     assert torch.equal(got[:, (H + n_kv) * D :], want_v)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_gated_act_is_torchs_ops_bit_for_bit(dtype: torch.dtype, act: str) -> None:
+    assert layers._GATED_ACT  # the C++ call is what runs here
+    torch_act = {"silu": F.silu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}[act]
+    g = torch.Generator().manual_seed(3)
+    for rows, inter in ((1, 1536), (3, 2048), (70, 100)):
+        gate_up = (torch.randn(rows, 2 * inter, generator=g) * 4).to(dtype)
+        gate, up = gate_up.chunk(2, dim=-1)
+        got = layers.gated_act(gate_up, act)
+        assert got.shape == (rows, inter) and got.dtype == dtype
+        assert torch.equal(got, torch_act(gate) * up)
