@@ -25,9 +25,13 @@ from freetoken.ops.layers import add_rms_norm, gated_act, qk_norm_rope_, rms_nor
 from freetoken.ops.quantized import QuantizedWeight, concat, dequantize
 
 
+# compute_dtype of the usual dtypes, looked up (a few times per layer and step) rather than promoted.
+_COMPUTE_DTYPES = {dtype: torch.promote_types(dtype, torch.float32) for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64)}
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """float32 for half types, the dtype itself for float32 / float64."""
-    return torch.promote_types(dtype, torch.float32)
+    return _COMPUTE_DTYPES.get(dtype) or torch.promote_types(dtype, torch.float32)
 
 
 def linear(
@@ -80,7 +84,7 @@ class RMSNorm(nn.Module):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """`forward` without nn.Module's hook dispatch (~0.6 us a call, a few norms per layer and
         step). Nothing hooks a norm: tensor parallelism hooks whole attention and MLP blocks."""
-        return rms_norm(x, self._float_weight(compute_dtype(x.dtype)), self.eps, self.after_cast)
+        return self.forward(x)
 
 
 def residual(

@@ -137,7 +137,7 @@ class Linear(QuantizableWeight):
         """`forward` without nn.Module's hook dispatch (~0.6 us a call, four linear layers per
         block and step). Nothing hooks a linear layer: tensor parallelism hooks whole attention
         and MLP blocks (models/shard.py), whose calls keep nn.Module's."""
-        return self.project(x, self.bias)
+        return self.forward(x)
 
 
 class Embedding(QuantizableWeight):
