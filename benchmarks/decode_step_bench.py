@@ -1,11 +1,14 @@
 """One decode forward in-process: how much of it is the linear layers and how much the rest.
 
-    python benchmarks/decode_step_bench.py [--model gemma3-270m] [--batch 1] [--context 100] [--threads 2]
+    python benchmarks/decode_step_bench.py [--model gemma3-270m] [--batch 1] [--context 100] [--threads 2] [--reps 40]
+                                           [--clock wall|cpu]
 
 Times `model(ids, batch, kv)` for `--batch` requests decoding one token each after `--context`
 cached tokens (median of 40 after a warm-up), with the model loaded as `ft serve` loads it
 (`--weights auto`), then again with every linear layer replaced by an empty output of the right
-shape: the difference is what the weights cost, the remainder the step's other ops.
+shape: the difference is what the weights cost, the remainder the step's other ops. `--clock cpu`
+times the calling thread's CPU time (`time.thread_time`) instead of the wall clock: steadier on a
+shared machine, and exact at `--threads 1` (with more threads it misses the helper threads' share).
 """
 
 from __future__ import annotations
@@ -22,14 +25,14 @@ from freetoken.models.linear import QuantizableWeight
 from freetoken.models.load import load_model
 
 
-def median_ms(run, reps: int = 40) -> float:  # type: ignore[no-untyped-def]
+def median_ms(run, reps: int = 40, clock=time.perf_counter) -> float:  # type: ignore[no-untyped-def]
     for _ in range(5):
         run()
     times = []
     for _ in range(reps):
-        t = time.perf_counter()
+        t = clock()
         run()
-        times.append(time.perf_counter() - t)
+        times.append(clock() - t)
     return sorted(times)[reps // 2] * 1e3
 
 
@@ -40,7 +43,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=100)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=40)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     args = ap.parse_args()
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model, torch.bfloat16, torch.device("cpu"), args.weights)
     model, c = loaded.model, loaded.config
@@ -58,16 +64,16 @@ def main() -> None:
         with torch.inference_mode():
             model(ids, ForwardBatch.build(specs, P, sliding_window=window), kv)
 
-    full = median_ms(run)
+    full = median_ms(run, args.reps, clock)
 
     def empty(self: QuantizableWeight, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         n = self.packed.out_features if self.packed is not None else self.weight.shape[0]  # type: ignore[union-attr]
         return torch.empty(x.shape[0], n, dtype=x.dtype)
 
     QuantizableWeight.project = empty  # type: ignore[method-assign]
-    rest = median_ms(run)
+    rest = median_ms(run, args.reps, clock)
     print(f"{args.model} --weights {args.weights}, batch {args.batch}, context {args.context}, "
-          f"{args.threads} threads: forward {full:.2f} ms, linear layers {full - rest:.2f} ms, the rest {rest:.2f} ms")
+          f"{args.threads} threads, {args.clock} clock: forward {full:.2f} ms, linear layers {full - rest:.2f} ms, the rest {rest:.2f} ms")
 
 
 if __name__ == "__main__":
