@@ -131,17 +131,23 @@ class ForwardBatch:
             rows = np.asarray(logits_indices, dtype=np.int64).reshape(-1)
             if ((rows < 0) | (rows >= len(positions))).any():
                 raise ValueError(f"logits_indices must lie in [0, {len(positions)})")
+        elif not any(flags):  # the usual step: each request's last token
+            rows = query_start[1:] - 1
         else:
             rows = np.concatenate([
                 np.arange(query_start[b], query_start[b + 1]) if flag else np.array([query_start[b + 1] - 1])
                 for b, flag in enumerate(flags)
             ])
 
+        on_cpu = torch.device(device).type == "cpu"  # then the numpy arrays' tensors are the batch's (no .to per field)
+
         def t64(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
+            t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+            return t if on_cpu else t.to(device)
 
         def t32(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device)
+            t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
+            return t if on_cpu else t.to(device)
 
         return ForwardBatch(
             page_size=P,
