@@ -24,7 +24,8 @@ import pytest
 from serving import ServeProcess, serving
 
 pytestmark = pytest.mark.agent_cli
-CONTEXT = 16384  # Claude Code's first prompt is ~12k Gemma tokens; Codex's ~6k
+CONTEXT = 32768  # Claude Code's first prompt is ~12k Gemma tokens, and a reply cut at its 4096-token
+# budget is continued in a second request of ~15.5k; Codex's first prompt is ~6k
 RUN_DEADLINE_S = 1800  # a hang guard, nothing is timed
 
 
