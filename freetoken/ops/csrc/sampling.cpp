@@ -116,7 +116,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> row_stats_(at::Tensor x, const c1
   float* rm = row_max.data_ptr<float>();
   double* lm = log_mass.data_ptr<double>();
   float* bm = with_blocks ? block_max.data_ptr<float>() : nullptr;
-  const bool simd = cpu_supported();
+  static const bool simd = cpu_supported();  // the CPU does not change: checked once, not every step
   at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       float* row = xp + r * V;
