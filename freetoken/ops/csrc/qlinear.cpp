@@ -42,6 +42,12 @@ constexpr int kMaxRows = FT_MAX_ROWS;  // activation rows per pass over a tile (
 constexpr int64_t kReadPad = 64;    // readable bytes the packed weight has past its end
 constexpr int64_t kTaskBytes = 128 * 1024;  // least weight bytes per parallel task
 constexpr int64_t kTileRows = 16;
+// How far ahead of the rows being multiplied their weight bytes are prefetched. Decode streams
+// every weight from memory once per step in short runs (one small matrix after another, split
+// between threads), which the hardware prefetcher ramps up on too slowly: prefetching 4 KB ahead
+// took the linear layers of a SmolLM2 / Gemma 3 decode step from ~15 to ~24 GB/s on one thread
+// and from ~23 to ~36 GB/s on two (Zen 4; 2-8 KB all gave about the same).
+constexpr int64_t kPrefetchBytes = 4096;
 #ifndef FT_PAIR_ROWS_FROM
 #define FT_PAIR_ROWS_FROM 1
 #endif
@@ -153,6 +159,15 @@ FT_AVX512 inline void rows_kernel(const uint8_t* wq, const at::Half* ws, const a
   __m512 acc[NR][MT];
   for (int q = 0; q < NR; ++q)
     for (int i = 0; i < MT; ++i) acc[q][i] = _mm512_setzero_ps();
+  // The weight bytes kPrefetchBytes past these rows', and their scales' and minima's as far ahead
+  // in rows (a prefetch never faults: past the end it is dropped).
+  const char* ahead = reinterpret_cast<const char*>(wq + n * row_bytes) + kPrefetchBytes;
+  for (int64_t o = 0; o < NR * row_bytes; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
+  const int64_t scale_ahead = kPrefetchBytes / row_bytes * G;  // halves: the same rows' groups
+  for (int64_t o = 0; o < NR * G * 2; o += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(ws + n * G + scale_ahead) + o, _MM_HINT_T0);
+    if (wm) _mm_prefetch(reinterpret_cast<const char*>(wm + n * G + scale_ahead) + o, _MM_HINT_T0);
+  }
   for (int64_t c = 0; c < a.chunks; ++c) {
     const int64_t nb = std::min<int64_t>(16, G - c * 16);
     const uint8_t* w = wq + n * row_bytes + c * chunk_bytes;  // row n + q at w + q * row_bytes
