@@ -26,6 +26,10 @@ namespace {
 using namespace ft_simd;
 
 constexpr int64_t kTaskFlops = 1 << 16;  // least multiply-adds per parallel task
+// How many keys ahead of the one being scored its K and V rows are prefetched. A decode step reads
+// every layer's K/V rows once, from memory, scattered page by page over the pool: without it a
+// SmolLM2 decode forward over 1000 cached keys took 11.6 ms, with it 7.2 (8 keys ahead: 7.6).
+constexpr int64_t kPrefetchKeys = 16;
 
 // One request b and KV head g. work: G * D query floats, G * S scores, G * D accumulators.
 template <typename T>
@@ -45,6 +49,14 @@ FT_AVX512 void attend_group(const T* q, int64_t q_head_stride, const T* k, const
       continue;
     }
     const T* kr = k + slots[j] * slot_stride;
+    if (j + kPrefetchKeys < S && visible[j + kPrefetchKeys]) {  // the K and V rows read kPrefetchKeys keys later
+      const char* nk = reinterpret_cast<const char*>(k + slots[j + kPrefetchKeys] * slot_stride);
+      const char* nv = reinterpret_cast<const char*>(v + slots[j + kPrefetchKeys] * slot_stride);
+      for (int64_t o = 0; o < D * int64_t(sizeof(T)); o += 64) {
+        _mm_prefetch(nk + o, _MM_HINT_T0);
+        _mm_prefetch(nv + o, _MM_HINT_T1);  // summed after every score: to L2
+      }
+    }
     for (int64_t h = 0; h < G; ++h) {
       __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
       int64_t d = 0;
