@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from freetoken.ops.sampling import row_stats_
+from freetoken.ops.sampling import exp_block_sums_, row_stats_
 from freetoken.request import Request, SamplingParams, TokenLogprob
 
 # (row maxima [R] float32, log normalisers [R] float64, block maxima [R, V / BLOCK] or None)
@@ -255,15 +255,17 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 _DRAW_BLOCK = 1024
 
 
-def _inverse_cdf_blocked(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def _inverse_cdf_blocked(weights: torch.Tensor, u: torch.Tensor, sums: torch.Tensor | None = None) -> torch.Tensor:
     """`_inverse_cdf` over long rows, in two levels: the block the draw falls in, then the token
-    within it. The same distribution (up to float32 rounding of the partial sums)."""
+    within it. The same distribution (up to float32 rounding of the partial sums). `sums`: the
+    weights' block sums [S, blocks] when the caller has them (`ops.sampling.exp_block_sums_`)."""
     # weights: [S, V] unnormalised, >= 0; u: [S] -> [S] long
     n, vocab = weights.shape
     blocks_n = -(-vocab // _DRAW_BLOCK)
     padded = F.pad(weights, (0, blocks_n * _DRAW_BLOCK - vocab)) if vocab % _DRAW_BLOCK else weights
     blocks = padded.view(n, blocks_n, _DRAW_BLOCK)
-    sums = blocks.sum(dim=-1)  # [S, blocks]
+    if sums is None:
+        sums = blocks.sum(dim=-1)  # [S, blocks]
     block = _inverse_cdf(sums, u)  # [S], a block of positive mass
     rows = torch.arange(n)
     cdf = sums.cumsum(dim=-1)
@@ -298,8 +300,9 @@ def _draw(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -
     if whole:
         rows = logits if len(whole) == n else logits[whole]
         maxima = row_max if len(whole) == n else row_max[whole]
-        weights = rows.sub_(maxima[:, None]).exp_()  # [W, V], max 1 (in place: no 16 MB temporary)
-        for i, tok in zip(whole, _inverse_cdf_blocked(weights, u[whole]).tolist()):
+        # [W, V] weights exp(logit - max), in place (no 16 MB temporary), and their block sums: one pass
+        sums = exp_block_sums_(rows, maxima, _DRAW_BLOCK)
+        for i, tok in zip(whole, _inverse_cdf_blocked(rows, u[whole], sums).tolist()):
             chosen[i] = tok
     return chosen
 

@@ -1,6 +1,7 @@
 """The sampler's whole-row passes as one op: temperature applied in place, each row's maximum,
-the log of its softmax normaliser and the maxima of its blocks of logits. The C++ code of
-csrc/sampling.cpp on CPU for float32 rows; torch's ops elsewhere (other devices, no extension).
+the log of its softmax normaliser and the maxima of its blocks of logits; and a temperature-only
+draw's softmax weights in place with their block sums. The C++ code of csrc/sampling.cpp on CPU
+for float32 rows; torch's ops elsewhere (other devices, no extension).
 
 Owns the choice. Both paths divide by the temperature (IEEE division, as `div_`), so the scaled
 logits and every maximum are the same bit for bit; the normaliser differs by float32 summation
@@ -51,3 +52,17 @@ def row_stats_(
     vocab = x.shape[1]
     block_max = x.reshape(x.shape[0], vocab // block, block).amax(dim=-1) if block > 0 and vocab % block == 0 else None
     return row_max, log_mass, block_max
+
+
+def exp_block_sums_(x: torch.Tensor, row_max: torch.Tensor, block: int) -> torch.Tensor:
+    """x [R, V] float32 becomes exp(x - row_max[:, None]) in place; returns the sum of each row's
+    blocks of `block` values [R, ceil(V / block)] float32 (the last block may be short). The kernel's
+    exp is within ~1 ulp of torch's and its float32 sums run in another order: a draw that falls
+    on a block boundary may move by one token, the distribution does not."""
+    if _KERNEL is not None and x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous() and x.dim() == 2:
+        return _KERNEL.exp_block_sums_(x, row_max.float(), block)
+    x.sub_(row_max[:, None]).exp_()
+    n, vocab = x.shape
+    blocks = -(-vocab // block)
+    padded = torch.nn.functional.pad(x, (0, blocks * block - vocab)) if vocab % block else x
+    return padded.reshape(n, blocks, block).sum(dim=-1)

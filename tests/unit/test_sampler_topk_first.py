@@ -216,6 +216,7 @@ def test_two_level_draw_picks_what_the_whole_row_cdf_picks() -> None:
     single cumulative sum over the row would, for the same uniform number: the same
     distribution. Rows span several blocks, with a padded last block and zero-mass blocks."""
     from freetoken.engine.sampler import _DRAW_BLOCK, _inverse_cdf, _inverse_cdf_blocked
+    from freetoken.ops.sampling import exp_block_sums_
 
     gen = torch.Generator().manual_seed(7)
     vocab = 3 * _DRAW_BLOCK + 123
@@ -223,11 +224,18 @@ def test_two_level_draw_picks_what_the_whole_row_cdf_picks() -> None:
     logits[1, _DRAW_BLOCK : 2 * _DRAW_BLOCK] = float("-inf")  # a block with no mass
     logits[2, :-5] = float("-inf")  # all mass in the padded last block
     weights = (logits - logits.amax(dim=-1, keepdim=True)).exp()
+    # the sampler's own path: weights in place and their block sums from one pass (ops.sampling)
+    kernel_weights = logits.clone()
+    sums = exp_block_sums_(kernel_weights, logits.amax(dim=-1), _DRAW_BLOCK)
     u = torch.rand(4, 2000, generator=gen)
-    mismatches = 0
+    mismatches = kernel_mismatches = 0
     for j in range(u.shape[1]):
         got = _inverse_cdf_blocked(weights, u[:, j])
         want = _inverse_cdf(weights.double(), u[:, j].double())
         assert bool((weights[torch.arange(4), got] > 0).all())  # never a zero-probability token
         mismatches += int((got != want).sum())
+        got = _inverse_cdf_blocked(kernel_weights, u[:, j], sums)
+        assert bool((weights[torch.arange(4), got] > 0).all())
+        kernel_mismatches += int((got != want).sum())
     assert mismatches <= 8  # float32 partial sums may move a draw that falls on a boundary
+    assert kernel_mismatches <= 8

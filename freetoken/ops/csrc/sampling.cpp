@@ -1,6 +1,7 @@
 // The whole-row passes of the sampler, one call for what took four torch ops over every logit:
 // temperature applied in place, each row's maximum, the log of its softmax normaliser and the
-// maxima of its blocks of `block` logits (which the top-k search reads instead of the row).
+// maxima of its blocks of `block` logits (which the top-k search reads instead of the row); and,
+// for a temperature-only draw, the row's softmax weights in place with their block sums.
 //
 // Owns the arithmetic only; freetoken/ops/sampling.py decides when it runs (CPU, float32,
 // contiguous rows) and falls back to torch's ops otherwise. x / t is IEEE division, as torch's
@@ -129,10 +130,70 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> row_stats_(at::Tensor x, const c1
   return {row_max, log_mass, block_max};
 }
 
+// One row: x = exp(x - m) in place, and the sum of each block of `block` values (the last block
+// may be short) into sums.
+FT_AVX512 void exp_block_sums_avx512(float* x, int64_t V, float m, int64_t block, float* sums) {
+  const __m512 vm = _mm512_set1_ps(m);
+  for (int64_t b0 = 0, k = 0; b0 < V; b0 += block, ++k) {
+    const int64_t b1 = std::min(b0 + block, V);
+    __m512 acc = _mm512_setzero_ps();
+    int64_t i = b0;
+    for (; i + 16 <= b1; i += 16) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), vm));
+      _mm512_storeu_ps(x + i, e);
+      acc = _mm512_add_ps(acc, e);
+    }
+    if (i < b1) {
+      const __mmask16 tail = __mmask16((1u << (b1 - i)) - 1u);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, x + i), vm));
+      _mm512_mask_storeu_ps(x + i, tail, e);
+      acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(tail, e));
+    }
+    sums[k] = _mm512_reduce_add_ps(acc);
+  }
+}
+
+void exp_block_sums_scalar(float* x, int64_t V, float m, int64_t block, float* sums) {
+  for (int64_t b0 = 0, k = 0; b0 < V; b0 += block, ++k) {
+    float acc = 0.f;
+    for (int64_t i = b0; i < std::min(b0 + block, V); ++i) acc += (x[i] = std::exp(x[i] - m));
+    sums[k] = acc;
+  }
+}
+
+// x [R, V] float32 becomes exp(x - row_max[:, None]) in place (the unnormalised softmax weights of
+// a temperature-only draw). Returns the sums of each row's blocks of `block` weights
+// [R, ceil(V / block)] float32 (the last block may be short). One pass where torch made three
+// (subtract, exp, block sums) over every logit of the batch.
+at::Tensor exp_block_sums_(at::Tensor x, const at::Tensor& row_max, int64_t block) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
+              "exp_block_sums_: x must be a contiguous float32 CPU tensor [R, V]");
+  TORCH_CHECK(block > 0, "exp_block_sums_: block must be positive");
+  const int64_t R = x.size(0), V = x.size(1), nb = (V + block - 1) / block;
+  const at::Tensor m = row_max.contiguous();
+  TORCH_CHECK(m.scalar_type() == at::kFloat && m.numel() == R, "exp_block_sums_: row_max must be float32 [R]");
+  at::Tensor sums = at::empty({R, nb}, x.options());
+  float* xp = x.data_ptr<float>();
+  const float* mp = m.data_ptr<float>();
+  float* sp = sums.data_ptr<float>();
+  static const bool simd = cpu_supported();
+  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      if (simd)
+        exp_block_sums_avx512(xp + r * V, V, mp[r], block, sp + r * nb);
+      else
+        exp_block_sums_scalar(xp + r * V, V, mp[r], block, sp + r * nb);
+    }
+  });
+  return sums;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "FreeToken's whole-row sampler passes (see sampling.cpp)";
   m.def("row_stats_", &row_stats_, "temperature in place, row maxima, log normalisers and block maxima",
         py::arg("x"), py::arg("temps"), py::arg("mass"), py::arg("block"));
+  m.def("exp_block_sums_", &exp_block_sums_, "x = exp(x - row_max) in place, and each block's sum",
+        py::arg("x"), py::arg("row_max"), py::arg("block"));
 }

@@ -62,3 +62,27 @@ def test_bad_arguments_raise() -> None:
         sampling._KERNEL.row_stats_(torch.randn(2, 8), None, torch.tensor([1, 0]), 0)
     with pytest.raises(RuntimeError, match="temps must be float32"):
         sampling._KERNEL.row_stats_(torch.randn(2, 8), torch.ones(3), torch.tensor([True, False]), 0)
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 1000, 1024, 3 * 1024 + 123, 262144])
+def test_exp_block_sums_match_torch(vocab: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The temperature-only draw's weights exp(x - max), in place, and their block sums (a short last
+    block, masked tokens, a token far above the rest) against torch's exp and float64 sums."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(3, vocab, generator=g) * 4
+    x[1, 1::3] = float("-inf")
+    x[2, vocab // 2] = 40.0
+    row_max = x.amax(dim=-1)
+    a, b = x.clone(), x.clone()
+    sums = sampling.exp_block_sums_(a, row_max, 1024)
+    with monkeypatch.context() as m:
+        m.setattr(sampling, "_KERNEL", None)
+        t_sums = sampling.exp_block_sums_(b, row_max, 1024)
+    blocks = -(-vocab // 1024)
+    assert sums.shape == t_sums.shape == (3, blocks)
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-30)  # the kernel's exp: ~1 ulp
+    assert bool((a[x == float("-inf")] == 0).all()) and bool((a.amax(dim=-1) == 1).all())
+    padded = torch.nn.functional.pad((x.double() - row_max.double()[:, None]).exp(), (0, blocks * 1024 - vocab))
+    want = padded.view(3, blocks, 1024).sum(dim=-1)
+    torch.testing.assert_close(sums.double(), want, rtol=1e-5, atol=1e-30)
+    torch.testing.assert_close(t_sums.double(), want, rtol=1e-5, atol=1e-30)
