@@ -114,3 +114,16 @@ def test_plot_without_matplotlib_skips_with_one_line(tmp_path: Path, monkeypatch
     serving.plot([], str(tmp_path / "x.png"))
     assert not (tmp_path / "x.png").exists()
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_paired_table_takes_the_median_of_per_round_ratios() -> None:
+    """The paired single stream quotes each round's ratio (FreeToken / llama-server), not a ratio
+    of medians: a round where the machine was slow for both cancels out."""
+    rounds = [
+        {"llama-server": {"greedy": 100.0, "sampled": 90.0}, "freetoken": {"greedy": 120.0, "sampled": 90.0}},
+        {"llama-server": {"greedy": 50.0, "sampled": 45.0}, "freetoken": {"greedy": 55.0, "sampled": 54.0}},
+        {"llama-server": {"greedy": 80.0, "sampled": 80.0}, "freetoken": {"greedy": 104.0, "sampled": 64.0}},
+    ]
+    lines = peer.paired_table(rounds).splitlines()
+    assert lines[2] == "| greedy | 80.0 | 104.0 | 1.20x (1.10-1.30x) |"
+    assert lines[3] == "| sampled | 80.0 | 64.0 | 1.00x (0.80-1.20x) |"
