@@ -57,8 +57,9 @@ def row_stats_(
 def exp_block_sums_(x: torch.Tensor, row_max: torch.Tensor, block: int) -> torch.Tensor:
     """x [R, V] float32 becomes exp(x - row_max[:, None]) in place; returns the sum of each row's
     blocks of `block` values [R, ceil(V / block)] float32 (the last block may be short). The kernel's
-    exp is within ~1 ulp of torch's and its float32 sums run in another order: a draw that falls
-    on a block boundary may move by one token, the distribution does not."""
+    exp is within ~1 ulp of torch's (and 0 below x - max = -87, where torch's goes on in denormals
+    to -103: weights under 1e-38 of the top one) and its float32 sums run in another order: a draw
+    that falls on a block boundary may move by one token, the distribution does not."""
     if _KERNEL is not None and x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous() and x.dim() == 2:
         return _KERNEL.exp_block_sums_(x, row_max.float(), block)
     x.sub_(row_max[:, None]).exp_()

@@ -95,21 +95,7 @@ FT_AVX512 void attend_group(const T* q, int64_t q_head_stride, const T* k, const
       for (int64_t d = 0; d < D; d += 16) store16(out + h * D + d, _mm512_setzero_ps());
       continue;
     }
-    const __m512 vm = _mm512_set1_ps(m);
-    __m512 vsum = _mm512_setzero_ps();
-    int64_t j = 0;
-    for (; j + 16 <= S; j += 16) {
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), vm));
-      _mm512_storeu_ps(s + j, e);
-      vsum = _mm512_add_ps(vsum, e);
-    }
-    if (j < S) {
-      const __mmask16 tail = __mmask16((1u << (S - j)) - 1u);
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + j), vm));
-      _mm512_mask_storeu_ps(s + j, tail, e);
-      vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(tail, e));
-    }
-    const float inv = 1.f / reduce(vsum);
+    const float inv = 1.f / exp_sub_sum_(s, S, m);
     switch (D) {  // the common head sizes keep the sum in registers
       case 64: weighted_sum<T, 4>(s, v, slot_stride, slots, S, a); break;
       case 128: weighted_sum<T, 8>(s, v, slot_stride, slots, S, a); break;

@@ -133,24 +133,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> row_stats_(at::Tensor x, const c1
 // One row: x = exp(x - m) in place, and the sum of each block of `block` values (the last block
 // may be short) into sums.
 FT_AVX512 void exp_block_sums_avx512(float* x, int64_t V, float m, int64_t block, float* sums) {
-  const __m512 vm = _mm512_set1_ps(m);
-  for (int64_t b0 = 0, k = 0; b0 < V; b0 += block, ++k) {
-    const int64_t b1 = std::min(b0 + block, V);
-    __m512 acc = _mm512_setzero_ps();
-    int64_t i = b0;
-    for (; i + 16 <= b1; i += 16) {
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), vm));
-      _mm512_storeu_ps(x + i, e);
-      acc = _mm512_add_ps(acc, e);
-    }
-    if (i < b1) {
-      const __mmask16 tail = __mmask16((1u << (b1 - i)) - 1u);
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, x + i), vm));
-      _mm512_mask_storeu_ps(x + i, tail, e);
-      acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(tail, e));
-    }
-    sums[k] = _mm512_reduce_add_ps(acc);
-  }
+  for (int64_t b0 = 0, k = 0; b0 < V; b0 += block, ++k) sums[k] = exp_sub_sum_(x + b0, std::min(block, V - b0), m);
 }
 
 void exp_block_sums_scalar(float* x, int64_t V, float m, int64_t block, float* sums) {

@@ -1,5 +1,6 @@
 // AVX-512 helpers the C++ kernels share: the target attribute, the run-time CPU check, float32 /
-// bfloat16 loads and stores of 16 values, a vectorized exp and a horizontal sum. Header-only; each
+// bfloat16 loads and stores of 16 values, a vectorized exp, a horizontal sum and an in-place
+// exp-and-sum. Header-only; each
 // kernel file (attention.cpp, sampling.cpp) is its own extension and includes it.
 #pragma once
 
@@ -52,5 +53,25 @@ FT_AVX512 inline __m512 exp16(__m512 x) {
 }
 
 FT_AVX512 inline float reduce(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+// x[i] = exp(x[i] - m) for i in [0, n), in place; returns their sum (float32, 16 lanes added in
+// order, then across). A softmax's numerators: the attention scores, a sampler block's weights.
+FT_AVX512 inline float exp_sub_sum_(float* x, int64_t n, float m) {
+  const __m512 vm = _mm512_set1_ps(m);
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), vm));
+    _mm512_storeu_ps(x + i, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  if (i < n) {
+    const __mmask16 tail = __mmask16((1u << (n - i)) - 1u);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, x + i), vm));
+    _mm512_mask_storeu_ps(x + i, tail, e);
+    acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(tail, e));
+  }
+  return reduce(acc);
+}
 
 }  // namespace ft_simd
