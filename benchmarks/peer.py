@@ -7,9 +7,10 @@ For each model: start llama-server (`-np 8`, continuous batching, enough context
 for /health, run benchmarks/serving.py against it, stop it; then the same for `ft serve`. Writes
 `<model>-llama-server.json`, `<model>-freetoken.json`, `<model>.md` (both servers with the ratio
 FreeToken / llama-server) and `<model>.png`. With `--paired-rounds R`, both servers are then
-started together and the single-stream scenario alternates between them for R rounds (the order
-swapped each round): the per-round ratios cancel a drift of the shared machine's speed, which a
-run of one server after the other cannot (`<model>-paired.json`, a table appended to `<model>.md`).
+started together and the single-stream and cold-prefill scenarios alternate between them for R
+rounds (the order swapped each round): the per-round ratios cancel a drift of the shared machine's
+speed, which a run of one server after the other cannot (`<model>-paired.json`, a table appended
+to `<model>.md`).
 
 Owns building llama-server from the `llama-cpp-python` source package (pip download, then cmake +
 ninja on its vendored llama.cpp, cached in `--cache-dir`, default ~/.cache/freetoken/llama.cpp),
@@ -217,37 +218,48 @@ def comparison(llama: dict[str, Any], ft: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# What a paired round measures: the single stream's decode rates and the cold prefill's TTFTs.
+PAIRED_SCENARIOS = ("single", "prefill")
+
+
+def paired_measures(result: dict[str, Any]) -> dict[str, float]:
+    """One server's figures of one paired round, by name (TTFTs end in ", s": lower is better)."""
+    out = {f"single stream {kind}, tok/s": v["decode_tok_s"] for kind, v in result["scenarios"].get("single", {}).items()}
+    out.update({f"cold TTFT, {r['prompt_tokens']}-token prompt, s": r["ttft_s"] for r in result["scenarios"].get("prefill", [])})
+    return out
+
+
 def paired_table(rounds: list[dict[str, dict[str, float]]]) -> str:
-    """A markdown table of the paired single-stream rounds: per kind (greedy, sampled) each server's
-    median tok/s and the median and range of the per-round ratios FreeToken / llama-server."""
-    lines = ["| single stream | llama-server, median tok/s | ft serve, median tok/s | ratio per round: median (min-max) |",
-             "|---|---|---|---|"]
-    for kind in rounds[0]["llama-server"] if rounds else ():
-        la = [r["llama-server"][kind] for r in rounds]
-        fa = [r["freetoken"][kind] for r in rounds]
+    """A markdown table of the paired rounds: per measure each server's median and the median and
+    range of the per-round ratios FreeToken / llama-server."""
+    lines = ["| measure | llama-server, median | ft serve, median | ratio per round: median (min-max) |", "|---|---|---|---|"]
+    for measure in rounds[0]["llama-server"] if rounds else ():
+        la = [r["llama-server"][measure] for r in rounds]
+        fa = [r["freetoken"][measure] for r in rounds]
         ratios = [f / l for f, l in zip(fa, la)]
-        lines.append(f"| {kind} | {serving.percentile(la, 50):.1f} | {serving.percentile(fa, 50):.1f} | "
+        digits, note = (3, " (lower is better)") if measure.endswith(", s") else (1, "")
+        lines.append(f"| {measure}{note} | {serving.percentile(la, 50):.{digits}f} | {serving.percentile(fa, 50):.{digits}f} | "
                      f"{serving.percentile(ratios, 50):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}x) |")
     return "\n".join(lines)
 
 
-def paired_single(servers: dict[str, list[str]], ports: dict[str, int], rounds: int, settings: serving.Settings,
+def paired_rounds(servers: dict[str, list[str]], ports: dict[str, int], rounds: int, settings: serving.Settings,
                   out_dir: Path, stem: str, start_timeout_s: float) -> list[dict[str, dict[str, float]]]:
     """Both servers up at once (each idle while the other is measured); `rounds` rounds of the
-    single-stream scenario against each in turn, the order swapped every round, so that a drift of
-    the shared machine's speed moves both alike. Returns per round {server: {kind: decode tok/s}}."""
+    single-stream and cold-prefill scenarios against each in turn, the order swapped every round,
+    so that a drift of the shared machine's speed moves both alike. Returns per round
+    {server: {measure: value}} (`paired_measures`)."""
     procs = {name: ServerProcess(cmd, ports[name], out_dir / f"{stem}-{name}-paired.log") for name, cmd in servers.items()}
     results: list[dict[str, dict[str, float]]] = []
     try:
         for proc in procs.values():
             proc.wait_healthy(start_timeout_s)
-        single = dataclasses.replace(settings, scenarios=("single",), progress=False)
+        paired = dataclasses.replace(settings, scenarios=PAIRED_SCENARIOS, progress=False)
         order = list(procs)
         for r in range(rounds):
             row: dict[str, dict[str, float]] = {}
             for name in order if r % 2 == 0 else order[::-1]:
-                res = asyncio.run(serving.run(dataclasses.replace(single, base_url=procs[name].base_url, label=name)))
-                row[name] = {kind: v["decode_tok_s"] for kind, v in res["scenarios"]["single"].items()}
+                row[name] = paired_measures(asyncio.run(serving.run(dataclasses.replace(paired, base_url=procs[name].base_url, label=name))))
             print(f"paired round {r + 1}/{rounds}: {row}", file=sys.stderr)
             results.append(row)
     finally:
@@ -283,7 +295,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--start-timeout", type=float, default=300.0, help="seconds a server may take to answer /health 200")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--paired-rounds", type=int, default=0, metavar="R",
-                   help="after the runs, R rounds of the single stream with both servers up, alternating (drift-free ratios)")
+                   help="after the runs, R rounds of the single stream and cold prefill with both servers up, alternating (drift-free ratios)")
     a = p.parse_args(argv)
     binary = (a.llama_server or build_llama_server(a.cache_dir)) if "llama-server" in a.servers else None
     out_dir = Path(a.out_dir)
@@ -309,9 +321,9 @@ def main(argv: list[str]) -> None:
             ports = {"llama-server": free_port(), "freetoken": free_port()}
             cmds = {"llama-server": llama_cmd(binary, gguf, a.threads, a.parallel, a.slot_ctx, ports["llama-server"], a.llama_args),
                     "freetoken": ft_cmd(gguf, a.threads, a.parallel * a.slot_ctx, ports["freetoken"], a.ft_args)}
-            rounds = paired_single(cmds, ports, a.paired_rounds, settings, out_dir, stem, a.start_timeout)
+            rounds = paired_rounds(cmds, ports, a.paired_rounds, settings, out_dir, stem, a.start_timeout)
             (out_dir / f"{stem}-paired.json").write_text(json.dumps(rounds, indent=1))
-            table = f"\n## Paired single stream ({a.paired_rounds} rounds, both servers up, alternating)\n\n{paired_table(rounds)}\n"
+            table = f"\n## Paired single stream and cold prefill ({a.paired_rounds} rounds, both servers up, alternating)\n\n{paired_table(rounds)}\n"
             with open(out_dir / f"{stem}.md", "a") as f:
                 f.write(table)
             print(table)

@@ -117,13 +117,23 @@ def test_plot_without_matplotlib_skips_with_one_line(tmp_path: Path, monkeypatch
 
 
 def test_paired_table_takes_the_median_of_per_round_ratios() -> None:
-    """The paired single stream quotes each round's ratio (FreeToken / llama-server), not a ratio
-    of medians: a round where the machine was slow for both cancels out."""
+    """The paired rounds quote each round's ratio (FreeToken / llama-server), not a ratio of
+    medians: a round where the machine was slow for both cancels out."""
+    g, t = "single stream greedy, tok/s", "cold TTFT, 512-token prompt, s"
     rounds = [
-        {"llama-server": {"greedy": 100.0, "sampled": 90.0}, "freetoken": {"greedy": 120.0, "sampled": 90.0}},
-        {"llama-server": {"greedy": 50.0, "sampled": 45.0}, "freetoken": {"greedy": 55.0, "sampled": 54.0}},
-        {"llama-server": {"greedy": 80.0, "sampled": 80.0}, "freetoken": {"greedy": 104.0, "sampled": 64.0}},
+        {"llama-server": {g: 100.0, t: 0.60}, "freetoken": {g: 120.0, t: 0.30}},
+        {"llama-server": {g: 50.0, t: 1.20}, "freetoken": {g: 55.0, t: 0.48}},
+        {"llama-server": {g: 80.0, t: 0.80}, "freetoken": {g: 104.0, t: 0.44}},
     ]
     lines = peer.paired_table(rounds).splitlines()
-    assert lines[2] == "| greedy | 80.0 | 104.0 | 1.20x (1.10-1.30x) |"
-    assert lines[3] == "| sampled | 80.0 | 64.0 | 1.00x (0.80-1.20x) |"
+    assert lines[2] == "| single stream greedy, tok/s | 80.0 | 104.0 | 1.20x (1.10-1.30x) |"
+    assert lines[3] == "| cold TTFT, 512-token prompt, s (lower is better) | 0.800 | 0.440 | 0.50x (0.40-0.55x) |"
+
+
+def test_paired_measures_name_the_single_stream_and_prefill_figures() -> None:
+    result = {"scenarios": {"single": {"greedy": {"decode_tok_s": 90.0}, "sampled": {"decode_tok_s": 80.0}},
+                            "prefill": [{"prompt_tokens": 512, "ttft_s": 0.25}, {"prompt_tokens": 1024, "ttft_s": 0.5}]}}
+    assert peer.paired_measures(result) == {
+        "single stream greedy, tok/s": 90.0, "single stream sampled, tok/s": 80.0,
+        "cold TTFT, 512-token prompt, s": 0.25, "cold TTFT, 1024-token prompt, s": 0.5,
+    }
