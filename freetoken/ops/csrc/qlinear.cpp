@@ -160,13 +160,17 @@ FT_AVX512 inline void rows_kernel(const uint8_t* wq, const at::Half* ws, const a
   for (int q = 0; q < NR; ++q)
     for (int i = 0; i < MT; ++i) acc[q][i] = _mm512_setzero_ps();
   // The weight bytes kPrefetchBytes past these rows', and their scales' and minima's as far ahead
-  // in rows (a prefetch never faults: past the end it is dropped).
-  const char* ahead = reinterpret_cast<const char*>(wq + n * row_bytes) + kPrefetchBytes;
-  for (int64_t o = 0; o < NR * row_bytes; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
-  const int64_t scale_ahead = kPrefetchBytes / row_bytes * G;  // halves: the same rows' groups
-  for (int64_t o = 0; o < NR * G * 2; o += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(ws + n * G + scale_ahead) + o, _MM_HINT_T0);
-    if (wm) _mm_prefetch(reinterpret_cast<const char*>(wm + n * G + scale_ahead) + o, _MM_HINT_T0);
+  // in rows (a prefetch never faults: past the end it is dropped). Only on the first pass of
+  // activation rows over a tile: later passes (M > kMaxRows) find the tile and what follows it in
+  // cache already.
+  if (m0 == 0) {
+    const char* ahead = reinterpret_cast<const char*>(wq + n * row_bytes) + kPrefetchBytes;
+    for (int64_t o = 0; o < NR * row_bytes; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
+    const int64_t scale_ahead = kPrefetchBytes / row_bytes * G;  // halves: the same rows' groups
+    for (int64_t o = 0; o < NR * G * 2; o += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(ws + n * G + scale_ahead) + o, _MM_HINT_T0);
+      if (wm) _mm_prefetch(reinterpret_cast<const char*>(wm + n * G + scale_ahead) + o, _MM_HINT_T0);
+    }
   }
   for (int64_t c = 0; c < a.chunks; ++c) {
     const int64_t nb = std::min<int64_t>(16, G - c * 16);
