@@ -22,7 +22,7 @@ from freetoken.kv.tensors import KVTensors
 from freetoken.models.config import ModelConfig, RopeConfig
 from freetoken.models.linear import Embedding, Linear, QuantizableWeight, Weight, apply_policy, check_policy
 from freetoken.ops.layers import add_rms_norm, gated_act, qk_norm_rope_, rms_norm, rope_
-from freetoken.ops.quantized import QuantizedWeight, concat, dequantize
+from freetoken.ops.quantized import concat, dequantize, is_quantized
 
 
 # compute_dtype of the usual dtypes, looked up (a few times per layer and step) rather than promoted.
@@ -321,9 +321,9 @@ class SelfAttention(nn.Module):
 
 def _stack(parts: list[Weight]) -> Weight:
     """Rows of `parts` stacked; all-quantized parts stay quantized, a mix becomes float."""
-    if all(isinstance(p, QuantizedWeight) for p in parts):
+    if all(is_quantized(p) for p in parts):
         return concat(parts)  # type: ignore[arg-type]
-    floats = [dequantize(p, torch.float32) if isinstance(p, QuantizedWeight) else p for p in parts]
+    floats = [dequantize(p, torch.float32) if is_quantized(p) else p for p in parts]
     dtype = functools.reduce(torch.promote_types, (f.dtype for f in floats))
     return torch.cat([f.to(dtype) for f in floats])
 
@@ -391,13 +391,13 @@ def load_named(
             owner = modules.get(owner_name)
             if isinstance(owner, QuantizableWeight) and owner.quantizable and leaf == "weight":
                 tensor = apply_policy(tensor, weights)
-                if isinstance(tensor, QuantizedWeight):
+                if is_quantized(tensor):
                     owner.load_quantized(tensor)
                     if prefill_dense and isinstance(owner, Linear):
                         owner.keep_dense_copy()
                     loaded.add(local)
                     continue
-            if isinstance(tensor, QuantizedWeight):
+            if is_quantized(tensor):
                 tensor = dequantize(tensor, torch.float32)
             param.copy_(tensor)
             loaded.add(local)

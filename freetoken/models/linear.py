@@ -17,12 +17,22 @@ from torch import nn
 
 from freetoken.config import WEIGHT_POLICIES
 from freetoken.errors import ModelLoadError
-from freetoken.ops.qlinear import PREFILL_ROWS, PackedWeight, qlinear
-from freetoken.ops.quantized import GROUP, QuantizedWeight, dequantize, quantize_int4, quantize_int8
+from freetoken.ops.qlinear import PREFILL_ROWS, Packed, pack, qlinear
+from freetoken.ops.quantized import (
+    GROUP,
+    Quantized,
+    QuantizedWeight,
+    StackedWeight,
+    SuperBlockWeight,
+    dequantize,
+    is_quantized,
+    quantize_int4,
+    quantize_int8,
+)
 
 
-# A checkpoint tensor: float, or the group-32 integer form a quantized GGUF matrix loads into.
-Weight = torch.Tensor | QuantizedWeight
+# A checkpoint tensor: float, or one of the integer forms a quantized GGUF matrix loads into.
+Weight = torch.Tensor | Quantized
 
 
 def check_policy(weights: str) -> None:
@@ -37,12 +47,17 @@ def _promote_to_int8(qw: QuantizedWeight) -> QuantizedWeight:
 
 def apply_policy(value: Weight, weights: str) -> Weight:
     """What a quantizable matrix runs as under `weights`: `auto` keeps the checkpoint's form
-    (a 4-bit file type stays 4-bit, a 5/6/8-bit one 8-bit, a float one float); `bf16` is the
-    model dtype (floats); `int8` / `int4` quantize (4-bit integers widen to 8 bits exactly)."""
+    (Q4_K / Q6_K in their own integers, another 4-bit file type 4-bit, a 5/8-bit one 8-bit, a
+    float one float); `bf16` is the model dtype (floats); `int8` / `int4` quantize to the group-32
+    form (4-bit integers widen to 8 bits exactly)."""
     if weights == "auto":
         return value
     if weights == "bf16":
-        return dequantize(value, torch.float32) if isinstance(value, QuantizedWeight) else value
+        return dequantize(value, torch.float32) if is_quantized(value) else value
+    if isinstance(value, StackedWeight):
+        value = dequantize(value, torch.float32)
+    if isinstance(value, SuperBlockWeight):
+        value = value.to_group32()
     if isinstance(value, QuantizedWeight):
         if weights == "int8":
             return value if value.bits == 8 else _promote_to_int8(value)
@@ -52,14 +67,15 @@ def apply_policy(value: Weight, weights: str) -> Weight:
     return quantize_int8(value.float()) if weights == "int8" else quantize_int4(value.float())
 
 
-def _on(qw: QuantizedWeight, device: torch.device) -> QuantizedWeight:
-    minimum = None if qw.minimum is None else qw.minimum.to(device)
-    return QuantizedWeight(qw.bits, qw.q.to(device), qw.scale.to(device), minimum)
+def _on(qw: Quantized, device: torch.device) -> Quantized:
+    if isinstance(qw, StackedWeight):
+        return StackedWeight([_on(p, device) for p in qw.parts])  # type: ignore[misc]
+    return qw.map_rows(lambda t: t.to(device))
 
 
 class QuantizableWeight(nn.Module):
     """The weight [out, in] shared by Linear and Embedding: a float Parameter until
-    `load_quantized` swaps it for a PackedWeight (the Parameter is then dropped)."""
+    `load_quantized` swaps it for its packed form (the Parameter is then dropped)."""
 
     weight: nn.Parameter | None
 
@@ -68,24 +84,26 @@ class QuantizableWeight(nn.Module):
         # Uninitialised (the checkpoint fills it); untouched pages of torch.empty cost no memory.
         self.weight = nn.Parameter(torch.empty(n_rows, n_cols, dtype=dtype, device=device))
         self.dtype = dtype
-        self.packed: PackedWeight | None = None
+        self.packed: Packed | None = None
         # The quantized matrix dequantized once to `dtype`, for prefill-sized row counts (bf16
         # GEMM beats the decode kernel ~2x from PREFILL_ROWS rows on); None: not kept.
         self.dense: torch.Tensor | None = None
 
-    def load_quantized(self, qw: QuantizedWeight) -> None:
+    def load_quantized(self, qw: Quantized) -> None:
         if self.weight is None:
             raise ModelLoadError("a quantized weight was loaded twice into one layer")
-        if tuple(qw.q.shape) != tuple(self.weight.shape):
-            raise ModelLoadError(f"quantized weight {tuple(qw.q.shape)} where {tuple(self.weight.shape)} is expected")
+        if tuple(qw.shape) != tuple(self.weight.shape):
+            raise ModelLoadError(f"quantized weight {tuple(qw.shape)} where {tuple(self.weight.shape)} is expected")
         device = self.weight.device
         self.weight = None
-        self.packed = PackedWeight.from_quantized(_on(qw, device))
+        self.packed = pack(_on(qw, device))
 
     def runs_as(self) -> str:
-        """What `ft inspect` prints for this weight: `int8`, `int4` or the float dtype."""
+        """What `ft inspect` prints for this weight: `int8 (group 32)`, `int4 (group 32)`, `q4_k`,
+        `q6_k`, parts joined by ` + ` for a fused projection of mixed types, or the float dtype."""
         if self.packed is not None:
-            return f"int{self.packed.bits} (group {GROUP})"
+            fmt = self.packed.format
+            return f"{fmt} (group {GROUP})" if fmt.startswith("int") and "+" not in fmt else fmt
         return str(self.dtype).removeprefix("torch.")
 
     def keep_dense_copy(self) -> None:

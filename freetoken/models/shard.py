@@ -28,7 +28,7 @@ from freetoken.errors import ConfigError
 from freetoken.models.config import ModelConfig
 from freetoken.models.experts import Source
 from freetoken.models.linear import Weight
-from freetoken.ops.quantized import GROUP, QuantizedWeight, dequantize
+from freetoken.ops.quantized import GROUP, SUPER, QuantizedWeight, SuperBlockWeight, dequantize, is_quantized
 from freetoken.weights.dequant import Deferred
 
 
@@ -91,22 +91,19 @@ def check_shardable(config: ModelConfig, world: int) -> None:
 # -- slicing checkpoint tensors ---------------------------------------------------------------
 
 def _rows(w: Weight, start: int, stop: int) -> Weight:
-    if isinstance(w, QuantizedWeight):
-        minimum = None if w.minimum is None else w.minimum[start:stop]
-        return QuantizedWeight(w.bits, w.q[start:stop].contiguous(), w.scale[start:stop].contiguous(),
-                               None if minimum is None else minimum.contiguous())
+    if isinstance(w, (QuantizedWeight, SuperBlockWeight)):
+        return w.map_rows(lambda t: t[start:stop].contiguous())
     return w[start:stop].contiguous()
 
 
 def _cols(w: Weight, start: int, stop: int) -> Weight:
-    """Columns [start, stop) of a matrix; a quantized one keeps whole 32-groups, else it is
-    dequantized first (a slice that cuts a group cannot stay in the group-32 form)."""
-    if isinstance(w, QuantizedWeight):
-        if start % GROUP or stop % GROUP:
+    """Columns [start, stop) of a matrix; a quantized one keeps whole groups (32, or a K-quant's
+    super-blocks of 256), else it is dequantized first (a slice that cuts one cannot stay whole)."""
+    if isinstance(w, (QuantizedWeight, SuperBlockWeight)):
+        quantum = SUPER if isinstance(w, SuperBlockWeight) else GROUP
+        if start % quantum or stop % quantum:
             return dequantize(w, torch.float32)[:, start:stop].contiguous()
-        g0, g1 = start // GROUP, stop // GROUP
-        minimum = None if w.minimum is None else w.minimum[:, g0:g1].contiguous()
-        return QuantizedWeight(w.bits, w.q[:, start:stop].contiguous(), w.scale[:, g0:g1].contiguous(), minimum)
+        return w.cols(start, stop)
     return w[:, start:stop].contiguous()
 
 
@@ -121,13 +118,13 @@ def _padded_rows(w: Weight, start: int, rows: int) -> Weight:
     def pad(t: torch.Tensor) -> torch.Tensor:
         return torch.cat([t, t.new_zeros(missing, *t.shape[1:])])
 
-    if isinstance(part, QuantizedWeight):  # zero q, scale and minimum dequantize to zero rows
-        return QuantizedWeight(part.bits, pad(part.q), pad(part.scale), None if part.minimum is None else pad(part.minimum))
+    if isinstance(part, (QuantizedWeight, SuperBlockWeight)):  # zero integers and scales dequantize to zero rows
+        return part.map_rows(pad)
     return pad(part)
 
 
 def _zero(w: Weight) -> Weight:
-    return torch.zeros_like(dequantize(w, torch.float32) if isinstance(w, QuantizedWeight) else w)
+    return torch.zeros_like(dequantize(w, torch.float32) if is_quantized(w) else w)
 
 
 def shard_tensor(name: str, w: Weight, plan: ShardPlan) -> Weight:

@@ -1,13 +1,21 @@
-"""The canonical form of a weight-only quantized matrix: the contract between the weight loaders
-and the ops. It owns the math of the format (quantize, dequantize, concatenate) in plain torch, on
-any device; it knows no kernel layout (qlinear.py packs) and no file format (the GGUF loader
-converts its block types into this form).
+"""The canonical forms of a weight-only quantized matrix: the contract between the weight loaders
+and the ops. It owns the math of the forms (quantize, dequantize, slice, concatenate) in plain
+torch, on any device; it knows no kernel layout (qlinear.py and superblock.py pack) and no file
+format (the GGUF loader converts its block types into these forms).
 
-    w[n, k] = q[n, k] * scale[n, k // GROUP] + (minimum[n, k // GROUP] if minimum is not None else 0)
+- `QuantizedWeight`, group 32 with float16 scales:
+  w[n, k] = q[n, k] * scale[n, k // GROUP] + (minimum[n, k // GROUP] if minimum is not None else 0)
+- `SuperBlockWeight`, a GGUF K-quant in its own integers (its scales are products of a float16 per
+  256 weights and a small integer per group, kept apart, so nothing is rounded):
+  q4_k: w = d[n, k // 256] * sc[n, k // 32] * q - dmin[n, k // 256] * m[n, k // 32], q in [0, 15];
+  q6_k: w = d[n, k // 256] * sc[n, k // 16] * q, q in [-32, 31].
+- `StackedWeight`, row blocks of different forms stacked along N (a fused QKV whose V is Q6_K while
+  Q and K are Q4_K keeps each part's own form).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +41,112 @@ class QuantizedWeight:
     @property
     def shape(self) -> tuple[int, int]:
         return (self.q.shape[0], self.q.shape[1])
+
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> QuantizedWeight:
+        """The same weight with `fn` applied to each row-indexed tensor (slice, permute, pad, move)."""
+        return QuantizedWeight(self.bits, fn(self.q), fn(self.scale), None if self.minimum is None else fn(self.minimum))
+
+    def cols(self, start: int, stop: int) -> QuantizedWeight:
+        """Columns [start, stop), both multiples of GROUP."""
+        if start % GROUP or stop % GROUP:
+            raise ValueError(f"columns [{start}, {stop}) cut a group of {GROUP}")
+        g0, g1 = start // GROUP, stop // GROUP
+        return QuantizedWeight(self.bits, self.q[:, start:stop].contiguous(), self.scale[:, g0:g1].contiguous(),
+                               None if self.minimum is None else self.minimum[:, g0:g1].contiguous())
+
+
+SUPER = 256  # weights per K-quant super-block
+SUPERBLOCK_KINDS = ("q4_k", "q6_k")
+
+
+@dataclass
+class SuperBlockWeight:
+    kind: str  # "q4_k" | "q6_k"
+    q: torch.Tensor  # int8 [N, K]: q4_k in [0, 15]; q6_k in [-32, 31]
+    sc: torch.Tensor  # q4_k: uint8 [N, K // 32] in [0, 63]; q6_k: int8 [N, K // 16]
+    d: torch.Tensor  # float16 [N, K // 256]
+    m: torch.Tensor | None = None  # q4_k: uint8 [N, K // 32] in [0, 63]
+    dmin: torch.Tensor | None = None  # q4_k: float16 [N, K // 256]
+
+    def __post_init__(self) -> None:
+        n, k = self.q.shape
+        if self.kind not in SUPERBLOCK_KINDS or k % SUPER or self.q.dtype != torch.int8:
+            raise ValueError(f"SuperBlockWeight: kind={self.kind}, q {self.q.dtype} {tuple(self.q.shape)}")
+        four = self.kind == "q4_k"
+        expect = [(self.sc, torch.uint8 if four else torch.int8, k // self.group), (self.d, torch.float16, k // SUPER)]
+        if four:
+            expect += [(self.m, torch.uint8, k // GROUP), (self.dmin, torch.float16, k // SUPER)]
+        elif self.m is not None or self.dmin is not None:
+            raise ValueError("SuperBlockWeight: q6_k has no minimum")
+        for t, dtype, width in expect:
+            if t is None or t.dtype != dtype or tuple(t.shape) != (n, width):
+                raise ValueError(f"SuperBlockWeight {self.kind}: a field is not {dtype} [{n}, {width}]")
+
+    @property
+    def bits(self) -> int:
+        return 4 if self.kind == "q4_k" else 6
+
+    @property
+    def group(self) -> int:
+        """Weights per sub-block scale."""
+        return GROUP if self.kind == "q4_k" else 16
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.q.shape[0], self.q.shape[1])
+
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> SuperBlockWeight:
+        """The same weight with `fn` applied to each row-indexed tensor (slice, permute, pad, move)."""
+        opt = (lambda t: None if t is None else fn(t))  # noqa: E731
+        return SuperBlockWeight(self.kind, fn(self.q), fn(self.sc), fn(self.d), opt(self.m), opt(self.dmin))
+
+    def cols(self, start: int, stop: int) -> SuperBlockWeight:
+        """Columns [start, stop), both multiples of SUPER."""
+        if start % SUPER or stop % SUPER:
+            raise ValueError(f"columns [{start}, {stop}) cut a super-block of {SUPER}")
+
+        def part(t: torch.Tensor | None, per: int) -> torch.Tensor | None:
+            return None if t is None else t[:, start // per : stop // per].contiguous()
+
+        return SuperBlockWeight(self.kind, part(self.q, 1), part(self.sc, self.group), part(self.d, SUPER),
+                                part(self.m, GROUP), part(self.dmin, SUPER))
+
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each sub-block's scale and minimum as float32 [N, K // group], exactly (a float16 times
+        an integer below 2**7 fits float32's mantissa)."""
+        per = SUPER // self.group
+        scale = self.d.float().repeat_interleave(per, dim=1) * self.sc.float()
+        if self.m is None:
+            return scale, None
+        return scale, -(self.dmin.float().repeat_interleave(per, dim=1) * self.m.float())
+
+    def to_group32(self) -> QuantizedWeight:
+        """The group-32 float16 form, for paths without the super-block kernel: q4_k keeps its
+        nibbles (scales rounded once to float16); q6_k is requantized per 32 to absmax int8 (at
+        most half a step of that grid away)."""
+        scale, minimum = self.scales()
+        if self.kind == "q4_k":
+            return QuantizedWeight(4, self.q, scale.half(), minimum.half())
+        return quantize_int8(dequantize(self, torch.float32))
+
+
+@dataclass
+class StackedWeight:
+    parts: list[QuantizedWeight | SuperBlockWeight]  # row blocks in order, same K
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (sum(p.shape[0] for p in self.parts), self.parts[0].shape[1])
+
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> StackedWeight:
+        raise ValueError("a stacked weight is made after the checkpoint's rows are arranged")
+
+
+Quantized = QuantizedWeight | SuperBlockWeight | StackedWeight
+
+
+def is_quantized(w: object) -> bool:
+    return isinstance(w, (QuantizedWeight, SuperBlockWeight, StackedWeight))
 
 
 def _groups(w: torch.Tensor) -> torch.Tensor:
@@ -65,8 +179,17 @@ def quantize_int4(w: torch.Tensor) -> QuantizedWeight:
     return QuantizedWeight(bits=4, q=q, scale=scale, minimum=minimum)
 
 
-def dequantize(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize(qw: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The reference: float32 math, then one rounding to `dtype`. [N, K]."""
+    if isinstance(qw, StackedWeight):
+        return torch.cat([dequantize(p, torch.float32) for p in qw.parts]).to(dtype)
+    if isinstance(qw, SuperBlockWeight):
+        n, k = qw.shape
+        scale, minimum = qw.scales()  # [N, K / group]
+        w = qw.q.float().reshape(n, -1, qw.group) * scale.unsqueeze(2)  # [N, K / group, group]
+        if minimum is not None:
+            w = w + minimum.unsqueeze(2)
+        return w.reshape(n, k).to(dtype)
     n, k = qw.q.shape
     w = qw.q.float().reshape(n, k // GROUP, GROUP) * qw.scale.float().unsqueeze(2)  # [N, G, 32]
     if qw.minimum is not None:
@@ -74,14 +197,34 @@ def dequantize(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch
     return w.reshape(n, k).to(dtype)
 
 
-def concat(parts: list[QuantizedWeight]) -> QuantizedWeight:
-    """Stack along N (fused QKV, gate/up). Mixed bits promote the 4-bit parts to 8-bit exactly (q in
-    [0, 15] with its scale and minimum is a valid bits=8 weight); if any part has a minimum, the
-    symmetric parts get a zero minimum (exact)."""
+def _form(p: QuantizedWeight | SuperBlockWeight) -> str:
+    return p.kind if isinstance(p, SuperBlockWeight) else "group32"
+
+
+def concat(parts: list[Quantized]) -> Quantized:
+    """Stack along N (fused QKV, gate/up). Super-block parts of one kind stay one super-block
+    weight; group-32 parts stay group-32, mixed bits promoting the 4-bit parts to 8-bit exactly (q in
+    [0, 15] with its scale and minimum is a valid bits=8 weight; if any part has a minimum, the
+    symmetric parts get a zero minimum, exact); any other mix is a StackedWeight of the parts."""
     if not parts:
         raise ValueError("concat of no weights")
-    if len({p.q.shape[1] for p in parts}) != 1:
-        raise ValueError(f"concat: in_features differ: {[p.q.shape[1] for p in parts]}")
+    if len({p.shape[1] for p in parts}) != 1:
+        raise ValueError(f"concat: in_features differ: {[p.shape[1] for p in parts]}")
+    flat = [q for p in parts for q in (p.parts if isinstance(p, StackedWeight) else [p])]
+    if all(isinstance(p, SuperBlockWeight) for p in flat) and len({p.kind for p in flat}) == 1:
+        sbs: list[SuperBlockWeight] = flat  # type: ignore[assignment]
+        cat = (lambda ts: None if ts[0] is None else torch.cat(ts))  # noqa: E731
+        return SuperBlockWeight(sbs[0].kind, torch.cat([p.q for p in sbs]), torch.cat([p.sc for p in sbs]),
+                                torch.cat([p.d for p in sbs]), cat([p.m for p in sbs]), cat([p.dmin for p in sbs]))
+    if not all(isinstance(p, QuantizedWeight) for p in flat):
+        runs: list[list[QuantizedWeight | SuperBlockWeight]] = []
+        for p in flat:  # consecutive parts of one form are concatenated into one row block
+            if runs and _form(runs[-1][-1]) == _form(p):
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        return StackedWeight([concat(run) for run in runs])  # type: ignore[misc]
+    parts = flat
     bits = max(p.bits for p in parts)
     any_min = any(p.minimum is not None for p in parts)
     minimum = (

@@ -139,8 +139,8 @@ def _q5_1(blocks: torch.Tensor, out: torch.Tensor, c: _Constants) -> None:
     out += dm[:, 1:]
 
 
-def _k_scales(blocks: torch.Tensor, c: _Constants) -> torch.Tensor:
-    """Bytes 0-15 of Q4_K/Q5_K blocks -> [n, 2, 8, 1] float32: d * scale_s and dmin * min_s.
+def k_scale_ints(blocks: torch.Tensor, c: _Constants) -> torch.Tensor:
+    """Bytes 0-15 of Q4_K/Q5_K blocks -> [n, 2, 8] uint8: each sub-block's 6-bit scale and 6-bit min.
 
     Bytes 0-3 hold d and dmin (f16). Of the 12 packed bytes that follow, bytes 4-7 hold scales 0-3
     (low 6 bits) and the top 2 bits of scales 4-7; bytes 8-11 mins 0-3 and the top 2 bits of mins
@@ -154,7 +154,13 @@ def _k_scales(blocks: torch.Tensor, c: _Constants) -> torch.Tensor:
     torch.bitwise_right_shift(blocks[:, 12:16].view(n, 1, 4), c.nibble_shifts, out=high)
     high &= 0x0F
     high |= (ab >> 2) & 0x30
-    return torch.mul(packed, _f16(blocks[:, 0:4]).view(n, 2, 1)).unsqueeze(-1)
+    return packed
+
+
+def _k_scales(blocks: torch.Tensor, c: _Constants) -> torch.Tensor:
+    """Bytes 0-15 of Q4_K/Q5_K blocks -> [n, 2, 8, 1] float32: d * scale_s and dmin * min_s."""
+    n = blocks.shape[0]
+    return torch.mul(k_scale_ints(blocks, c), _f16(blocks[:, 0:4]).view(n, 2, 1)).unsqueeze(-1)
 
 
 def _k_apply(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
@@ -182,10 +188,13 @@ def _q5_k(blocks: torch.Tensor, out: torch.Tensor, c: _Constants) -> None:
     _k_apply(q, _k_scales(blocks, c), out)
 
 
-def _q6_k(blocks: torch.Tensor, out: torch.Tensor, c: _Constants) -> None:
-    # super-block (210 B) of 256 = 16 x 16: ql[128] | qh[64] | scales int8[16] | d f16.
-    # Each half h (128 values) uses ql[64h:64h+64] and qh[32h:32h+32]; within it, quarter k (32
-    # values) takes nibble k // 2 of ql[l + 32 (k % 2)] and bits 2k..2k+1 of qh[l].
+def q6_k_ints(blocks: torch.Tensor, c: _Constants) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_K super-blocks [n, 210] -> (q int8 [n, 256] in [-32, 31], scales int8 [n, 16]); d is
+    the f16 at bytes 208-209.
+
+    A super-block (210 B) of 256 = 16 x 16: ql[128] | qh[64] | scales int8[16] | d f16. Each half h
+    (128 values) uses ql[64h:64h+64] and qh[32h:32h+32]; within it, quarter k (32 values) takes
+    nibble k // 2 of ql[l + 32 (k % 2)] and bits 2k..2k+1 of qh[l]."""
     n = blocks.shape[0]
     q = _nibbles(blocks[:, 0:128].view(n, 2, 64)).view(n, 2, 4, 32)  # [n, half, quarter k, l]
     qh = _words(blocks[:, 128:192]).view(n, 2, 1, 4)  # [n, half, 1, words]
@@ -194,7 +203,13 @@ def _q6_k(blocks: torch.Tensor, out: torch.Tensor, c: _Constants) -> None:
     q.view(torch.int64).view(n, 2, 4, 4).bitwise_or_(high)
     q = q.view(torch.int8)
     q -= 32
-    ds = torch.mul(_f16(blocks[:, 208:210]), blocks[:, 192:208].view(torch.int8))  # [n, 16] float32
+    return q.view(n, 256), blocks[:, 192:208].view(torch.int8)
+
+
+def _q6_k(blocks: torch.Tensor, out: torch.Tensor, c: _Constants) -> None:
+    n = blocks.shape[0]
+    q, sc = q6_k_ints(blocks, c)
+    ds = torch.mul(_f16(blocks[:, 208:210]), sc)  # [n, 16] float32
     torch.mul(ds.unsqueeze(-1), q.view(n, 16, 16), out=out.view(n, 16, 16))
 
 

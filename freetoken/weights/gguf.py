@@ -35,7 +35,7 @@ from freetoken.weights.gguf_config import architecture_of, hf_config_from_metada
 from freetoken.weights.gguf_file import GGUFFile, GGUFTensorInfo
 from freetoken.weights.gguf_metadata import metadata_of, open_gguf
 from freetoken.weights.names import HFTensorAssembler, hf_target
-from freetoken.weights.requant import INTEGER_TYPES, QType, to_quantized
+from freetoken.weights.requant import INTEGER_TYPES, SUPERBLOCK_TYPES, QType, to_quantized, to_superblocks
 
 # Stacked expert matrices kept in their file form (`keep_quantized`): integer types and MXFP4.
 EXPERT_TYPES: frozenset[int] = INTEGER_TYPES | {QType.MXFP4}
@@ -127,7 +127,7 @@ def load_gguf(
 ) -> GGUFCheckpoint:
     """Read the GGUF file at `path`: HF config, HF-named tensors in `dtype` on `device`, metadata
     and the count of tensors per quant type. With `keep_quantized`, matrices of an integer GGML
-    type come back as `QuantizedWeight`s (on the CPU) instead of being dequantized, and stacked
+    type come back as `QuantizedWeight`s (Q4_K / Q6_K as `SuperBlockWeight`s; on the CPU) instead of being dequantized, and stacked
     expert tensors of an integer type or MXFP4 as lists of `Deferred` per-expert matrices
     (`expert_stack`)."""
     p = Path(path)
@@ -152,6 +152,8 @@ def load_gguf(
             expert = expert_stack_name(t.name, arch) if keep_quantized and t.ggml_type in EXPERT_TYPES else None
             if expert is not None and len(t.shape) == 3:
                 assembler.tensors[expert] = expert_stack(data, t.ggml_type, t.shape, t.name)
+            elif keep_quantized and len(t.shape) == 2 and t.ggml_type in SUPERBLOCK_TYPES:
+                assembler.add_quantized(t.name, to_superblocks(data, t.ggml_type, t.shape, t.name))
             elif keep_quantized and len(t.shape) == 2 and t.ggml_type in INTEGER_TYPES:
                 assembler.add_quantized(t.name, to_quantized(data, t.ggml_type, t.shape, t.name))
             else:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from freetoken.errors import ModelLoadError
-from freetoken.ops.quantized import QuantizedWeight
+from freetoken.ops.quantized import QuantizedWeight, SuperBlockWeight
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "gemma3", "gpt-oss", "qwen3", "qwen3moe", "gemma4")
 
@@ -216,7 +216,7 @@ class HFTensorAssembler:
         self.dtype = dtype
         self.n_heads = num_attention_heads
         self.n_kv_heads = num_key_value_heads
-        self.tensors: dict[str, torch.Tensor | QuantizedWeight] = {}
+        self.tensors: dict[str, torch.Tensor | QuantizedWeight | SuperBlockWeight] = {}
         self._halves: dict[str, dict[int, torch.Tensor]] = {}
 
     def add(self, gguf_name: str, tensor: torch.Tensor) -> None:
@@ -241,7 +241,7 @@ class HFTensorAssembler:
             joined = torch.cat((halves[0], halves[1]), dim=-2) if self.arch in _ROW_JOINED else _interleave(halves[0], halves[1])
             self._put(target.hf_name, joined, gguf_name)
 
-    def add_quantized(self, gguf_name: str, qw: QuantizedWeight) -> None:
+    def add_quantized(self, gguf_name: str, qw: QuantizedWeight | SuperBlockWeight) -> None:
         """A matrix kept in integer form: renamed, and its rows rearranged as `add` would."""
         target = hf_target(self.arch, gguf_name)
         if target is None:
@@ -255,10 +255,9 @@ class HFTensorAssembler:
 
         if self.arch == "gemma3" and rest.endswith("norm.weight"):
             raise ModelLoadError(f"{gguf_name}: a norm cannot stay quantized")
-        minimum = None if qw.minimum is None else rows(qw.minimum)
         if target.hf_name in self.tensors:
             raise ModelLoadError(f"GGUF file holds {gguf_name} twice")
-        self.tensors[target.hf_name] = QuantizedWeight(qw.bits, rows(qw.q), rows(qw.scale), minimum)
+        self.tensors[target.hf_name] = qw.map_rows(rows)
 
     def _put(self, hf_name: str, t: torch.Tensor, gguf_name: str) -> None:
         if hf_name in self.tensors:

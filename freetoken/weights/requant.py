@@ -11,7 +11,9 @@ quantized in memory instead of being expanded to bfloat16:
 - 4-bit form: Q4_0 (minimum = -8 d), Q4_1 and Q4_K keep their nibbles exactly.
 
 Scales that are a product in the file (the K-quants' d * sub-block scale) are rounded once to
-float16. It reads block bytes only; it does not know tensor names or models. Types without a
+float16. `to_superblocks` instead keeps a Q4_K or Q6_K matrix in its own integers (a
+`SuperBlockWeight`: nothing rounded or requantized), which the linear layers run at the file's
+bytes per weight. It reads block bytes only; it does not know tensor names or models. Types without a
 translation here (float types, MXFP4) are the caller's to dequantize.
 """
 
@@ -24,8 +26,19 @@ import numpy as np
 import torch
 
 from freetoken.errors import ModelLoadError
-from freetoken.ops.quantized import GROUP, QuantizedWeight
-from freetoken.weights.dequant import _byte_view, _Constants, _f16, _fifth_bits, _k_scales, _nibbles, _q5, type_name
+from freetoken.ops.quantized import GROUP, SUPER, QuantizedWeight, SuperBlockWeight
+from freetoken.weights.dequant import (
+    _byte_view,
+    _Constants,
+    _f16,
+    _fifth_bits,
+    _k_scales,
+    _nibbles,
+    _q5,
+    k_scale_ints,
+    q6_k_ints,
+    type_name,
+)
 from freetoken.weights.dequant import _q6_k as _decode_q6_k
 
 QType = gguf.GGMLQuantizationType
@@ -159,3 +172,42 @@ def to_quantized(raw: np.ndarray | torch.Tensor, qtype: QType | int, shape: Sequ
         scale=scale.view(N, K // GROUP),
         minimum=None if minimum is None else minimum.view(N, K // GROUP),
     )
+
+
+SUPERBLOCK_TYPES: frozenset[QType] = frozenset({QType.Q4_K, QType.Q6_K})
+
+
+def _blocks_of(raw: np.ndarray | torch.Tensor, qtype: QType, shape: Sequence[int], name: str) -> tuple[int, int, torch.Tensor]:
+    """(N, K, the matrix's blocks as uint8 [N * K / 256, type_size]) after the shape and size checks."""
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    if len(shape) != 2 or shape[1] % block_size != 0:
+        raise ModelLoadError(f"tensor {name}: shape {list(shape)} is not a matrix of whole {qtype.name} blocks")
+    n, k = int(shape[0]), int(shape[1])
+    data = _byte_view(raw)
+    if data.shape[0] != n * k // block_size * type_size:
+        raise ModelLoadError(
+            f"tensor {name}: {data.shape[0]} bytes of {qtype.name} data, expected {n * k // block_size * type_size} for shape {list(shape)}"
+        )
+    if isinstance(data, np.ndarray):
+        data = torch.from_numpy(data.copy())  # the source is read-only
+    return n, k, data.view(-1, type_size)
+
+
+def to_superblocks(raw: np.ndarray | torch.Tensor, qtype: QType | int, shape: Sequence[int], name: str = "<unnamed>") -> SuperBlockWeight:
+    """The Q4_K or Q6_K matrix of `shape` [N, K] in `raw` as a SuperBlockWeight (exact)."""
+    if qtype not in SUPERBLOCK_TYPES:
+        raise ModelLoadError(f"tensor {name}: {type_name(qtype)} is not a super-block type")
+    qtype = QType(qtype)
+    n, k, blocks = _blocks_of(raw, qtype, shape, name)
+    c = _Constants.on(torch.device("cpu"))
+    per_row = k // SUPER
+    d = blocks[:, 208:210] if qtype == QType.Q6_K else blocks[:, 0:2]
+    d = d.contiguous().view(torch.float16).reshape(n, per_row)
+    if qtype == QType.Q6_K:
+        q, sc = q6_k_ints(blocks, c)
+        return SuperBlockWeight("q6_k", q.reshape(n, k), sc.reshape(n, k // 16).contiguous(), d)
+    q = _nibbles(blocks[:, 16:].reshape(-1, 4, 32)).view(torch.int8).reshape(n, k)
+    ints = k_scale_ints(blocks, c)  # [n blocks, 2, 8]
+    dmin = blocks[:, 2:4].contiguous().view(torch.float16).reshape(n, per_row)
+    return SuperBlockWeight("q4_k", q, ints[:, 0].reshape(n, k // GROUP).contiguous(), d,
+                            ints[:, 1].reshape(n, k // GROUP).contiguous(), dmin)

@@ -24,6 +24,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <array>
 #include <utility>
 #include <cstdint>
@@ -67,6 +68,7 @@ struct QuantizedActs {
   const int8_t* q = nullptr;          // [M, chunks, 8, 64]
   const float* group_scale = nullptr; // [M, chunks * 16]: scale of each group
   const float* group_sum = nullptr;   // [M, chunks * 16]: scale * sum(q) of each group
+  const float* half_sum = nullptr;    // [M, 2, chunks * 16]: scale * sum(q) of each group's 16-halves
 };
 
 // Per calling thread, reused across calls: quantized activations are small (M * K bytes).
@@ -99,14 +101,15 @@ FT_AVX512 QuantizedActs quantize_acts(const T* x, int64_t M, int64_t K, bool com
   const int64_t g16 = a.chunks * 16;
   const size_t q_bytes = size_t(M * a.chunks * 512);
   const size_t f_bytes = size_t(M * g16) * sizeof(float);
-  const size_t total = q_bytes + 2 * f_bytes + 64;
+  const size_t total = q_bytes + 4 * f_bytes + 64;
   if (t_scratch.size() < total) t_scratch.resize(total);
   uint8_t* base = t_scratch.data();
   base += (64 - reinterpret_cast<uintptr_t>(base) % 64) % 64;
   int8_t* q = reinterpret_cast<int8_t*>(base);
   float* gscale = reinterpret_cast<float*>(base + q_bytes);
   float* gsum = reinterpret_cast<float*>(base + q_bytes + f_bytes);
-  if (G % 16) std::memset(base, 0, q_bytes + 2 * f_bytes);  // zero groups past G
+  float* hsum = reinterpret_cast<float*>(base + q_bytes + 2 * f_bytes);
+  if (G % 16) std::memset(base, 0, q_bytes + 4 * f_bytes);  // zero groups past G
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t g = 0; g < G; ++g) {
       const T* src = x + m * K + g * kGroup;
@@ -122,9 +125,11 @@ FT_AVX512 QuantizedActs quantize_acts(const T* x, int64_t M, int64_t K, bool com
       int32_t* dst = reinterpret_cast<int32_t*>(q + (m * a.chunks + g / 16) * 512) + g % 16;
       const int64_t vstride = compact_tail && g >= tail_start ? tail : 16;
       for (int v = 0; v < 8; ++v) dst[v * vstride] = words[v];
-      const int32_t isum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+      const int32_t isum0 = _mm512_reduce_add_epi32(i0), isum1 = _mm512_reduce_add_epi32(i1);
       gscale[m * g16 + g] = d;
-      gsum[m * g16 + g] = d * float(isum);
+      gsum[m * g16 + g] = d * float(isum0 + isum1);
+      hsum[(2 * m) * g16 + g] = d * float(isum0);
+      hsum[(2 * m + 1) * g16 + g] = d * float(isum1);
     }
     if (compact_tail && tail) {  // dot lane j of a compact tail belongs to group j % tail
       float* ts = gscale + m * g16 + tail_start;
@@ -134,6 +139,7 @@ FT_AVX512 QuantizedActs quantize_acts(const T* x, int64_t M, int64_t K, bool com
   a.q = q;
   a.group_scale = gscale;
   a.group_sum = gsum;
+  a.half_sum = hsum;
   return a;
 }
 
@@ -282,6 +288,143 @@ FT_AVX512 void tile_kernel(const uint8_t* wq, const at::Half* ws, const at::Half
   for (; n < n1; ++n) rows_kernel<MT, BITS, 1>(wq, ws, wm, K, n, a, m0, out, ldo);
 }
 
+// ---- Super-block weights (GGUF Q4_K, Q6_K) in their own integers ------------------------------
+// A row is padded to whole chunks of 512 weights (zero weights; the activations past K are zero
+// too) and held as two arrays, read in the row's order:
+//   q4_k: nibbles [N, C * 256] in the bits-4 layout of a full chunk (vector u: words 2u low,
+//     2u + 1 high), meta [N, C * 40]: per chunk sc uint8[16] | m uint8[16] | d0 d1 dmin0 dmin1 f16,
+//     where d_s, dmin_s belong to super-block s (groups 8 s .. 8 s + 7 of the chunk) and
+//     w = d * sc * q - dmin * m, q the nibble;
+//   q6_k: values [N, C * 384]: per chunk the bits-4 bytes of the low nibbles of u = q + 32
+//     (256), then two vectors of high bit pairs (128): byte i of vector h holds bits 4-5 of value
+//     vector 4 h + k at bits 2 k, 2 k + 1; meta [N, C * 40]: scA int8[16] | scB int8[16] | d0 d1 | 4 unused bytes
+//     f16, where scA[l] scales the first 16 weights of group l (value vectors 0-3) and scB[l] the
+//     last 16 (4-7), and w = d * sc * (u - 32).
+// The integer dot products are exact; the float work per chunk and activation row is
+//   q4_k: acc += dot * (d sc * a_scale) - dmin m * a_sum,
+//   q6_k: acc += dotA * (d scA * a_scale) + dotB * (d scB * a_scale) - 32 (d scA * a_sumA + d scB * a_sumB).
+constexpr int kQ4K = 4, kQ6K = 6;
+template <int KIND> constexpr int64_t sb_chunk_bytes() { return KIND == kQ4K ? 256 : 384; }
+constexpr int64_t kSbMetaBytes = 40;  // per chunk, both kinds (q6_k: 36 used; the f16 load reads 8)
+
+// A value vector of a q6_k chunk: low nibbles `lo` (0..15 per byte) with the high bit pair k of
+// `hi` as bits 4-5 (16-bit shifts: the bits that cross a byte boundary fall outside 0x30).
+template <int K>
+FT_AVX512 inline __m512i with_high_pair(__m512i lo, __m512i hi, __m512i mask30) {
+  __m512i h;
+  if constexpr (K == 0) h = _mm512_slli_epi16(hi, 4);
+  else if constexpr (K == 1) h = _mm512_slli_epi16(hi, 2);
+  else if constexpr (K == 2) h = hi;
+  else h = _mm512_srli_epi16(hi, 2);
+  return _mm512_ternarylogic_epi32(lo, h, mask30, 0xF8);  // lo | (h & 0x30)
+}
+
+template <int MT, int KIND, int NR>
+FT_AVX512 inline void sb_rows_kernel(const uint8_t* wq, const uint8_t* wmeta, int64_t C, int64_t n,
+                                     const QuantizedActs& a, int64_t m0, float* out, int64_t ldo) {
+  constexpr int64_t CB = sb_chunk_bytes<KIND>(), MB = kSbMetaBytes;
+  const int64_t row_bytes = C * CB, meta_row = C * MB;
+  const int64_t qstride = a.chunks * 512, gstride = a.chunks * 16;
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  const __m512i mask30 = _mm512_set1_epi8(0x30);
+  const __m512i pick_d = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i pick_dmin = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
+  __m512 acc[NR][MT];
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < MT; ++i) acc[r][i] = _mm512_setzero_ps();
+  if (m0 == 0) {  // as rows_kernel: the bytes kPrefetchBytes ahead, on the first pass only
+    const char* ahead = reinterpret_cast<const char*>(wq + n * row_bytes) + kPrefetchBytes;
+    for (int64_t o = 0; o < NR * row_bytes; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
+    const char* meta_ahead = reinterpret_cast<const char*>(wmeta + n * meta_row) + kPrefetchBytes * MB / CB;
+    for (int64_t o = 0; o < NR * meta_row; o += 64) _mm_prefetch(meta_ahead + o, _MM_HINT_T0);
+  }
+  for (int64_t c = 0; c < C; ++c) {
+    const int8_t* aq = a.q + m0 * qstride + c * 512;
+    __m512i dot[NR][MT], dotB[NR][KIND == kQ6K ? MT : 1];
+    for (int r = 0; r < NR; ++r)
+      for (int i = 0; i < MT; ++i) {
+        dot[r][i] = _mm512_setzero_si512();
+        if constexpr (KIND == kQ6K) dotB[r][i] = _mm512_setzero_si512();
+      }
+    if constexpr (KIND == kQ4K) {
+      for (int u = 0; u < 4; ++u) {
+        __m512i lo[NR], hi[NR];
+        for (int r = 0; r < NR; ++r) {
+          const __m512i packed = _mm512_loadu_si512(wq + (n + r) * row_bytes + c * CB + u * 64);
+          lo[r] = _mm512_and_si512(packed, low4);
+          hi[r] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+        }
+        for (int i = 0; i < MT; ++i) {
+          const __m512i alo = _mm512_load_si512(aq + i * qstride + (2 * u) * 64);
+          const __m512i ahi = _mm512_load_si512(aq + i * qstride + (2 * u + 1) * 64);
+          for (int r = 0; r < NR; ++r) {
+            dot[r][i] = _mm512_dpbusd_epi32(dot[r][i], lo[r], alo);
+            dot[r][i] = _mm512_dpbusd_epi32(dot[r][i], hi[r], ahi);
+          }
+        }
+      }
+    } else {
+      // u = 0, 1: value vectors 0-3 (first halves, dotA); u = 2, 3: 4-7 (dotB). High pairs of
+      // value vector j: vector j / 4 of the chunk's high bytes, pair j % 4.
+      __m512i hv[NR][2];
+      for (int r = 0; r < NR; ++r)
+        for (int h = 0; h < 2; ++h) hv[r][h] = _mm512_loadu_si512(wq + (n + r) * row_bytes + c * CB + 256 + h * 64);
+#define FT_Q6_PAIR(U, H, KLO, KHI, DOT)                                                          \
+  {                                                                                              \
+    __m512i v0[NR], v1[NR];                                                                      \
+    for (int r = 0; r < NR; ++r) {                                                               \
+      const __m512i packed = _mm512_loadu_si512(wq + (n + r) * row_bytes + c * CB + (U) * 64);   \
+      v0[r] = with_high_pair<KLO>(_mm512_and_si512(packed, low4), hv[r][H], mask30);             \
+      v1[r] = with_high_pair<KHI>(_mm512_and_si512(_mm512_srli_epi16(packed, 4), low4), hv[r][H], mask30); \
+    }                                                                                            \
+    for (int i = 0; i < MT; ++i) {                                                               \
+      const __m512i a0 = _mm512_load_si512(aq + i * qstride + (2 * (U)) * 64);                   \
+      const __m512i a1 = _mm512_load_si512(aq + i * qstride + (2 * (U) + 1) * 64);               \
+      for (int r = 0; r < NR; ++r) {                                                             \
+        DOT[r][i] = _mm512_dpbusd_epi32(DOT[r][i], v0[r], a0);                                   \
+        DOT[r][i] = _mm512_dpbusd_epi32(DOT[r][i], v1[r], a1);                                   \
+      }                                                                                          \
+    }                                                                                            \
+  }
+      FT_Q6_PAIR(0, 0, 0, 1, dot)
+      FT_Q6_PAIR(1, 0, 2, 3, dot)
+      FT_Q6_PAIR(2, 1, 0, 1, dotB)
+      FT_Q6_PAIR(3, 1, 2, 3, dotB)
+#undef FT_Q6_PAIR
+    }
+    for (int r = 0; r < NR; ++r) {
+      const uint8_t* meta = wmeta + (n + r) * meta_row + c * MB;
+      const __m128i dh = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta + 32));  // 4 f16 (q6_k: 2 used)
+      const __m512 dd = _mm512_castps128_ps512(_mm_cvtph_ps(dh));
+      const __m512 d = _mm512_permutexvar_ps(pick_d, dd);
+      const __m128i s01 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(meta));
+      const __m128i s23 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + 16));
+      for (int i = 0; i < MT; ++i) {
+        const int64_t o = (m0 + i) * gstride + c * 16;
+        const __m512 as = _mm512_load_ps(a.group_scale + o);
+        if constexpr (KIND == kQ4K) {
+          const __m512 S = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(s01)), d);
+          const __m512 Mn = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(s23)),
+                                          _mm512_permutexvar_ps(pick_dmin, dd));
+          acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][i]), _mm512_mul_ps(S, as), acc[r][i]);
+          acc[r][i] = _mm512_fnmadd_ps(Mn, _mm512_load_ps(a.group_sum + o), acc[r][i]);
+        } else {
+          const __m512 SA = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s01)), d);
+          const __m512 SB = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s23)), d);
+          const int64_t h0 = (2 * (m0 + i)) * gstride + c * 16, h1 = h0 + gstride;
+          acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][i]), _mm512_mul_ps(SA, as), acc[r][i]);
+          acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dotB[r][i]), _mm512_mul_ps(SB, as), acc[r][i]);
+          const __m512 off = _mm512_fmadd_ps(SA, _mm512_load_ps(a.half_sum + h0),
+                                             _mm512_mul_ps(SB, _mm512_load_ps(a.half_sum + h1)));
+          acc[r][i] = _mm512_fnmadd_ps(_mm512_set1_ps(32.0f), off, acc[r][i]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < MT; ++i) out[i * ldo + n + r] = _mm512_reduce_add_ps(acc[r][i]);
+}
+
 template <int BITS>
 using TileFn = void (*)(const uint8_t*, const at::Half*, const at::Half*, int64_t, int64_t, int64_t,
                         const QuantizedActs&, int64_t, float*, int64_t);
@@ -305,29 +448,25 @@ inline uint16_t to_bf16_bits(float f) {
   return uint16_t(u >> 16);
 }
 
-template <int BITS>
-void run(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& ws,
-         const c10::optional<at::Tensor>& wm, const c10::optional<at::Tensor>& bias, at::Tensor& y,
-         int64_t N) {
+// The activation rows of x quantized per 32-group (see quantize_acts).
+inline QuantizedActs quantize_x(const at::Tensor& x, bool compact_tail) {
   const int64_t M = x.size(0), K = x.size(1);
-  const int64_t tail = (K / kGroup) % 16;
-  const bool compact_tail = tail && 16 % tail == 0;
-  const QuantizedActs a = x.scalar_type() == at::kFloat
-                              ? quantize_acts(x.data_ptr<float>(), M, K, compact_tail)
-                              : quantize_acts(x.data_ptr<at::BFloat16>(), M, K, compact_tail);
+  return x.scalar_type() == at::kFloat ? quantize_acts(x.data_ptr<float>(), M, K, compact_tail)
+                                       : quantize_acts(x.data_ptr<at::BFloat16>(), M, K, compact_tail);
+}
+
+// y[M, N] (+ bias) from tile(mt, t0, t1, m0, buf): the weight rows [0, N) split between torch's
+// threads in tiles of kTileRows, each task reading at least kTaskBytes of weights (~6 us at 20 GB/s:
+// below that, waking a second thread costs about what it saves; a guess, not tuned on an idle machine).
+template <typename Tile>
+void parallel_tiles(int64_t M, int64_t N, int64_t row_bytes, const c10::optional<at::Tensor>& bias,
+                    at::Tensor& y, const Tile& tile) {
   const bool f32_out = y.scalar_type() == at::kFloat;
-  const uint8_t* q = wq.data_ptr<uint8_t>();
-  const at::Half* s = ws.data_ptr<at::Half>();
-  const at::Half* mn = wm.has_value() ? wm->data_ptr<at::Half>() : nullptr;
   const bool has_bias = bias.has_value();
   const bool bias_f32 = has_bias && bias->scalar_type() == at::kFloat;
   const void* bp = has_bias ? bias->data_ptr() : nullptr;
   float* yf = f32_out ? y.data_ptr<float>() : nullptr;
   uint16_t* yb = f32_out ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  const auto& table = tile_table<BITS>();
-  const int64_t row_bytes = row_bytes_of<BITS>(K);
-  // Each task reads at least kTaskBytes of weights (~6 us at 20 GB/s): below that, waking a second
-  // thread costs about what it saves (a guess; not tuned on an idle machine).
   const int64_t grain = std::max<int64_t>(kTileRows, (kTaskBytes / row_bytes + kTileRows - 1) / kTileRows * kTileRows);
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
     float buf[kMaxRows * kTileRows];
@@ -335,8 +474,8 @@ void run(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& ws,
       const int64_t t1 = std::min(end, t0 + kTileRows);
       for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
         const int64_t mt = std::min<int64_t>(kMaxRows, M - m0);
-        // buf[i, n - t0]: the kernel indexes columns by absolute n, so shift the base back by t0.
-        table[mt - 1](q, s, mn, K, t0, t1, a, m0, buf - t0, kTileRows);
+        // buf[i, n - t0]: the kernels index columns by absolute n, so shift the base back by t0.
+        tile(mt, t0, t1, m0, buf - t0);
         for (int64_t i = 0; i < mt; ++i) {
           for (int64_t n = t0; n < t1; ++n) {
             float v = buf[i * kTileRows + (n - t0)];
@@ -353,6 +492,73 @@ void run(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& ws,
       }
     }
   });
+}
+
+template <int BITS>
+void run(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& ws,
+         const c10::optional<at::Tensor>& wm, const c10::optional<at::Tensor>& bias, at::Tensor& y,
+         int64_t N) {
+  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t tail = (K / kGroup) % 16;
+  const QuantizedActs a = quantize_x(x, tail && 16 % tail == 0);
+  const uint8_t* q = wq.data_ptr<uint8_t>();
+  const at::Half* s = ws.data_ptr<at::Half>();
+  const at::Half* mn = wm.has_value() ? wm->data_ptr<at::Half>() : nullptr;
+  const auto& table = tile_table<BITS>();
+  parallel_tiles(M, N, row_bytes_of<BITS>(K), bias, y, [&](int64_t mt, int64_t t0, int64_t t1, int64_t m0, float* out) {
+    table[mt - 1](q, s, mn, K, t0, t1, a, m0, out, kTileRows);
+  });
+}
+
+// Rows [n0, n1) of a super-block weight against activation rows [m0, m0 + MT).
+template <int MT, int KIND>
+FT_AVX512 void sb_tile_kernel(const uint8_t* wq, const uint8_t* wmeta, int64_t C, int64_t n0, int64_t n1,
+                              const QuantizedActs& a, int64_t m0, float* out, int64_t ldo) {
+  constexpr int NR = MT <= 4 ? 2 : 1;  // as tile_kernel (q6_k's second dot fits: 4 x 2 x 2 accumulators)
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) sb_rows_kernel<MT, KIND, NR>(wq, wmeta, C, n, a, m0, out, ldo);
+  for (; n < n1; ++n) sb_rows_kernel<MT, KIND, 1>(wq, wmeta, C, n, a, m0, out, ldo);
+}
+
+using SbTileFn = void (*)(const uint8_t*, const uint8_t*, int64_t, int64_t, int64_t, const QuantizedActs&,
+                          int64_t, float*, int64_t);
+
+template <int KIND, int... Ms>
+constexpr std::array<SbTileFn, sizeof...(Ms)> make_sb_table(std::integer_sequence<int, Ms...>) {
+  return {&sb_tile_kernel<Ms + 1, KIND>...};
+}
+
+template <int KIND>
+const std::array<SbTileFn, kMaxRows>& sb_tile_table() {
+  static constexpr auto table = make_sb_table<KIND>(std::make_integer_sequence<int, kMaxRows>{});
+  return table;
+}
+
+// y[M, N] = x[M, K] @ dequant(W)[N, K]^T + bias for a super-block weight (kind 4: q4_k, 6: q6_k).
+at::Tensor sbmm(const at::Tensor& x_in, const at::Tensor& wq, const at::Tensor& wmeta,
+                const c10::optional<at::Tensor>& bias, int64_t kind) {
+  TORCH_CHECK(x_in.dim() == 2, "sbmm: x must be [M, K]");
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16,
+              "sbmm: x must be float32 or bfloat16");
+  TORCH_CHECK(kind == kQ4K || kind == kQ6K, "sbmm: kind must be 4 (q4_k) or 6 (q6_k)");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = wq.size(0);
+  const int64_t C = (K + 511) / 512;
+  const int64_t CB = kind == kQ4K ? sb_chunk_bytes<kQ4K>() : sb_chunk_bytes<kQ6K>();
+  TORCH_CHECK(K % 256 == 0, "sbmm: K must be a multiple of 256");
+  TORCH_CHECK(wq.is_contiguous() && wq.size(1) == C * CB, "sbmm: weight must be contiguous [N, ", C * CB, "] bytes");
+  TORCH_CHECK(wmeta.is_contiguous() && wmeta.size(0) == N && wmeta.size(1) == C * kSbMetaBytes,
+              "sbmm: meta must be contiguous [N, ", C * kSbMetaBytes, "] bytes");
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const QuantizedActs a = quantize_x(x, false);  // chunk-padded rows: never a compact tail
+  const uint8_t* q = wq.data_ptr<uint8_t>();
+  const uint8_t* meta = wmeta.data_ptr<uint8_t>();
+  const auto& table = kind == kQ4K ? sb_tile_table<kQ4K>() : sb_tile_table<kQ6K>();
+  parallel_tiles(M, N, C * CB, bias, y, [&](int64_t mt, int64_t t0, int64_t t1, int64_t m0, float* out) {
+    table[mt - 1](q, meta, C, t0, t1, a, m0, out, kTileRows);
+  });
+  return y;
 }
 
 // y[M, N] = x[M, K] @ dequant(W)[N, K]^T + bias, in x's dtype (float32 or bfloat16).
@@ -382,12 +588,47 @@ at::Tensor qmm(const at::Tensor& x_in, const at::Tensor& wq, const at::Tensor& w
   return y;
 }
 
+// The machine's read bandwidth as the kernels see it (`ft bench roofline`): every byte of `t` read
+// once with 64-byte loads, the tensor split between torch's threads in contiguous ranges (as the
+// kernels split a weight's rows), prefetching kPrefetchBytes ahead like them. Returns a checksum
+// (so the loads are not optimised away).
+FT_AVX512 int64_t read_range(const uint8_t* p, int64_t n) {
+  __m512i acc0 = _mm512_setzero_si512(), acc1 = _mm512_setzero_si512();
+  int64_t o = 0;
+  for (; o + 256 <= n; o += 256) {
+    for (int64_t j = 0; j < 256; j += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + o + kPrefetchBytes + j, _MM_HINT_T0);
+    acc0 = _mm512_xor_si512(acc0, _mm512_loadu_si512(p + o));
+    acc1 = _mm512_xor_si512(acc1, _mm512_loadu_si512(p + o + 64));
+    acc0 = _mm512_xor_si512(acc0, _mm512_loadu_si512(p + o + 128));
+    acc1 = _mm512_xor_si512(acc1, _mm512_loadu_si512(p + o + 192));
+  }
+  int64_t tail = 0;
+  for (; o < n; ++o) tail += p[o];
+  return _mm512_reduce_add_epi64(_mm512_xor_si512(acc0, acc1)) + tail;
+}
+
+int64_t stream_read(const at::Tensor& t) {
+  TORCH_CHECK(t.is_contiguous() && t.device().is_cpu(), "stream_read: a contiguous CPU tensor");
+  const uint8_t* p = static_cast<const uint8_t*>(t.data_ptr());
+  const int64_t n = t.numel() * int64_t(t.element_size());
+  constexpr int64_t kBlock = 4096;
+  std::atomic<int64_t> sum{0};
+  at::parallel_for(0, (n + kBlock - 1) / kBlock, 32, [&](int64_t b, int64_t e) {
+    sum += read_range(p + b * kBlock, std::min(n, e * kBlock) - b * kBlock);
+  });
+  return sum.load();
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "FreeToken's AVX-512 VNNI weight-only quantized matmul (see qlinear.cpp)";
   m.def("supported", &cpu_supported, "whether this CPU has AVX-512 F/BW/VL/VNNI");
   m.attr("bits") = py::make_tuple(4, 5, 8);  // the weight widths qmm takes
+  m.attr("superblock_kinds") = py::make_tuple(4, 6);  // q4_k, q6_k: what sbmm takes
   m.def("qmm", &qmm, "y = x @ dequant(W)^T + bias", py::arg("x"), py::arg("q"), py::arg("scale"),
         py::arg("minimum"), py::arg("bias"), py::arg("bits"));
+  m.def("stream_read", &stream_read, "read every byte of a tensor once (bandwidth measurement); a checksum", py::arg("t"));
+  m.def("sbmm", &sbmm, "y = x @ dequant(W)^T + bias for a super-block (Q4_K / Q6_K) weight", py::arg("x"),
+        py::arg("q"), py::arg("meta"), py::arg("bias"), py::arg("kind"));
 }

@@ -1,0 +1,187 @@
+"""Super-block (GGUF Q4_K / Q6_K) weights in the layout of the `sbmm` kernel, and the stack of
+differently quantized row blocks a fused projection may be.
+
+Owns `PackedSuperBlock` (the packing of a `SuperBlockWeight` for csrc/qlinear.cpp's `sbmm`, its
+exact inverse for embedding rows and dequantization, and the call) and `PackedStack` (one packed
+weight per row block, outputs side by side). The format math is quantized.py's; the choice of
+which packed class a weight becomes is qlinear.py's `pack`.
+
+Layout (the contract with `sbmm`; csrc/qlinear.cpp says it in full): a row is padded with zero
+weights to whole chunks of 512 (C chunks) and held as two uint8 arrays,
+- q4_k: `values` [N, C * 256], each chunk the bits-4 layout of qlinear.py's `_pack`; `meta`
+  [N, C * 40]: sc[16] | m[16] | d, d, dmin, dmin (float16, one per super-block of the chunk);
+- q6_k: `values` [N, C * 384], each chunk the bits-4 bytes of the low nibbles of u = q + 32 (256
+  bytes), then two vectors of high bit pairs (byte i of vector h holds bits 4-5 of value vector
+  4 h + k at bits 2 k, 2 k + 1); `meta` [N, C * 40]: the scales of each group's first 16 weights
+  (int8[16]), of its last 16 (int8[16]), d, d (float16), 4 unused bytes.
+Bytes per weight: q4_k 0.578 (the file's 0.5625), q6_k 0.828 (the file's 0.820).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from freetoken.ops.quantized import GROUP, SUPER, SuperBlockWeight, dequantize
+from freetoken.ops.layout import chunk_transpose, pack_words, unpack_words
+
+CHUNK = 512  # weights per chunk: 16 groups of 32, two super-blocks
+META = 40  # meta bytes per chunk
+_KIND_CODE = {"q4_k": 4, "q6_k": 6}
+_CHUNK_BYTES = {"q4_k": 256, "q6_k": 384}
+
+
+def _per_chunk(t: torch.Tensor, chunks: int, width: int) -> torch.Tensor:
+    """[N, chunks * width - pad] -> [N, chunks, width], zero-padded (groups past K)."""
+    n = t.shape[0]
+    return F.pad(t, (0, chunks * width - t.shape[1])).reshape(n, chunks, width)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """[..., k] of any dtype -> [..., k * itemsize] uint8."""
+    return t.contiguous().view(torch.uint8)
+
+
+def pack_values(w: SuperBlockWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, meta) uint8 arrays of `w` in the kernel's layout (module docstring)."""
+    n, k = w.shape
+    chunks = -(-k // CHUNK)
+    kp = chunks * CHUNK
+    if w.kind == "q4_k":
+        values = pack_words(F.pad(w.q, (0, kp - k)), 4)  # [N, C * 256]
+        sc, m = _per_chunk(w.sc, chunks, 16), _per_chunk(w.m, chunks, 16)
+        d, dmin = _per_chunk(w.d, chunks, 2), _per_chunk(w.dmin, chunks, 2)
+        meta = torch.cat([sc, m, _bytes(d), _bytes(dmin)], dim=2)
+    else:
+        u = F.pad((w.q + 32).view(torch.uint8), (0, kp - k))  # [N, Kp] in [0, 63]
+        low = pack_words((u & 15).view(torch.int8), 4).reshape(n, chunks, 256)
+        vectors = chunk_transpose(u, inverse=False).reshape(n, chunks, 2, 4, 64)  # [N, C, h, k, byte]
+        pairs = (vectors >> 4) << torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 1, 4, 1)
+        high = pairs.sum(dim=3, dtype=torch.uint8).reshape(n, chunks, 128)  # disjoint bits: sum == or
+        values = torch.cat([low, high], dim=2).reshape(n, chunks * 384)
+        sc = w.sc.view(torch.uint8)
+        first, last = _per_chunk(sc[:, 0::2], chunks, 16), _per_chunk(sc[:, 1::2], chunks, 16)
+        d = _per_chunk(w.d, chunks, 2)
+        meta = torch.cat([first, last, _bytes(d), d.new_zeros(n, chunks, 4, dtype=torch.uint8)], dim=2)
+    return values.contiguous(), meta.reshape(n, chunks * META).contiguous()
+
+
+def unpack_values(kind: str, values: torch.Tensor, meta: torch.Tensor, k: int) -> SuperBlockWeight:
+    """The exact inverse of `pack_values` for the rows given ([R, ...] -> a SuperBlockWeight [R, K])."""
+    r = values.shape[0]
+    chunks = -(-k // CHUNK)
+    kp = chunks * CHUNK
+    meta = meta.reshape(r, chunks, META)
+
+    def halves(t: torch.Tensor) -> torch.Tensor:  # [R, C, 2] float16 -> [R, K // 256]
+        return t.reshape(r, chunks * 2)[:, : k // SUPER].contiguous()
+
+    def groups(t: torch.Tensor) -> torch.Tensor:  # [R, C, 16] -> [R, K // 32]
+        return t.reshape(r, chunks * 16)[:, : k // GROUP].contiguous()
+
+    if kind == "q4_k":
+        q = unpack_words(values, 4, kp)[:, :k].contiguous()
+        d, dmin = meta[:, :, 32:36].contiguous().view(torch.float16), meta[:, :, 36:40].contiguous().view(torch.float16)
+        return SuperBlockWeight("q4_k", q, groups(meta[:, :, :16]), halves(d), groups(meta[:, :, 16:32]), halves(dmin))
+    body = values.reshape(r, chunks, 384)
+    low = unpack_words(body[:, :, :256].reshape(r, chunks * 256), 4, kp).view(torch.uint8)  # [R, Kp]
+    vectors = chunk_transpose(low, inverse=False).reshape(r, chunks, 2, 4, 64)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 1, 4, 1)
+    high = ((body[:, :, 256:].reshape(r, chunks, 2, 1, 64) >> shifts) & 3) << 4
+    u = chunk_transpose((vectors | high).reshape(r, kp), inverse=True)[:, :k]
+    q = (u.to(torch.int16) - 32).to(torch.int8).contiguous()
+    sc = torch.stack([groups(meta[:, :, :16]), groups(meta[:, :, 16:32])], dim=2).reshape(r, k // 16)
+    d = meta[:, :, 32:36].contiguous().view(torch.float16)
+    return SuperBlockWeight("q6_k", q, sc.view(torch.int8).contiguous(), halves(d))
+
+
+class PackedSuperBlock:
+    """A SuperBlockWeight [N, K] in the `sbmm` kernel's layout, built once at load (CPU only; a
+    weight with no kernel to run it is packed by qlinear.pack in the group-32 form instead)."""
+
+    def __init__(self, w: SuperBlockWeight, kernel: object) -> None:
+        self.out_features, self.in_features = w.shape
+        self.kind, self.bits = w.kind, w.bits
+        self.values, self.meta = pack_values(w)
+        self._kernel_module = kernel
+        self._code = _KIND_CODE[w.kind]
+        # qlinear's two paths, as plain functions of (self, x, bias) like PackedWeight's: the
+        # kernel takes every row count.
+        self._small = self._large = PackedSuperBlock._matmul
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.numel() + self.meta.numel()
+
+    @property
+    def format(self) -> str:
+        return self.kind
+
+    def __repr__(self) -> str:
+        return f"PackedSuperBlock({self.out_features}x{self.in_features}, {self.kind})"
+
+    def weight_rows(self, start: int, stop: int) -> SuperBlockWeight:
+        return unpack_values(self.kind, self.values[start:stop], self.meta[start:stop], self.in_features)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """Rows `ids` of the dequantized weight (an embedding lookup): ids.shape + [K], in `dtype`."""
+        flat = ids.reshape(-1)
+        w = unpack_values(self.kind, self.values.index_select(0, flat), self.meta.index_select(0, flat), self.in_features)
+        return dequantize(w, dtype).reshape(*ids.shape, self.in_features)
+
+    def rows_range(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize(self.weight_rows(start, stop), dtype)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.rows_range(0, self.out_features, dtype)
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self._kernel_module.sbmm(x, self.values, self.meta, bias, self._code)  # type: ignore[attr-defined]
+
+
+class PackedStack:
+    """Row blocks packed each in its own form (a fused projection over parts of different GGUF
+    types); y is the blocks' outputs side by side."""
+
+    def __init__(self, parts: list) -> None:
+        self.parts = parts
+        self.out_features = sum(p.out_features for p in parts)
+        self.in_features = parts[0].in_features
+        self.bits = max(p.bits for p in parts)
+        self._small, self._large = PackedStack._small_rows, PackedStack._large_rows
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    @property
+    def format(self) -> str:
+        return " + ".join(p.format for p in self.parts)
+
+    def __repr__(self) -> str:
+        return f"PackedStack({self.out_features}x{self.in_features}: {self.format})"
+
+    def rows_range(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        out, at = [], 0
+        for p in self.parts:
+            lo, hi = max(start, at), min(stop, at + p.out_features)
+            if lo < hi:
+                out.append(p.rows_range(lo - at, hi - at, dtype))
+            at += p.out_features
+        return torch.cat(out)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        raise ValueError("a stacked projection is never an embedding table")
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.rows_range(0, self.out_features, dtype)
+
+    def _small_rows(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = torch.cat([p._small(p, x, None) for p in self.parts], dim=-1)
+        return y + bias if bias is not None else y
+
+    def _large_rows(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = torch.cat([p._large(p, x, None) for p in self.parts], dim=-1)
+        return y + bias if bias is not None else y
+
+
