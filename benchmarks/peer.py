@@ -60,9 +60,32 @@ serving = _sibling("serving")
 DEFAULT_CACHE = Path.home() / ".cache" / "freetoken" / "llama.cpp"
 
 
-def build_llama_server(cache: Path) -> Path:
-    """The cached binary, or download the sdist, unpack it and build only the server target."""
-    binary = cache / "build" / "bin" / "llama-server"
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+def native_cmake_flags() -> list[str]:
+    """-DGGML_NATIVE=ON, except on a CPU with AMX: llama.cpp's AMX matmul crashes there (a known
+    llama.cpp bug), so the peer is built with the AVX-512 / VNNI / BF16 options named and AMX off."""
+    flags = _cpu_flags()
+    if not any(f.startswith("amx") for f in flags):
+        return ["-DGGML_NATIVE=ON"]
+    on = lambda name, flag: [f"-D{name}={'ON' if flag in flags else 'OFF'}"]  # noqa: E731
+    return (["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+             "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+            + on("GGML_AVX512", "avx512f") + on("GGML_AVX512_VNNI", "avx512_vnni")
+            + on("GGML_AVX512_VBMI", "avx512vbmi") + on("GGML_AVX512_BF16", "avx512_bf16"))
+
+
+def build_llama_tool(cache: Path, target: str) -> Path:
+    """The cached binary `target` (llama-server, llama-quantize), or download the sdist, unpack it
+    and build only that target."""
+    binary = cache / "build" / "bin" / target
     if binary.exists():
         return binary
     src = cache / "src"
@@ -75,11 +98,16 @@ def build_llama_server(cache: Path) -> Path:
     if not root.exists():
         with tarfile.open(sdist) as tar:
             tar.extractall(src, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
-    subprocess.run(["cmake", "-S", str(root / "vendor" / "llama.cpp"), "-B", str(cache / "build"), "-G", "Ninja",
-                    "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
-                    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"], check=True)
-    subprocess.run(["ninja", "-C", str(cache / "build"), "llama-server"], check=True)
+    if not (cache / "build" / "build.ninja").exists():
+        subprocess.run(["cmake", "-S", str(root / "vendor" / "llama.cpp"), "-B", str(cache / "build"), "-G", "Ninja",
+                        "-DCMAKE_BUILD_TYPE=Release", *native_cmake_flags(), "-DLLAMA_CURL=OFF",
+                        "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"], check=True)
+    subprocess.run(["ninja", "-C", str(cache / "build"), target], check=True)
     return binary
+
+
+def build_llama_server(cache: Path) -> Path:
+    return build_llama_tool(cache, "llama-server")
 
 
 def free_port() -> int:
@@ -218,54 +246,25 @@ def comparison(llama: dict[str, Any], ft: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-# What a paired round measures: the single stream's decode rates and the cold prefill's TTFTs.
-PAIRED_SCENARIOS = ("single", "prefill")
-
-
-def paired_measures(result: dict[str, Any]) -> dict[str, float]:
-    """One server's figures of one paired round, by name (TTFTs end in ", s": lower is better)."""
-    out = {f"single stream {kind}, tok/s": v["decode_tok_s"] for kind, v in result["scenarios"].get("single", {}).items()}
-    out.update({f"cold TTFT, {r['prompt_tokens']}-token prompt, s": r["ttft_s"] for r in result["scenarios"].get("prefill", [])})
-    return out
-
-
-def paired_table(rounds: list[dict[str, dict[str, float]]]) -> str:
-    """A markdown table of the paired rounds: per measure each server's median and the median and
-    range of the per-round ratios FreeToken / llama-server."""
-    lines = ["| measure | llama-server, median | ft serve, median | ratio per round: median (min-max) |", "|---|---|---|---|"]
-    for measure in rounds[0]["llama-server"] if rounds else ():
-        la = [r["llama-server"][measure] for r in rounds]
-        fa = [r["freetoken"][measure] for r in rounds]
-        ratios = [f / l for f, l in zip(fa, la)]
-        digits, note = (3, " (lower is better)") if measure.endswith(", s") else (1, "")
-        lines.append(f"| {measure}{note} | {serving.percentile(la, 50):.{digits}f} | {serving.percentile(fa, 50):.{digits}f} | "
-                     f"{serving.percentile(ratios, 50):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}x) |")
-    return "\n".join(lines)
+paired = importlib.import_module("freetoken.bench.paired")
+PAIRED_SCENARIOS = paired.PAIRED_SCENARIOS
+paired_measures = paired.paired_measures
+paired_table = paired.paired_table
 
 
 def paired_rounds(servers: dict[str, list[str]], ports: dict[str, int], rounds: int, settings: serving.Settings,
-                  out_dir: Path, stem: str, start_timeout_s: float) -> list[dict[str, dict[str, float]]]:
-    """Both servers up at once (each idle while the other is measured); `rounds` rounds of the
-    single-stream and cold-prefill scenarios against each in turn, the order swapped every round,
-    so that a drift of the shared machine's speed moves both alike. Returns per round
-    {server: {measure: value}} (`paired_measures`)."""
+                  out_dir: Path, stem: str, start_timeout_s: float,
+                  scenarios: tuple[str, ...] = PAIRED_SCENARIOS) -> list[dict[str, dict[str, float]]]:
+    """Both servers up at once (each idle while the other is measured), then
+    `freetoken.bench.paired.run_rounds` over them. Returns per round {server: {measure: value}}."""
     procs = {name: ServerProcess(cmd, ports[name], out_dir / f"{stem}-{name}-paired.log") for name, cmd in servers.items()}
-    results: list[dict[str, dict[str, float]]] = []
     try:
         for proc in procs.values():
             proc.wait_healthy(start_timeout_s)
-        paired = dataclasses.replace(settings, scenarios=PAIRED_SCENARIOS, progress=False)
-        order = list(procs)
-        for r in range(rounds):
-            row: dict[str, dict[str, float]] = {}
-            for name in order if r % 2 == 0 else order[::-1]:
-                row[name] = paired_measures(asyncio.run(serving.run(dataclasses.replace(paired, base_url=procs[name].base_url, label=name))))
-            print(f"paired round {r + 1}/{rounds}: {row}", file=sys.stderr)
-            results.append(row)
+        return paired.run_rounds({name: proc.base_url for name, proc in procs.items()}, rounds, settings, scenarios)
     finally:
         for proc in procs.values():
             proc.stop()
-    return results
 
 
 def pct(share: float | None) -> float | None:
@@ -296,6 +295,10 @@ def main(argv: list[str]) -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--paired-rounds", type=int, default=0, metavar="R",
                    help="after the runs, R rounds of the single stream and cold prefill with both servers up, alternating (drift-free ratios)")
+    p.add_argument("--paired-scenarios", nargs="+", choices=serving.SCENARIOS[:3], default=list(paired.PAIRED_SCENARIOS),
+                   help="what the paired rounds measure (sweep: 4 and 8 concurrent streams)")
+    p.add_argument("--ik-llama-server", type=Path,
+                   help="ik_llama.cpp's llama-server (built with its AVX-512 flags): a third server in the paired rounds, run with -rtr")
     a = p.parse_args(argv)
     binary = (a.llama_server or build_llama_server(a.cache_dir)) if "llama-server" in a.servers else None
     out_dir = Path(a.out_dir)
@@ -321,9 +324,17 @@ def main(argv: list[str]) -> None:
             ports = {"llama-server": free_port(), "freetoken": free_port()}
             cmds = {"llama-server": llama_cmd(binary, gguf, a.threads, a.parallel, a.slot_ctx, ports["llama-server"], a.llama_args),
                     "freetoken": ft_cmd(gguf, a.threads, a.parallel * a.slot_ctx, ports["freetoken"], a.ft_args)}
-            rounds = paired_rounds(cmds, ports, a.paired_rounds, settings, out_dir, stem, a.start_timeout)
+            if a.ik_llama_server:
+                ports["ik_llama.cpp"] = free_port()
+                cmds["ik_llama.cpp"] = llama_cmd(a.ik_llama_server, gguf, a.threads, a.parallel, a.slot_ctx,
+                                                 ports["ik_llama.cpp"], a.llama_args + " -rtr")
+            paired_settings = dataclasses.replace(settings, concurrency=(4, 8))
+            rounds = paired_rounds(cmds, ports, a.paired_rounds, paired_settings, out_dir, stem, a.start_timeout,
+                                   tuple(a.paired_scenarios))
             (out_dir / f"{stem}-paired.json").write_text(json.dumps(rounds, indent=1))
-            table = f"\n## Paired single stream and cold prefill ({a.paired_rounds} rounds, both servers up, alternating)\n\n{paired_table(rounds)}\n"
+            what = ", ".join(a.paired_scenarios)
+            table = "".join(f"\n## Paired rounds against {peer} ({what}; {a.paired_rounds} rounds, all servers up, alternating)\n\n"
+                            f"{paired_table(rounds, 'freetoken', peer)}\n" for peer in cmds if peer != "freetoken")
             with open(out_dir / f"{stem}.md", "a") as f:
                 f.write(table)
             print(table)

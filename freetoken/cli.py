@@ -1,4 +1,4 @@
-"""`ft`: the command line (`ft serve | generate | inspect`). Argparse to config objects, then one call; no logic of its own.
+"""`ft`: the command line (`ft serve | generate | inspect | bench`). Argparse to config objects, then one call; no logic of its own.
 
 Errors meant for the user (`FreeTokenError`) are printed as one line on stderr with a non-zero
 exit code (2 for a configuration that cannot work, `ConfigError`; else 1), never as a traceback. `ft generate` prints the completion alone on stdout.
@@ -113,6 +113,26 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="engine processes, one per rank, each holding 1/N of every layer (gloo on CPU, nccl on CUDA; default 1)")
 
 
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="measure: `roofline` (decode against the machine's read bandwidth), `serve` (a server over HTTP, optionally paired with a peer)")
+    kinds = p.add_subparsers(dest="bench", metavar="KIND", required=True)
+    r = kinds.add_parser("roofline", help="read bandwidth, bytes a decode step reads, in-process decode tok/s and the fraction of the roofline")
+    r.add_argument("--model", default=None, help=MODEL_HELP)
+    r.add_argument("--threads", type=int, default=None, help="torch threads (default: the physical cores this process may use)")
+    r.add_argument("--weights", default="auto", choices=["auto", "bf16", "int8", "int4"])
+    r.add_argument("--tokens", type=int, default=64, help="decode tokens per timed request (default 64)")
+    r.add_argument("--repeats", type=int, default=3, help="timed repeats, median quoted (default 3)")
+    s = kinds.add_parser("serve", help="the serving scenarios against a running server; with --peer-url, paired rounds against a second one")
+    s.add_argument("--base-url", required=True, help="the server measured, e.g. http://127.0.0.1:1919")
+    s.add_argument("--peer-url", default=None, help="a second server (llama-server, ik_llama.cpp, ...): paired rounds, ratios base / peer")
+    s.add_argument("--paired-rounds", type=int, default=5, help="rounds with --peer-url, the order swapped each round (default 5)")
+    s.add_argument("--scenarios", nargs="+", choices=["single", "sweep", "prefill", "agent"], default=None,
+                   help="default: all four alone; single + prefill paired")
+    s.add_argument("--concurrency", type=int, nargs="+", default=None, help="sweep stream counts (default 1 2 4 8 16; paired 4 8)")
+    s.add_argument("--quick", action="store_true", help="a smoke run: every scenario, a fraction of the work")
+    s.add_argument("--out", default=None, help="write the result JSON here")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ft", description="FreeToken: an LLM serving engine")
     parser.add_argument("--version", action="version", version=f"freetoken {__version__}")
@@ -121,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_inspect(sub)
     _add_serve(sub)
+    _add_bench(sub)
     return parser
 
 
@@ -145,6 +166,15 @@ def _inspect(args: argparse.Namespace) -> None:
     from freetoken.models.inspect import describe_model
 
     sys.stdout.write(describe_model(args.model, args.weights) + "\n")
+
+
+def _bench(args: argparse.Namespace) -> None:
+    from freetoken.bench.command import bench_roofline, bench_serve
+
+    if args.bench == "roofline":
+        bench_roofline(args.model, args.threads, args.weights, args.tokens, args.repeats)
+    else:
+        bench_serve(args.base_url, args.peer_url, args.paired_rounds, args.scenarios, args.concurrency, args.quick, args.out)
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -214,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    handlers = {"generate": _generate, "inspect": _inspect, "serve": _serve}
+    handlers = {"generate": _generate, "inspect": _inspect, "serve": _serve, "bench": _bench}
     try:
         handlers[args.command](args)
     except FreeTokenError as err:

@@ -1,6 +1,7 @@
 """A serving benchmark for any OpenAI-compatible server (`ft serve`, llama.cpp's `llama-server`).
 
-    python benchmarks/serving.py --base-url http://127.0.0.1:1919 [--out r.json] [--plot r.png] [--quick]
+    ft bench serve --base-url http://127.0.0.1:1919 [--out r.json] [--plot r.png] [--quick]
+    ft bench serve --base-url URL --peer-url URL --paired-rounds 5   # see freetoken/bench/paired.py
     python benchmarks/serving.py plot a.json b.json --out both.png
 
 Owns the four scenarios, their statistics, the result JSON and the plot; it starts no server
@@ -35,8 +36,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 from tqdm import tqdm
+
+try:
+    import httpx
+except ImportError:  # pragma: no cover - the [bench] / [test] extras install it
+    raise SystemExit("ft bench serve needs httpx: pip install -e '.[bench]'") from None
 
 SCENARIOS = ("single", "sweep", "prefill", "agent")
 WORDS = (
