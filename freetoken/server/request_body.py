@@ -109,7 +109,9 @@ def json_depth_exceeds(raw: bytes, limit: int) -> bool:
     opens = np.isin(data, _OPEN)
     closes = np.isin(data, _CLOSE)
     marks = np.flatnonzero(opens | closes)
-    if len(marks) <= limit:
+    if len(marks) == 0:
+        return limit < 0
+    if len(marks) <= limit:  # too few brackets to nest that deep
         return False
     steps = np.where(opens[marks], 1, -1).astype(np.int32)
     return int(np.cumsum(steps).max()) > limit

@@ -232,4 +232,4 @@ def unsatisfiable_ref(schema: Any) -> str | None:
     if id(schema) in known:
         return None
     refs = [where for key, (node, where) in nodes.items() if key not in known and "$ref" in node]
-    return min(refs, key=len) if refs else "#"
+    return min(refs, key=lambda w: (len(w), w)) if refs else "#"
