@@ -7,7 +7,8 @@ and read-only numpy views of the tensor bytes over one memory map of the file. I
 dequantize, rename tensors or interpret metadata keys. Any malformed or truncated input is a
 GGUFFormatError carrying a one-line reason: a tensor with no
 or too many dimensions, a zero dimension, a row that is not whole quant blocks, a data offset off
-the alignment, data past the end of the file or overlapping another tensor's.
+the alignment or not where the tensors before it end (so a tensor's type or shape cannot change
+without its neighbours' offsets saying so), data past the end of the file.
 """
 
 from __future__ import annotations
@@ -230,8 +231,9 @@ def _tensor_infos(cur: _Cursor, count: int) -> list[tuple[str, tuple[int, ...], 
 def parse_layout(buf: memoryview) -> GGUFLayout:
     """Header, metadata and tensor directory of the GGUF file in `buf`, checked against itself
     before anything reads a tensor: every dimension positive and a whole number of its type's
-    blocks, every data offset a multiple of the file's alignment, every tensor's data inside the
-    file and no two tensors' data overlapping."""
+    blocks, every data offset a multiple of the file's alignment and exactly where the tensors
+    before it end (their data in directory order, each padded to the alignment, as llama.cpp lays
+    out and requires), and every tensor's data inside the file."""
     cur = _Cursor(buf)
     version, n_tensors, n_kv = _header(cur)
     metadata, raw_types = _read_kv(cur, n_kv)
@@ -240,6 +242,7 @@ def parse_layout(buf: memoryview) -> GGUFLayout:
     data_offset = -(-cur.pos // alignment) * alignment
     tensors: list[GGUFTensorInfo] = []
     seen: set[str] = set()
+    expected = 0  # where the next tensor's data must start, relative to data_offset
     for name, shape, type_id, offset in infos:
         if name in seen:
             raise GGUFFormatError(f"tensor {name} appears twice")
@@ -263,14 +266,16 @@ def parse_layout(buf: memoryview) -> GGUFLayout:
         n_bytes = n_elements * type_size // block_size
         if offset % alignment:
             raise GGUFFormatError(f"tensor {name} has data offset {offset}, not a multiple of the alignment {alignment}")
+        if offset != expected:  # llama.cpp's rule too: a changed type or shape shows here
+            raise GGUFFormatError(
+                f"tensor {name} has data offset {offset}, but the tensors before it end at {expected} "
+                f"(their data, in directory order, each padded to the alignment {alignment})"
+            )
+        expected = offset + -(-n_bytes // alignment) * alignment
         start = data_offset + offset
         if start + n_bytes > len(buf):
             raise GGUFFormatError(f"the data of tensor {name} runs past the end of the file")
         tensors.append(GGUFTensorInfo(name, shape, ggml_type, start, n_bytes))
-    by_start = sorted(tensors, key=lambda t: t.offset)
-    for a, b in zip(by_start, by_start[1:]):
-        if a.offset + a.n_bytes > b.offset:
-            raise GGUFFormatError(f"the data of tensors {a.name} and {b.name} overlap")
     return GGUFLayout(version, metadata, tensors, alignment, data_offset)
 
 
