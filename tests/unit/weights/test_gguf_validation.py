@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import signal
 import struct
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -311,3 +313,27 @@ def test_every_cut_is_refused(original: tuple[bytes, dict[str, torch.Tensor]], t
     for at in np.linspace(0, len(data) - 1, 64).astype(int).tolist():
         _, result = outcome(tmp_path, data[:at])
         assert isinstance(result, str), f"cut at {at} of {len(data)} loaded"
+
+
+@pytest.mark.parametrize(
+    ("command", "mutation", "field"),
+    [
+        (["serve", "--port", "0"], "head_count-0", "llama.attention.head_count"),
+        (["generate", "hi", "--max-tokens", "1"], "context_length-0", "llama.context_length"),
+        (["inspect"], "block_count-1000000", "llama.block_count"),
+        (["inspect"], "offset+4", Q),
+    ],
+)
+def test_cli_refuses_a_corrupt_file_in_one_line(
+    command: list[str], mutation: str, field: str, original: tuple[bytes, dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    """`ft serve | generate | inspect` on a corrupt file: exit 1, the last stderr line names the
+    file and the field, no traceback (the subprocess timeout is a hang guard)."""
+    path = tmp_path / "corrupt.gguf"
+    path.write_bytes(REFUSED[mutation](original[0]))
+    cmd = [sys.executable, "-m", "freetoken.cli", command[0], "--model", str(path), *command[1:]]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[3])
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 1, done.stderr
+    assert last.startswith(f"ft {command[0]}: error: {path}") and field in last, done.stderr
+    assert "Traceback" not in done.stderr and done.stdout == ""
