@@ -225,11 +225,13 @@ def build_app(ctx: ServingContext, *, manage_client: bool = True) -> FastAPI:
 
     @app.post("/v1/chat/completions/render")
     async def chat_render(request: Request) -> Response:
-        return JSONResponse(await anyio.to_thread.run_sync(render_chat_request, ctx, await parse_body(request, ChatCompletionRequest)))
+        body = await parse_body(request, ChatCompletionRequest)
+        return await anyio.to_thread.run_sync(lambda: JSONResponse(render_chat_request(ctx, body)))  # off the event loop
 
     @app.post("/v1/completions/render")
     async def completions_render(request: Request) -> Response:
-        return JSONResponse(await anyio.to_thread.run_sync(render_completion_request, ctx, await parse_body(request, CompletionRequest)))
+        body = await parse_body(request, CompletionRequest)
+        return await anyio.to_thread.run_sync(lambda: JSONResponse(render_completion_request(ctx, body)))  # off the event loop
 
     @app.post("/v1/detokenize")
     async def detokenize_route(request: Request) -> Response:

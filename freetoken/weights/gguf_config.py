@@ -101,6 +101,16 @@ class _Keys:
             raise ModelLoadError(f"{self.full(key)} is {_kind(value)}, not a finite number")
         return float(value)  # type: ignore[arg-type]
 
+    def positive(self, key: str, default: object = _MISSING) -> float:
+        """A scale (a rope base or factor, a soft-cap): a finite number above 0."""
+        value = self.real(key, default)
+        if value <= 0:
+            raise ModelLoadError(f"{self.full(key)} is {value!r}; it must be above 0")
+        return value
+
+    def optional_positive(self, key: str) -> float | None:
+        return None if self.raw(key, None) is None else self.positive(key)
+
     def optional_integer(self, key: str) -> int | None:
         return None if self.raw(key, None) is None else self.integer(key)
 
@@ -159,9 +169,9 @@ def _llama(k: _Keys, cfg: dict[str, object]) -> None:
     hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])  # type: ignore[arg-type]
     head_dim = k.count("rope.dimension_count", k.integer("attention.key_length", hidden // heads))
     layers = int(cfg["num_hidden_layers"])  # type: ignore[arg-type]
-    rope: dict[str, object] = {"rope_type": "default", "rope_theta": k.real("rope.freq_base", 10_000.0)}
+    rope: dict[str, object] = {"rope_type": "default", "rope_theta": k.positive("rope.freq_base", 10_000.0)}
     if k.raw("rope.scaling.type", None) == "linear":
-        rope.update(rope_type="linear", factor=k.real("rope.scaling.factor"))
+        rope.update(rope_type="linear", factor=k.positive("rope.scaling.factor"))
     cfg.update(
         intermediate_size=k.count("feed_forward_length"),
         head_dim=head_dim,
@@ -181,7 +191,7 @@ def _gemma3_layer_types(k: _Keys, layers: int) -> list[str]:
         if len(pattern) != layers:
             raise ModelLoadError(f"{k.arch}.attention.sliding_window_pattern has {len(pattern)} entries for {layers} layers")
         return [SLIDING if flag else FULL for flag in pattern]
-    n = int(pattern)  # type: ignore[arg-type]
+    n = k.count("attention.sliding_window_pattern", GEMMA3_SWA_PATTERN)
     return [FULL if (i + 1) % n == 0 else SLIDING for i in range(layers)]
 
 
@@ -189,9 +199,9 @@ def _gemma3(k: _Keys, cfg: dict[str, object]) -> None:
     layers = int(cfg["num_hidden_layers"])  # type: ignore[arg-type]
     head_dim = k.count("attention.key_length", 256)
     hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])  # type: ignore[arg-type]
-    full_rope: dict[str, object] = {"rope_type": "default", "rope_theta": k.real("rope.freq_base", 1_000_000.0)}
+    full_rope: dict[str, object] = {"rope_type": "default", "rope_theta": k.positive("rope.freq_base", 1_000_000.0)}
     if k.raw("rope.scaling.type", None) == "linear":
-        full_rope.update(rope_type="linear", factor=k.real("rope.scaling.factor"))
+        full_rope.update(rope_type="linear", factor=k.positive("rope.scaling.factor"))
     cfg.update(
         intermediate_size=k.count("feed_forward_length"),
         head_dim=head_dim,
@@ -204,19 +214,19 @@ def _gemma3(k: _Keys, cfg: dict[str, object]) -> None:
         query_pre_attn_scalar=hidden // heads if layers == GEMMA3_27B_LAYERS else head_dim,
         sliding_window=k.count("attention.sliding_window"),
         layer_types=_gemma3_layer_types(k, layers),
-        final_logit_softcapping=k.optional_real("final_logit_softcapping"),
-        attn_logit_softcapping=k.optional_real("attn_logit_softcapping"),
+        final_logit_softcapping=k.optional_positive("final_logit_softcapping"),
+        attn_logit_softcapping=k.optional_positive("attn_logit_softcapping"),
         use_bidirectional_attention=False,
     )
 
 
 def _gpt_oss(k: _Keys, cfg: dict[str, object]) -> None:
     layers = int(cfg["num_hidden_layers"])  # type: ignore[arg-type]
-    rope: dict[str, object] = {"rope_type": "default", "rope_theta": k.real("rope.freq_base", 150_000.0)}
+    rope: dict[str, object] = {"rope_type": "default", "rope_theta": k.positive("rope.freq_base", 150_000.0)}
     if k.raw("rope.scaling.type", None) == "yarn":
         rope.update(
             rope_type="yarn",
-            factor=k.real("rope.scaling.factor"),
+            factor=k.positive("rope.scaling.factor"),
             original_max_position_embeddings=k.count("rope.scaling.original_context_length", 4096),
             beta_fast=32.0,
             beta_slow=1.0,
@@ -241,12 +251,12 @@ def _gpt_oss(k: _Keys, cfg: dict[str, object]) -> None:
 
 def _scaled_rope(k: _Keys, theta: float) -> dict[str, object]:
     """The file's rope: default, or linear / YaRN scaling when `rope.scaling.type` says so."""
-    rope: dict[str, object] = {"rope_type": "default", "rope_theta": k.real("rope.freq_base", theta)}
+    rope: dict[str, object] = {"rope_type": "default", "rope_theta": k.positive("rope.freq_base", theta)}
     kind = k.raw("rope.scaling.type", None)
     if kind == "linear":
-        rope.update(rope_type="linear", factor=k.real("rope.scaling.factor"))
+        rope.update(rope_type="linear", factor=k.positive("rope.scaling.factor"))
     elif kind == "yarn":
-        rope.update(rope_type="yarn", factor=k.real("rope.scaling.factor"),
+        rope.update(rope_type="yarn", factor=k.positive("rope.scaling.factor"),
                     original_max_position_embeddings=k.count("rope.scaling.original_context_length"))
     return rope
 
@@ -303,14 +313,14 @@ def _gemma4(k: _Keys, cfg: dict[str, object], tensor_names: Collection[str]) -> 
         attention_k_eq_v=any(f"blk.{i}.attn_v.weight" not in tensor_names for i in full),
         hidden_activation="gelu_pytorch_tanh",
         rope_parameters={
-            SLIDING: {"rope_type": "default", "rope_theta": k.real("rope.freq_base_swa", GEMMA4_SWA_ROPE_BASE)},
+            SLIDING: {"rope_type": "default", "rope_theta": k.positive("rope.freq_base_swa", GEMMA4_SWA_ROPE_BASE)},
             FULL: {"rope_type": "proportional", "partial_rotary_factor": GEMMA4_PARTIAL_ROTARY,
-                   "rope_theta": k.real("rope.freq_base", 1_000_000.0)},
+                   "rope_theta": k.positive("rope.freq_base", 1_000_000.0)},
         },
         attention_bias=False,
         sliding_window=k.count("attention.sliding_window"),
         layer_types=[SLIDING if s else FULL for s in sliding],
-        final_logit_softcapping=k.optional_real("final_logit_softcapping"),
+        final_logit_softcapping=k.optional_positive("final_logit_softcapping"),
         hidden_size_per_layer_input=0,
         num_kv_shared_layers=0,
         enable_moe_block=moe,

@@ -80,7 +80,8 @@ async def tokenize(ctx: ServingContext, req: TokenizeRequest) -> Response:
         add_generation = True if req.add_generation_prompt is None else req.add_generation_prompt
         ids = await anyio.to_thread.run_sync(_chat_ids, ctx, [m.for_template() for m in req.messages], req.tools, add_generation)
     info = ctx.client.info
-    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": None if info is None else info.context_length})
+    body = {"tokens": ids, "count": len(ids), "max_model_len": None if info is None else info.context_length}
+    return await anyio.to_thread.run_sync(JSONResponse, body)  # millions of ids take a while to write
 
 
 async def detokenize(ctx: ServingContext, req: DetokenizeRequest) -> Response:

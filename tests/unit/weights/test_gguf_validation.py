@@ -146,6 +146,15 @@ def put(fmt: str, where: Callable[[bytes], int], value: int | Callable[[int], in
     return mutate
 
 
+def put_float(where: Callable[[bytes], int], value: float) -> Mutation:
+    def mutate(data: bytes) -> bytes:
+        out = bytearray(data)
+        struct.pack_into("<f", out, where(data), value)
+        return bytes(out)
+
+    return mutate
+
+
 def cut(where: Callable[[bytes], int]) -> Mutation:
     return lambda data: data[: where(data)]
 
@@ -194,6 +203,9 @@ REFUSED: dict[str, Mutation] = {
     "feed_forward_length-0": put("<I", lambda d: kv_value_at(d, "llama.feed_forward_length"), 0),
     "feed_forward_length-63": put("<I", lambda d: kv_value_at(d, "llama.feed_forward_length"), 63),
     "rope_dims-0": put("<I", lambda d: kv_value_at(d, "llama.rope.dimension_count"), 0),
+    "rope_base-0": put_float(lambda d: kv_value_at(d, "llama.rope.freq_base"), 0.0),
+    "rope_base-nan": put_float(lambda d: kv_value_at(d, "llama.rope.freq_base"), float("nan")),
+    "rms_eps-inf": put_float(lambda d: kv_value_at(d, "llama.attention.layer_norm_rms_epsilon"), float("inf")),
     "value-type-string": put("<I", lambda d: kv_type_at(d, KEY), VT.STRING),
     "value-type-array": put("<I", lambda d: kv_type_at(d, KEY), VT.ARRAY),
     "value-type-bool": put("<I", lambda d: kv_type_at(d, KEY), VT.BOOL),
