@@ -79,6 +79,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "at start-up ft serve then exits 1 (default 600; docs/operations.md)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM or POST /admin/drain, how long in-flight requests may finish before they are aborted (default 30)")
+    p.add_argument("--max-request-bytes", type=int, default=32 * 1024 * 1024, metavar="N",
+                   help="a request body larger than this is refused with 413 before it is read or parsed (default 33554432 = 32 MiB)")
     p.add_argument("--max-running-requests", type=int, default=16, help="requests decoded together (default 16)")
     p.add_argument("--max-waiting-requests", type=int, default=256, help="requests queued beyond the running ones; more get 429 (default 256)")
     p.add_argument("--max-prefill-length", type=int, default=1024, help="prompt tokens prefilled per step (default 1024)")
@@ -229,6 +231,7 @@ def _serve(args: argparse.Namespace) -> None:
         engine_hang_timeout_s=args.engine_hang_timeout,
         load_timeout_s=args.load_timeout,
         shutdown_timeout_s=args.shutdown_timeout,
+        max_request_bytes=args.max_request_bytes,
         max_running_requests=args.max_running_requests,
         max_waiting_requests=args.max_waiting_requests,
     )

@@ -7,8 +7,9 @@ Owns the HTTP surface of DESIGN.md §4: `/v1/completions`, `/v1/chat/completions
 (`/v1/chat/completions/render`, `/v1/completions/render`: openai/render.py) and the router probes
 of operations/worker_info.py (`/server_info`, `/model_info`, `/get_load`, ...; docs/scale-out.md). The API
 key guards every path under `KEYED_PREFIXES` (an `/admin/...` route added later is covered
-without code of its own). Bodies are parsed here (malformed JSON, a body that is
-not an object and schema errors are 400s naming the field), then handed to the route modules of
+without code of its own). Bodies are size-limited and parsed by request_body.py (off the event
+loop; malformed JSON, a body that is not an object, nesting past the limit, lone surrogates and
+schema errors are 400s naming the field, a body past --max-request-bytes a 413), then handed to the route modules of
 the protocol packages (`openai`, `responses`, `anthropic`; this is the one module that imports
 all three);
 generation passes the drain gate (503 while shutting down), runs under `--request-timeout` and
@@ -20,19 +21,19 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
+import anyio.to_thread
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from freetoken import __version__
 from freetoken.errors import FreeTokenError
@@ -41,7 +42,7 @@ from freetoken.server.anthropic.messages import count_message_tokens, create_mes
 from freetoken.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from freetoken.server.anthropic.threads import ThreadStore
 from freetoken.server.context import DEFAULT_MODEL_ALIAS, ServingContext
-from freetoken.server.core.errors import APIError, bad_request, from_pydantic, http_error, install_error_handlers
+from freetoken.server.core.errors import APIError, http_error, install_error_handlers
 from freetoken.server.core.generation import sse
 from freetoken.server.middleware import Gate
 from freetoken.server.openai.chat import create_chat_completion
@@ -51,6 +52,7 @@ from freetoken.server.openai.render import render_chat_request, render_completio
 from freetoken.server.openai.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from freetoken.server.operations.admin_cache import ResizeRequest, resize_cache
 from freetoken.server.operations.worker_info import PROBE_PATHS, install_worker_routes
+from freetoken.server.request_body import BodyLimit, parse_body
 from freetoken.server.request_hygiene import CLIENT_CLOSED, Deadline, RequestIdMiddleware, cancel_on_disconnect, request_id_of
 from freetoken.server.responses.protocol import ResponsesRequest
 from freetoken.server.responses.routes import create_response, delete_response, get_response, list_input_items
@@ -63,20 +65,6 @@ STATUS_TIMEOUT_S = 10.0
 UNPREFIXED_EXCLUDED = ("/v1/messages", "/v1/cache", "/v1/tokenize", "/v1/detokenize")  # not OpenAI routes
 OPEN_PATHS = ("/health", "/metrics", *PROBE_PATHS)  # with --unprefixed-routes, every other path needs the key
 KEYED_PREFIXES = ("/v1", "/admin")  # paths that need the API key (when one is set)
-
-
-async def parse_body(request: Request, model: type[M]) -> M:
-    raw = await request.body()
-    try:
-        obj = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as err:
-        raise bad_request(f"the request body is not valid JSON ({err})", code="invalid_json") from None
-    if not isinstance(obj, dict):
-        raise bad_request(f"the request body must be a JSON object, got {type(obj).__name__}", code="invalid_json")
-    try:
-        return model.model_validate(obj)
-    except ValidationError as err:
-        raise from_pydantic(err, obj) from None
 
 
 def _authorized(request: Request, key: str) -> bool:
@@ -120,11 +108,14 @@ def build_app(ctx: ServingContext, *, manage_client: bool = True) -> FastAPI:
     app = FastAPI(title="FreeToken", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
 
-    async def on_http(request: Request, exc: Exception) -> Response:
-        err = http_error(request, exc)
+    def in_dialect(request: Request, err: APIError) -> Response:
+        """An error body in the route's dialect: Anthropic's on `/v1/messages`, else OpenAI's."""
         if request.url.path.startswith("/v1/messages"):
             return anthropic_error_response(err, request_id_of(request))
         return err.response()
+
+    async def on_http(request: Request, exc: Exception) -> Response:
+        return in_dialect(request, http_error(request, exc))
 
     app.add_exception_handler(StarletteHTTPException, on_http)
 
@@ -141,6 +132,8 @@ def build_app(ctx: ServingContext, *, manage_client: bool = True) -> FastAPI:
             return err.response()
         return None
 
+    # Inside the key check: only an authorized client learns the limit. A 413 is sent before the body is read.
+    app.add_middleware(BodyLimit, max_bytes=ctx.config.max_request_bytes, render=in_dialect)
     app.add_middleware(Gate, check=check_api_key)  # pure ASGI: streamed chunks pass untouched
 
     app.add_middleware(RequestIdMiddleware)  # every response carries x-request-id
@@ -232,11 +225,13 @@ def build_app(ctx: ServingContext, *, manage_client: bool = True) -> FastAPI:
 
     @app.post("/v1/chat/completions/render")
     async def chat_render(request: Request) -> Response:
-        return JSONResponse(render_chat_request(ctx, await parse_body(request, ChatCompletionRequest)))
+        body = await parse_body(request, ChatCompletionRequest)
+        return await anyio.to_thread.run_sync(lambda: JSONResponse(render_chat_request(ctx, body)))  # off the event loop
 
     @app.post("/v1/completions/render")
     async def completions_render(request: Request) -> Response:
-        return JSONResponse(render_completion_request(ctx, await parse_body(request, CompletionRequest)))
+        body = await parse_body(request, CompletionRequest)
+        return await anyio.to_thread.run_sync(lambda: JSONResponse(render_completion_request(ctx, body)))  # off the event loop
 
     @app.post("/v1/detokenize")
     async def detokenize_route(request: Request) -> Response:

@@ -33,7 +33,7 @@ from freetoken.server.operations.metrics import Metrics
 from freetoken.server.preflight import model_facts, preflight
 from freetoken.server.settings import ServerConfig
 from freetoken.tokenizer import Tokenizer
-from freetoken.weights.gguf_metadata import read_metadata
+from freetoken.weights.gguf_metadata import open_gguf
 from freetoken.weights.source import resolve_model
 
 log = logging.getLogger("freetoken.server")
@@ -49,7 +49,8 @@ def load_tokenizer(engine_config: EngineConfig, server_config: ServerConfig) -> 
     """The model's tokenizer (with `--chat-template` applied) and the name it is served under.
     Runs the metadata-only preflight first (ConfigError names the flag)."""
     source = resolve_model(engine_config.model)
-    metadata = read_metadata(source.path) if source.kind == "gguf" else None
+    # A GGUF file is checked whole (directory and metadata, no tensor data) before any engine starts.
+    metadata = open_gguf(source.path).metadata if source.kind == "gguf" else None
     preflight(engine_config, model_facts(source, metadata))
     if metadata is not None:
         tokenizer = Tokenizer.from_gguf_metadata(metadata)

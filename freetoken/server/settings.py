@@ -2,7 +2,7 @@
 
 Owns what the API process needs beyond the engine's `EngineConfig`: where to listen, the API key,
 the served model name, the chat template override, the cache report switch, the admission
-limit, and the operations timeouts (engine load, engine hang, shutdown drain). It reads no environment variables and holds no state.
+limit, the request-body limit, and the operations timeouts (engine load, engine hang, shutdown drain). It reads no environment variables and holds no state.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from freetoken.errors import ConfigError
 from freetoken.server.operations.drain import DEFAULT_SHUTDOWN_TIMEOUT_S
 from freetoken.server.process.heartbeat import DEFAULT_HANG_TIMEOUT_S, MIN_HANG_TIMEOUT_S
 from freetoken.server.process.supervisor import DEFAULT_LOAD_TIMEOUT_S, MIN_LOAD_TIMEOUT_S
+from freetoken.server.request_body import DEFAULT_MAX_REQUEST_BYTES, MIN_MAX_REQUEST_BYTES
 from freetoken.tokenizer.reasoning import REASONING_PARSERS
 from freetoken.tokenizer.tool_parsers import TOOL_PARSERS
 
@@ -40,6 +41,7 @@ class ServerConfig:
     engine_hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S  # --engine-hang-timeout: no engine heartbeat for this long = hung
     load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S  # --load-timeout: an engine process not Ready this long after its start is killed
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S  # --shutdown-timeout: how long a drain waits for in-flight requests
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # --max-request-bytes: a larger body is answered 413 unread
 
     def validate(self) -> None:
         """Raise ConfigError naming the flag that cannot work."""
@@ -73,6 +75,8 @@ class ServerConfig:
             raise ConfigError(f"--load-timeout must be at least {MIN_LOAD_TIMEOUT_S:g} s, got {self.load_timeout_s}")
         if not 0 <= self.shutdown_timeout_s < float("inf"):
             raise ConfigError(f"--shutdown-timeout must be a number of seconds >= 0, got {self.shutdown_timeout_s}")
+        if self.max_request_bytes < MIN_MAX_REQUEST_BYTES:
+            raise ConfigError(f"--max-request-bytes must be at least {MIN_MAX_REQUEST_BYTES}, got {self.max_request_bytes}")
 
     @property
     def max_in_flight(self) -> int:

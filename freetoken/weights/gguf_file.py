@@ -5,7 +5,10 @@ including arrays, decoded to plain Python values in bulk (numeric arrays through
 strings in one pass over the bytes), the tensor directory (name, shape, GGML type, data offset),
 and read-only numpy views of the tensor bytes over one memory map of the file. It does not
 dequantize, rename tensors or interpret metadata keys. Any malformed or truncated input is a
-GGUFFormatError carrying a one-line reason.
+GGUFFormatError carrying a one-line reason: a tensor with no
+or too many dimensions, a zero dimension, a row that is not whole quant blocks, a data offset off
+the alignment or not where the tensors before it end (so a tensor's type or shape cannot change
+without its neighbours' offsets saying so), data past the end of the file.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import numpy as np
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
+MAX_DIMS = 4  # GGML_MAX_DIMS
 
 VT = gguf.GGUFValueType
 # Fixed-size value types: struct format and numpy dtype (both little-endian).
@@ -162,7 +166,7 @@ def _header(cur: _Cursor) -> tuple[int, int, int]:
         raise GGUFFormatError("big-endian GGUF files are not supported")
     if version not in SUPPORTED_VERSIONS:
         raise GGUFFormatError(f"GGUF version {version} is not supported (only {SUPPORTED_VERSIONS})")
-    return version, cur.u64("the tensor count"), cur.u64("the key/value count")
+    return version, cur.u64("the tensor count"), cur.u64("the key/value count")  # a count past the file ends at its end
 
 
 def _read_kv(cur: _Cursor, count: int) -> tuple[dict[str, object], dict[str, int]]:
@@ -213,6 +217,8 @@ def _tensor_infos(cur: _Cursor, count: int) -> list[tuple[str, tuple[int, ...], 
     for i in range(count):
         name = cur.string(f"the name of tensor {i}")
         n_dims = cur.u32(f"tensor {name}")
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise GGUFFormatError(f"tensor {name} has {n_dims} dimensions (1 to {MAX_DIMS} allowed)")
         cur.need(8 * n_dims, f"the shape of tensor {name}")
         ne = np.frombuffer(cur.buf, dtype="<u8", count=n_dims, offset=cur.pos).tolist()
         cur.pos += 8 * n_dims
@@ -223,8 +229,11 @@ def _tensor_infos(cur: _Cursor, count: int) -> list[tuple[str, tuple[int, ...], 
 
 
 def parse_layout(buf: memoryview) -> GGUFLayout:
-    """Header, metadata and tensor directory of the GGUF file in `buf`; checks that every
-    tensor's data lies inside the file."""
+    """Header, metadata and tensor directory of the GGUF file in `buf`, checked against itself
+    before anything reads a tensor: every dimension positive and a whole number of its type's
+    blocks, every data offset a multiple of the file's alignment and exactly where the tensors
+    before it end (their data in directory order, each padded to the alignment, as llama.cpp lays
+    out and requires), and every tensor's data inside the file."""
     cur = _Cursor(buf)
     version, n_tensors, n_kv = _header(cur)
     metadata, raw_types = _read_kv(cur, n_kv)
@@ -233,6 +242,7 @@ def parse_layout(buf: memoryview) -> GGUFLayout:
     data_offset = -(-cur.pos // alignment) * alignment
     tensors: list[GGUFTensorInfo] = []
     seen: set[str] = set()
+    expected = 0  # where the next tensor's data must start, relative to data_offset
     for name, shape, type_id, offset in infos:
         if name in seen:
             raise GGUFFormatError(f"tensor {name} appears twice")
@@ -241,11 +251,27 @@ def parse_layout(buf: memoryview) -> GGUFLayout:
             ggml_type = gguf.GGMLQuantizationType(type_id)
         except ValueError:
             raise GGUFFormatError(f"tensor {name} has unknown GGML type {type_id}") from None
+        if ggml_type not in gguf.GGML_QUANT_SIZES:
+            raise GGUFFormatError(f"tensor {name} has GGML type {ggml_type.name}, which has no known size")
         block_size, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
+        if any(d == 0 for d in shape):
+            raise GGUFFormatError(f"tensor {name} has a zero dimension (shape {list(shape)})")
+        if shape[-1] % block_size:
+            raise GGUFFormatError(
+                f"tensor {name}: its rows of {shape[-1]} elements are not whole {ggml_type.name} blocks of {block_size}"
+            )
         n_elements = 1
-        for s in shape:
-            n_elements *= s
+        for d in shape:
+            n_elements *= d
         n_bytes = n_elements * type_size // block_size
+        if offset % alignment:
+            raise GGUFFormatError(f"tensor {name} has data offset {offset}, not a multiple of the alignment {alignment}")
+        if offset != expected:  # llama.cpp's rule too: a changed type or shape shows here
+            raise GGUFFormatError(
+                f"tensor {name} has data offset {offset}, but the tensors before it end at {expected} "
+                f"(their data, in directory order, each padded to the alignment {alignment})"
+            )
+        expected = offset + -(-n_bytes // alignment) * alignment
         start = data_offset + offset
         if start + n_bytes > len(buf):
             raise GGUFFormatError(f"the data of tensor {name} runs past the end of the file")

@@ -1,8 +1,12 @@
 """GGUF metadata as plain Python values, and the one way FreeToken opens a GGUF file.
 
-Owns the turning of read failures into one-line ModelLoadErrors, and hands out the file's
-key/value section as a `dict[str, object]` of str, int, float, bool and lists of those (the binary
-parse lives in gguf_file.py). It reads no tensor data and knows nothing of architectures.
+Owns the turning of read failures into one-line ModelLoadErrors naming the file, and hands out the
+file's key/value section as a `dict[str, object]` of str, int, float, bool and lists of those (the
+binary parse and its checks live in gguf_file.py). `open_gguf` also validates the file against its
+own metadata before any caller allocates anything for it: a supported architecture, every size and
+count the config is built from a positive integer consistent with the others, `block_count` equal
+to the blocks present, and the embedding, attention and MLP widths equal to the tensors' shapes
+(gguf_config.py). It reads no tensor data.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from freetoken.errors import ModelLoadError
+from freetoken.weights.gguf_config import check_tensor_shapes, hf_config_from_metadata
 from freetoken.weights.gguf_file import GGUFFile, GGUFFormatError, read_gguf_metadata
 
 T = TypeVar("T")
@@ -30,8 +35,22 @@ def _read(path: str | Path, reader: Callable[[Path], T]) -> T:
 
 
 def open_gguf(path: str | Path) -> GGUFFile:
-    """Open a GGUF file (memory-mapped) and parse its header, metadata and tensor directory."""
-    return _read(path, GGUFFile)
+    """Open a GGUF file (memory-mapped), parse its header, metadata and tensor directory, and
+    check the model it describes against its tensors (`check_model`)."""
+    reader = _read(path, GGUFFile)
+    check_model(Path(path), reader)
+    return reader
+
+
+def check_model(path: Path, reader: GGUFFile) -> None:
+    """ModelLoadError `<path>: <what, naming the metadata field>` when the file's metadata does not
+    describe a model its tensors can fill."""
+    shapes = {t.name: t.shape for t in reader.tensors}
+    try:
+        config = hf_config_from_metadata(reader.metadata, shapes)
+        check_tensor_shapes(reader.metadata, config, shapes)
+    except ModelLoadError as err:
+        raise ModelLoadError(f"{path}: {err}") from None
 
 
 def metadata_of(reader: GGUFFile) -> dict[str, object]:

@@ -21,6 +21,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import anyio.to_thread
 from fastapi.responses import JSONResponse, Response
 
 from freetoken.errors import FreeTokenError
@@ -76,7 +77,7 @@ def usage(prompt_tokens: int, cached_tokens: int, output_tokens: int, created_to
 
 async def count_message_tokens(ctx: ServingContext, req: CountTokensRequest, request_id: str) -> Response:
     ctx.check_model(req.model)
-    ids, _, _ = render_conversation(ctx, req)
+    ids, _, _ = await anyio.to_thread.run_sync(render_conversation, ctx, req)
     return JSONResponse({"input_tokens": len(ids)})
 
 
@@ -105,7 +106,7 @@ async def create_message(ctx: ServingContext, req: MessagesRequest, request_id: 
         raise bad_request(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {req.temperature}", param="temperature")
     params = req.sampling_params(req.max_tokens)  # range checks before anything else
     info = ctx.ready_info()
-    ids, boundaries, tooling = render_conversation(ctx, req)
+    ids, boundaries, tooling = await anyio.to_thread.run_sync(render_conversation, ctx, req)  # off the event loop
     params = tooling.sampling(params, reasoning_budget=req.thinking_budget())
     check_context(len(ids), req.max_tokens, info.context_length, prompt_param="messages", max_param="max_tokens")
     ctx.check_capacity(1)

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from freetoken.request import SamplingParams
 from freetoken.server.anthropic.tool_blocks import anthropic_tool_options
 from freetoken.server.core.errors import bad_request
+from freetoken.server.core.grammar_check import check_grammar
 from freetoken.server.core.tool_calling import ToolOptions
 
 MAX_STOP_SEQUENCES = 16
@@ -204,7 +205,11 @@ class Conversation(_Strict):
         formats = [f for f in (self.output_config.format if self.output_config else None, self.output_format) if f is not None]
         if len(formats) == 2 and formats[0].schema_ != formats[1].schema_:
             raise bad_request("output_format and output_config.format disagree; send one", param="output_format")
-        return ("json_schema", json.dumps(formats[0].schema_)) if formats else None
+        if not formats:
+            return None
+        grammar = ("json_schema", json.dumps(formats[0].schema_))
+        check_grammar(grammar, "output_config.format" if self.output_config and self.output_config.format else "output_format")
+        return grammar
 
     def chat_messages(self) -> list[dict[str, Any]]:
         """The conversation as chat-template messages (system first)."""

@@ -18,6 +18,7 @@ from freetoken.server.core.system_messages import fold_system_messages
 from freetoken.tokenizer import ChatTemplateError, NoChatTemplate, Tokenizer
 
 MAX_BOUNDARY_MESSAGES = 256  # past this many messages, boundaries are not computed (quadratic renders)
+MAX_BOUNDARY_CHARS = 1 << 27  # nor past this many characters rendered in all (messages x prompt length)
 
 
 def render_chat(
@@ -44,7 +45,7 @@ def render_chat(
         raise bad_request(f"the chat template refused these messages: {err}", param="messages") from None
     encoding = tokenizer.backend.encode(text, add_special_tokens=False)
     ids = list(encoding.ids)
-    if len(messages) > MAX_BOUNDARY_MESSAGES:
+    if len(messages) > MAX_BOUNDARY_MESSAGES or len(messages) * len(text) > MAX_BOUNDARY_CHARS:
         return ids, ()
     token_end = {end: i + 1 for i, (_, end) in enumerate(encoding.offsets)}
     boundaries: list[int] = []

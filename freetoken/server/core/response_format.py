@@ -3,8 +3,8 @@
 Owns the shapes `/v1/chat/completions` and `/v1/completions` accept: `{"type": "text"}` (no
 constraint), `{"type": "json_object"}` (any JSON object) and `{"type": "json_schema",
 "json_schema": {"name", "schema", "strict", "description"}}` (the schema, enforced whatever
-`strict` says). Shape errors are 400s naming `response_format`; whether a schema compiles is the
-engine's to say (a refused request is a 400 with the same param). It compiles nothing itself.
+`strict` says). Shape errors are 400s naming `response_format`, and so is a schema the grammar
+compiler cannot use (`grammar_check`: it does not compile, or a `$ref` cycle admits no value).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import json
 from typing import Any
 
 from freetoken.server.core.errors import bad_request
+from freetoken.server.core.grammar_check import check_grammar
 
 PARAM = "response_format"
 _SCHEMA_KEYS = {"name", "schema", "strict", "description"}
@@ -47,4 +48,6 @@ def grammar_of(response_format: dict[str, Any] | None) -> tuple[str, str] | None
         raise bad_request("response_format.json_schema.schema must be a JSON schema object", param=PARAM)
     if "strict" in spec and spec["strict"] is not None and not isinstance(spec["strict"], bool):
         raise bad_request("response_format.json_schema.strict must be a boolean", param=PARAM)
-    return ("json_schema", json.dumps(schema))
+    grammar = ("json_schema", json.dumps(schema))
+    check_grammar(grammar, PARAM)  # a schema the engine could not enforce is refused here, not mid-generation
+    return grammar

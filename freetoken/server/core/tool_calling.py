@@ -22,6 +22,7 @@ from freetoken.reasoning_budget import ReasoningBudget
 from freetoken.request import SamplingParams
 from freetoken.server.context import ServingContext
 from freetoken.server.core.errors import bad_request
+from freetoken.server.core.grammar_check import check_tool_schemas
 from freetoken.server.core.tool_messages import prepare_messages
 from freetoken.tokenizer import ChatTemplateError, NoChatTemplate
 from freetoken.tokenizer.reasoning import MARKERS, ThinkStream, detect_reasoning_parser, reasoning_stream
@@ -177,7 +178,12 @@ class ToolCalling:
         if self.parser.needs_special_tokens or self._think_is_special():
             params = replace(params, skip_special_tokens=False)
         if self.options.forced:
-            params = replace(params, grammar=("lark", self.parser.forced_grammar(self.options.forced_tools())))
+            forced = self.options.forced_tools()
+            check_tool_schemas([
+                (f"tools[{k}].function.parameters", t["function"].get("parameters"))
+                for k, t in enumerate(self.options.tools) if any(t is f for f in forced)
+            ])
+            params = replace(params, grammar=("lark", self.parser.forced_grammar(forced)))
         self._constrained = params.grammar is not None
         if reasoning_budget is not None and self._splits_reasoning:
             params = replace(params, reasoning_budget=self._budget(reasoning_budget))

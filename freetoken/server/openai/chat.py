@@ -14,6 +14,7 @@ import uuid
 from dataclasses import replace
 from typing import Any
 
+import anyio.to_thread
 from fastapi.responses import JSONResponse, Response
 
 from freetoken.server.context import ServingContext
@@ -46,7 +47,9 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     info = ctx.ready_info()
     tooling = ToolCalling(ctx, openai_tool_options(req.tools, req.tool_choice, req.parallel_tool_calls))
     template_messages = req.template_messages()
-    ids, boundaries = render_chat(ctx.tokenizer, *tooling.template_inputs(template_messages), tooling.template_context())
+    ids, boundaries = await anyio.to_thread.run_sync(  # template + tokenizer: off the event loop
+        render_chat, ctx.tokenizer, *tooling.template_inputs(template_messages), tooling.template_context()
+    )
     pins = openai_pins(template_messages, boundaries, req.prompt_cache_key, req.prompt_cache_retention)
     max_tokens = requested if requested is not None else info.context_length - len(ids)
     check_context(len(ids), max(max_tokens, 1), info.context_length, prompt_param="messages", max_param=max_param)

@@ -12,6 +12,7 @@ import uuid
 from dataclasses import replace
 from typing import Any
 
+import anyio.to_thread
 from fastapi.responses import JSONResponse, Response
 
 from freetoken.server.context import ServingContext
@@ -102,7 +103,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
     req.sampling_params(max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs)  # range checks first
     info = ctx.ready_info()
     base = req.sampling_params(max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs, vocab_size=info.vocab_size)
-    prompts = prompt_ids(ctx.tokenizer, req.prompt, info.vocab_size)
+    prompts = await anyio.to_thread.run_sync(prompt_ids, ctx.tokenizer, req.prompt, info.vocab_size)  # off the event loop
     for ids in prompts:
         check_context(len(ids), max_tokens, info.context_length, prompt_param="prompt", max_param="max_tokens")
     n = req.num_choices

@@ -9,8 +9,10 @@ input is a 400 naming the field. It runs in the API process only and never reach
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
+import anyio.to_thread
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
@@ -69,16 +71,17 @@ async def tokenize(ctx: ServingContext, req: TokenizeRequest) -> Response:
         if req.add_generation_prompt is not None:
             raise bad_request("add_generation_prompt applies to 'messages' only", param="add_generation_prompt")
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
-        ids = ctx.tokenizer.encode(req.prompt, add_special_tokens=add_special)
+        ids = await anyio.to_thread.run_sync(partial(ctx.tokenizer.encode, req.prompt, add_special_tokens=add_special))
     else:
         if req.add_special_tokens is not None:
             raise bad_request("add_special_tokens applies to 'prompt' only (templates write their own)", param="add_special_tokens")
         if not req.messages:
             raise bad_request("messages must not be empty", param="messages")
         add_generation = True if req.add_generation_prompt is None else req.add_generation_prompt
-        ids = _chat_ids(ctx, [m.for_template() for m in req.messages], req.tools, add_generation)
+        ids = await anyio.to_thread.run_sync(_chat_ids, ctx, [m.for_template() for m in req.messages], req.tools, add_generation)
     info = ctx.client.info
-    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": None if info is None else info.context_length})
+    body = {"tokens": ids, "count": len(ids), "max_model_len": None if info is None else info.context_length}
+    return await anyio.to_thread.run_sync(JSONResponse, body)  # millions of ids take a while to write
 
 
 async def detokenize(ctx: ServingContext, req: DetokenizeRequest) -> Response:

@@ -16,6 +16,7 @@ import time
 from array import array
 from typing import Any
 
+import anyio.to_thread
 from fastapi.responses import JSONResponse, Response
 
 from freetoken.server.context import ServingContext
@@ -94,7 +95,9 @@ async def create_response(ctx: ServingContext, store: ResponseStore, req: Respon
     tooling = ToolCalling(ctx, tools.options, thinking=req.thinking())
     instructions = [{"role": "system", "content": req.instructions}] if req.instructions else []
     output_at = len(instructions) + len(history) - 1 if prior is not None and prior.plain_output else None
-    prompt = build_prompt(ctx.tokenizer, tooling, instructions + history + conversation.messages, prior, output_at)
+    prompt = await anyio.to_thread.run_sync(  # template + tokenizer: off the event loop
+        build_prompt, ctx.tokenizer, tooling, instructions + history + conversation.messages, prior, output_at
+    )
     max_tokens = req.max_output_tokens if req.max_output_tokens is not None else info.context_length - len(prompt.ids)
     check_context(len(prompt.ids), max(max_tokens, 1), info.context_length, prompt_param="input", max_param="max_output_tokens")
     params = tooling.sampling(req.sampling_params(max_tokens, grammar))

@@ -75,7 +75,7 @@ def every_type_file(path: Path) -> Path:
     w.add_string("string.empty", "")
     w.add_string("string.unicode", "\u2581\u00e9\U0001f600\x00<s>")
     w.add_array("array.strings", ["", "a", "\u2581b\u00e9", "\U0001f600" * 3, "x" * 300])
-    w.add_key_value("general.alignment", 64, VT.UINT32)
+    w.add_custom_alignment(64)  # the key and the offsets the writer lays out agree
     w.add_tensor("a", np.arange(12, dtype=np.float32).reshape(3, 4))
     w.add_tensor("b", np.arange(7, dtype=np.float16))
     raw = np.random.default_rng(0).integers(0, 256, (2, 3 * 34), dtype=np.uint8)
