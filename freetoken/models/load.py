@@ -21,6 +21,7 @@ from freetoken.models.experts_cache import GIB, ExpertCache
 from freetoken.models.linear import check_policy
 from freetoken.models.registry import build_model
 from freetoken.tokenizer import Tokenizer
+from freetoken.utils.heap import return_freed_memory
 from freetoken.weights.loader import ModelSource, load_checkpoint, resolve_model
 
 log = logging.getLogger("freetoken.models")
@@ -81,6 +82,9 @@ def load_model(
     model.eval()
     bind_submodules(model)
     tokenizer = load_tokenizer(source, ckpt.metadata)
+    quant_types = ckpt.quant_types
+    del ckpt, tensors  # the checkpoint's temporaries: freed, then returned to the system
+    return_freed_memory()
     log.info("loaded %s (%s, %s, weights %s) in %.1f s", source.name, config.architecture, dtype, weights,
              time.perf_counter() - t0)
-    return LoadedModel(source, config, model, tokenizer, dtype, device, ckpt.quant_types, weights)
+    return LoadedModel(source, config, model, tokenizer, dtype, device, quant_types, weights)
