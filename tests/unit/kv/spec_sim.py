@@ -63,7 +63,9 @@ class SpecKV(CheckedKV):
         released = super().accept(rid, written)
         if released:
             self.counts["pages of rejected tokens released"] += 1
-        assert before - released == num_pages(written, self.page_size)
+        if self.shadow.enabled and before - released != num_pages(written, self.page_size):
+            raise ShadowViolation(f"accept({rid}, {written}) kept {before - released} pages for "
+                                  f"{written} written tokens, not {num_pages(written, self.page_size)}")
         shadow.tokens, shadow.ids = shadow.tokens[:written], shadow.ids[:written]
         shadow.valid = min(shadow.valid, written)
         self.verify(f"accept({rid}, {written})")
