@@ -49,10 +49,11 @@ END_IDS = [(100, 101), (4, 5), (120,)]  # reasoning close markers (4, 5 are toke
 
 DRAIN_STEPS = 1000  # a request never waits this long unless something starves it
 
+# SWA pools above their floors (24, 22 and 12 pages), so that an SWA shrink can wait too.
 SETUPS = {
-    "p1_w5": Setup(1, 5, 48),
-    "p2_w7": Setup(2, 7, 28, max_running=4, chunk=10),
-    "p4_w6": Setup(4, 6, 16),
+    "p1_w5": Setup(1, 5, 48, swa_pages=40),
+    "p2_w7": Setup(2, 7, 28, swa_pages=36, max_running=4, chunk=10),
+    "p4_w6": Setup(4, 6, 16, swa_pages=20),
     "p4_full_only": Setup(4, None, 16),
 }
 
@@ -201,7 +202,8 @@ class MixedDriver:
         self.kv.shadow.enabled = oracle
         self.watch = Watch(self.engine)
         if oracle:
-            self.engine.scheduler.schedule = self._no_starvation(self.engine.scheduler.schedule)  # type: ignore[method-assign]
+            sched = self.engine.scheduler
+            sched.schedule, sched.preempt = self._no_starvation(sched.schedule, sched.preempt)  # type: ignore[method-assign]
         if not oracle:
             self.watch.check_tree = lambda: None  # type: ignore[method-assign]
         self.live: dict[str, Request] = {}
@@ -330,19 +332,31 @@ class MixedDriver:
                     f"(drafted {req.drafted_tokens}, preempted {req.preemptions})")
                 self.checked += 1
 
-    def _no_starvation(self, schedule: Callable[[], list]) -> Callable[[], list]:
-        """A pin never starves a request: a step that runs nothing while requests wait leaves no
-        live pin (the scheduler releases them all first)."""
+    def _no_starvation(self, schedule: Callable[[], list], preempt: Callable[[Request], None],
+                       ) -> tuple[Callable[[], list], Callable[[Request], None]]:
+        """A pin never starves a request: a step that runs nothing while requests wait, and a
+        request preempting itself as the only one running, leave no live pin (the scheduler
+        releases them all first)."""
+        sched = self.engine.scheduler
 
-        def checked() -> list:
+        def pinned() -> int:
+            tree = self.kv.tree
+            return 0 if tree is None else len(live_pins(tree))
+
+        def checked_schedule() -> list:
             items = schedule()
-            sched, tree = self.engine.scheduler, self.kv.tree
-            if not items and sched.waiting and not sched.running and tree is not None and live_pins(tree):
+            if not items and sched.waiting and not sched.running and pinned():
                 raise AssertionError(f"pins starve {sched.waiting[0].rid}: nothing runs, it waits, "
-                                     f"{len(live_pins(tree))} nodes are still pinned")
+                                     f"{pinned()} nodes are still pinned")
             return items
 
-        return checked
+        def checked_preempt(req: Request) -> None:
+            if sched.running == [req] and pinned():
+                raise AssertionError(f"pins starve {req.rid}: it preempts itself, alone, with "
+                                     f"{pinned()} nodes still pinned")
+            preempt(req)
+
+        return checked_schedule, checked_preempt
 
     def _snapshot_pins(self) -> None:
         tree = self.kv.tree
@@ -369,9 +383,14 @@ def mixed_program(seed: int) -> tuple[MixedSetup, Callable[[MixedDriver], None]]
                         boundary=rng.random() < 0.3, logprobs=rng.random() < 0.07, follow=rng.random() < 0.15,
                         pin=(rng.randint(1, 40), rng.choice([5.0, 30.0, 300.0])) if rng.random() < 0.3 else None,
                         draft=rng.random() < 0.85,
-                        budget=(rng.randint(0, 6), rng.randrange(3)) if rng.random() < 0.2 else None,
+                        budget=(rng.randint(0, 6), rng.randrange(3)) if rng.random() < 0.3 else None,
                         big=rng.random() < 0.04,
                     )
+            elif act < 0.33:  # a pinned prefix, then a request that needs most of the pool
+                which = rng.randrange(len(PREFIXES))
+                d.arrive(which, 40, [], rng.randint(1, 4), pin=(40, 300.0))
+                d.run_steps(rng.randint(2, 8))
+                d.arrive(which + 1, 0, [], rng.randint(1, 8), big=True, draft=rng.random() < 0.5)
             elif act < 0.70:
                 d.run_steps(rng.randint(1, 4))
             elif act < 0.76:

@@ -140,6 +140,6 @@ class MixedMachine(RuleBasedStateMachine):
 # The target phase only on request (see test_kv_state_machine.py: its hill climbing has no budget).
 PHASES = tuple(Phase) if os.environ.get("FT_KV_TARGET") else tuple(p for p in Phase if p != Phase.target)
 MixedMachine.TestCase.settings = settings(
-    settings.get_profile("freetoken-kv"), max_examples=60 if HEAVY else 6,
-    stateful_step_count=80 if HEAVY else 30, phases=PHASES)
+    settings.get_profile("freetoken-kv"), max_examples=60 if HEAVY else 10,
+    stateful_step_count=80 if HEAVY else 40, phases=PHASES)
 TestMixedKVMachine = MixedMachine.TestCase
