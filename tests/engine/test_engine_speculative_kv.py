@@ -12,6 +12,7 @@ programs of tests/unit/kv and a Hypothesis machine drive the traffic.
 
 from __future__ import annotations
 
+import os
 import random
 import sys
 from pathlib import Path
@@ -159,7 +160,10 @@ def test_a_forgotten_accept_and_kept_rejected_pages_fail_a6():
 
 
 def _settings() -> settings:
-    return settings(max_examples=8, stateful_step_count=30, deadline=None, derandomize=True, database=None,
+    """Never derandomized (each run explores new programs; a failure prints its blob), as the KV
+    tests' profile; the mixed driver (tests/unit/kv/test_kv_mixed.py) adds resizes and pins."""
+    return settings(max_examples=8, stateful_step_count=30, deadline=None, derandomize=False, print_blob=True,
+                    database=None if os.environ.get("CI") else settings.default.database,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 
