@@ -27,6 +27,7 @@ call): the negative controls show that each injected bug passes it and fails the
 from __future__ import annotations
 
 import random
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,6 +36,7 @@ from freetoken.config import EngineConfig
 from freetoken.engine.engine import Engine, RequestRefused
 from freetoken.engine.resize import ResizeRefused
 from freetoken.kv.pins import live_pins
+from freetoken.kv.tree import Node
 from freetoken.reasoning_budget import ReasoningBudget, ReasoningState
 from freetoken.request import FinishReason, Request, SamplingParams
 from shadow import ShadowViolation
@@ -209,11 +211,11 @@ class MixedDriver:
         self.live: dict[str, Request] = {}
         self.finished: list[list[int]] = []
         self.serial = 0
-        self.pinned: list = []
+        self.pinned: list[Node] = []
         self.checked = 0  # requests whose output was compared with the reference
 
     @property
-    def counts(self):  # type: ignore[no-untyped-def]
+    def counts(self) -> Counter[str]:
         return self.kv.counts
 
     # -- actions ------------------------------------------------------------------------------
