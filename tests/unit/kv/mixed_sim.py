@@ -206,7 +206,7 @@ class MixedDriver:
         if oracle:
             sched = self.engine.scheduler
             sched.schedule, sched.preempt = self._no_starvation(sched.schedule, sched.preempt)  # type: ignore[method-assign]
-        if not oracle:
+        else:  # the audit alone
             self.watch.check_tree = lambda: None  # type: ignore[method-assign]
         self.live: dict[str, Request] = {}
         self.finished: list[list[int]] = []
