@@ -111,9 +111,22 @@ class Engine:
                 code="context_length_exceeded",
                 param="max_tokens",
             )
-        if math.ceil(total / self.config.engine.page_size) > self.kv.capacity("full"):
+        pages = math.ceil(total / self.config.engine.page_size)
+        if pages > self.kv.capacity("full"):
             raise RequestRefused(
                 f"this request needs {total} tokens of KV memory; the pool holds "
+                f"{self.kv.capacity('full') * self.config.engine.page_size}",
+                code="context_length_exceeded",
+                param="max_tokens",
+            )
+        if req.params.prompt_logprobs is not None and 2 * pages > self.kv.capacity("full"):
+            # It reads no cache, so it recomputes a cached prefix of its prompt as its own pages
+            # and commits the rest beneath that prefix, which then cannot be evicted while it
+            # runs: it needs up to twice its pages (the resize floor's reason). With less, it
+            # preempts itself at the same point on every resume and never finishes.
+            raise RequestRefused(
+                f"this request asks for prompt logprobs, so it reads no cached prefix and may need "
+                f"twice its {total} tokens of KV memory; the pool holds "
                 f"{self.kv.capacity('full') * self.config.engine.page_size}",
                 code="context_length_exceeded",
                 param="max_tokens",

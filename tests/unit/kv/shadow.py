@@ -102,14 +102,16 @@ class Shadow:
                 f"{rid} computes from {start} but only [0, {req.valid}) of its K/V exists")
         p = self.page_size
         ids = self._ids_of(req, start + n)
-        for pos in range(start, start + n):
-            for kind, table in (("full", full), ("swa", swa)):
-                if table is None:
-                    continue
+        for kind, table in (("full", full), ("swa", swa)):
+            if table is None:
+                continue
+            stores: list[tuple[int, int, int]] = []  # (page, slot, prefix id)
+            for pos in range(start, start + n):
                 page = int(table[pos // p]) if pos // p < len(table) else 0
                 if page == 0:
                     raise ShadowViolation(f"{rid} writes position {pos} into a NULL {kind} entry")
-                self.content[kind].setdefault(page, [None] * p)[pos % p] = ids[pos]
+                stores.append((page, pos % p, ids[pos]))
+            self._store(kind, stores)
         self.writes += 1
         req.valid = max(req.valid, start + n)
         end = start + n
@@ -119,12 +121,23 @@ class Shadow:
         if swa is not None and self.window is not None:
             self._check_read(rid, "swa", swa, max(0, start - self.window + 1), end, ids)
 
+    # -- where the content lives (a subclass keeps it in real K/V tensors) ----------------------
+
+    def _store(self, kind: str, stores: list[tuple[int, int, int]]) -> None:
+        """Record that slot `slot` of page `page` now holds the K/V of prefix `pid`."""
+        for page, slot, pid in stores:
+            self.content[kind].setdefault(page, [None] * self.page_size)[slot] = pid
+
+    def _slots(self, kind: str, page: int) -> list[int | None]:
+        """The prefix id each slot of `page` holds (None: never written)."""
+        return self.content[kind].get(page, [None] * self.page_size)
+
     def _check_read(self, rid: str, kind: str, table: Sequence[int], lo: int, hi: int,
                     ids: list[int]) -> None:
         p = self.page_size
         for k in range(lo, hi):
             page = int(table[k // p]) if k // p < len(table) else 0
-            got = self.content[kind].get(page, [None] * p)[k % p] if page else None
+            got = self._slots(kind, page)[k % p] if page else None
             if page == 0 or got != ids[k]:
                 where = "NULL" if page == 0 else f"page {page} slot {k % p} holds {got}"
                 raise ShadowViolation(
@@ -168,7 +181,7 @@ class Shadow:
 
     def _claim(self, out: list[str], who: str, kind: str, page: int, pos: int,
                want: list[int]) -> None:
-        have = self.content[kind].get(page, [None] * self.page_size)
+        have = self._slots(kind, page)
         if have[: len(want)] != want:
             out.append(f"{who}: {kind} page {page} for positions [{pos}, {pos + len(want)}) "
                        f"holds {have[: len(want)]}, claims {want}")
