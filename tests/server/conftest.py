@@ -98,8 +98,12 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
     for proc in servers:
         if expects_restart:
             proc.account()
-        else:
+            continue
+        try:
             proc.assert_balanced_idle()
+        except AssertionError:
+            proc.account()  # reported here, as this test's failure: not again at the module's end
+            raise
     return result
 
 

@@ -2,9 +2,12 @@
 with an error event (no hang, no [DONE]), then the supervisor's new engine serves again. Also:
 the app module keeps torch out of the API process, and a model without a chat template says so.
 
-No test depends on another's restarts (each counts its own, as a delta) or on catching the down
-window by polling fast: the test that checks the 503s freezes (SIGSTOP) the supervisor's new
-engine process the moment it is spawned, so the engine stays down until the test resumes it."""
+No test depends on another's restarts (each counts its own, as a delta; both are marked
+`expects_engine_restart` for the conftest's guard) or on catching the down window by polling
+fast: the test that checks the 503s freezes (SIGSTOP) the supervisor's new engine process the
+moment it is spawned, so the engine stays down until the test resumes it. Nor on speed: the
+stream killed mid-way is held in the engine after its first token (`--test-hold`,
+tests/server/hold.py), so it is still in flight at the SIGKILL however fast the machine."""
 
 from __future__ import annotations
 
@@ -21,14 +24,21 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from hold import EngineHold
 from serving import ServeProcess, serving
 
 MODEL = "tiny-gemma"
 
 
 @pytest.fixture(scope="module")
-def own_server(tiny_gemma_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    flags = ["--page-size", "4", "--num-tokens", "2048", "--max-running-requests", "2", "--dtype", "float32", "--threads", "1"]
+def own_hold(tmp_path_factory: pytest.TempPathFactory) -> EngineHold:
+    return EngineHold(tmp_path_factory.mktemp("restart_hold") / "hold")
+
+
+@pytest.fixture(scope="module")
+def own_server(tiny_gemma_dir: Path, own_hold: EngineHold, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    flags = ["--page-size", "4", "--num-tokens", "2048", "--max-running-requests", "2", "--dtype", "float32", "--threads", "1",
+             *own_hold.flags]
     with serving(str(tiny_gemma_dir), flags, tmp_path_factory.mktemp("restart_logs") / "restart.log") as proc:
         yield proc
 
@@ -38,22 +48,27 @@ def restarts_metric(server: ServeProcess) -> float:
     return next(float(line.split()[1]) for line in text.splitlines() if line.startswith("freetoken_engine_restarts "))
 
 
-def test_engine_killed_mid_stream_then_back(own_server: ServeProcess) -> None:
+@pytest.mark.expects_engine_restart
+def test_engine_killed_mid_stream_then_back(own_server: ServeProcess, own_hold: EngineHold) -> None:
     healthy = own_server.wait_healthy()
     first_pid, restarts_before = healthy["pid"], healthy["restarts"]
     metric_before = restarts_metric(own_server)
-    body = {"model": MODEL, "prompt": [5, 6, 7, 8], "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {"model": MODEL, "prompt": [5, 6, 7, 8], "max_tokens": 100, "temperature": 0, "ignore_eos": True, "stream": True}
     events: list[str] = []
-    with httpx.Client(base_url=own_server.base, timeout=120) as c, c.stream("POST", "/v1/completions", json=body) as r:
-        lines = r.iter_lines()
-        for line in lines:
-            if line.startswith("data: "):
-                events.append(line)
-                break
-        os.kill(first_pid, signal.SIGKILL)
-        for line in lines:  # must end (with an error event), not hang
-            if line.startswith("data: "):
-                events.append(line)
+    own_hold.decode_after(1)
+    try:
+        with httpx.Client(base_url=own_server.base, timeout=120) as c, c.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: "):
+                    events.append(line)
+                    break
+            os.kill(first_pid, signal.SIGKILL)  # the stream is held after its first token: still in flight
+            for line in lines:  # must end (with an error event), not hang
+                if line.startswith("data: "):
+                    events.append(line)
+    finally:
+        own_hold.release()
     assert "data: [DONE]" not in events
     last = json.loads(events[-1][6:])
     assert "error" in last and last["error"]["message"], last
@@ -99,6 +114,7 @@ class RespawnFreezer(threading.Thread):
             self.frozen.resume()
 
 
+@pytest.mark.expects_engine_restart
 def test_health_is_503_while_engine_is_down(own_server: ServeProcess) -> None:
     healthy = own_server.wait_healthy()
     pid, restarts_before = healthy["pid"], healthy["restarts"]
