@@ -16,15 +16,14 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 from hold import EngineHold
+from procs import RespawnFreezer
 from serving import ServeProcess, serving
 
 MODEL = "tiny-gemma"
@@ -86,39 +85,11 @@ def test_engine_killed_mid_stream_then_back(own_server: ServeProcess, own_hold: 
     assert restarts_metric(own_server) == metric_before + 1
 
 
-class RespawnFreezer(threading.Thread):
-    """Suspends (SIGSTOP) the first new child process of the server: the engine the supervisor
-    spawns after a death, caught while it still imports torch, long before it can say Ready."""
-
-    def __init__(self, server: ServeProcess) -> None:
-        super().__init__(daemon=True)
-        self.parent = psutil.Process(server.proc.pid)
-        self.known = {c.pid for c in self.parent.children(recursive=True)}  # old engine, resource tracker
-        self.frozen: psutil.Process | None = None
-        self.caught = threading.Event()
-        self.quit = threading.Event()
-
-    def run(self) -> None:
-        while not self.quit.is_set():
-            for child in self.parent.children(recursive=True):
-                if child.pid not in self.known:
-                    child.suspend()
-                    self.frozen = child
-                    self.caught.set()
-                    return
-            time.sleep(0.001)
-
-    def resume(self) -> None:
-        self.quit.set()
-        if self.frozen is not None:
-            self.frozen.resume()
-
-
 @pytest.mark.expects_engine_restart
 def test_health_is_503_while_engine_is_down(own_server: ServeProcess) -> None:
     healthy = own_server.wait_healthy()
     pid, restarts_before = healthy["pid"], healthy["restarts"]
-    freezer = RespawnFreezer(own_server)
+    freezer = RespawnFreezer(own_server.proc.pid)
     freezer.start()
     try:
         os.kill(pid, signal.SIGKILL)
