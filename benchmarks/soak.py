@@ -2,6 +2,7 @@
 
     python benchmarks/soak.py --duration 3600 --conversations 4 --threads 1 --out bench-out/soak
     python benchmarks/soak.py --model tests-model-dir --duration 15 --interval 1 --out /tmp/soak   # a smoke run
+    python benchmarks/soak.py --model tests-model-dir --requests 12 --conversations 3 --out /tmp/soak  # no clock (tests)
 
 Starts its own `ft serve` (so it knows the processes whose memory it samples), then runs
 `--conversations` concurrent tool-calling conversations over one long shared system prompt that
@@ -15,6 +16,11 @@ counters (audits, violations, quarantined pages), engine restarts and hangs, the
 between two engine heartbeats, and the request, token and error totals so far. At the end it
 stops the traffic, waits for idle, and writes `soak.csv`, `soak.json` (summary and verdict) and
 `soak.png` (needs matplotlib; skipped with one line without it) into `--out`.
+
+`--requests N` replaces the clock (what tests use, so a faster or slower machine gives the same
+run): conversation k makes its share of exactly N requests, a sample is taken after each
+completed request and before that conversation goes on (so no more than `--conversations`
+requests complete between two samples), and `--warmup` counts completed requests.
 
 It fails (exit 1, the reasons printed) on any request error, any integrity violation or
 quarantined page, an engine restart, pools that do not balance at idle (nothing in use and
@@ -77,10 +83,15 @@ class Totals:
     cached_tokens: int = 0
     errors: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    sampled: int = 0  # --requests: completed requests the last sample covers
+
+    def __post_init__(self) -> None:
+        self.changed = threading.Condition(self.lock)  # --requests: a request completed, or a sample was taken
 
     def error(self, message: str) -> None:
         with self.lock:
             self.errors.append(message)
+            self.changed.notify_all()
         print(f"soak: request error: {message[:300]}", file=sys.stderr, flush=True)
 
 
@@ -141,13 +152,16 @@ class Server:
 
 
 def conversation(base: str, k: int, args: argparse.Namespace, system: str, totals: Totals, stop: threading.Event) -> None:
-    """Conversations one after another until `stop`; each turn waits for its answer."""
+    """Conversations one after another until `stop` (or, with --requests, until this
+    conversation's share of the requests is done); each turn waits for its answer."""
     generation = 0
+    quota = None if args.requests is None else args.requests // args.conversations + (k < args.requests % args.conversations)
+    made = 0
     with httpx.Client(base_url=base, timeout=args.request_timeout) as c:
-        while not stop.is_set():
+        while not stop.is_set() and (quota is None or made < quota):
             messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
             for turn in range(args.turns):
-                if stop.is_set():
+                if stop.is_set() or (quota is not None and made >= quota):
                     return
                 city = CITIES[(k + turn + generation) % len(CITIES)]
                 messages.append({"role": "user", "content": f"Traveller {k}.{generation}, question {turn}: what about {city}?"})
@@ -169,10 +183,15 @@ def conversation(base: str, k: int, args: argparse.Namespace, system: str, total
                 calls = message.get("tool_calls") or []
                 with totals.lock:
                     totals.requests += 1
+                    mine = totals.requests
                     totals.tool_calls += len(calls)
                     totals.prompt_tokens += usage["prompt_tokens"]
                     totals.completion_tokens += usage["completion_tokens"]
                     totals.cached_tokens += (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                    totals.changed.notify_all()
+                    if quota is not None:  # go on once a sample covers this request
+                        totals.changed.wait_for(lambda: totals.sampled >= mine or stop.is_set())
+                made += 1
                 if out["choices"][0]["finish_reason"] == "error":
                     totals.error(f"{where}: finish_reason error: {out}")
                     return
@@ -185,6 +204,17 @@ def conversation(base: str, k: int, args: argparse.Namespace, system: str, total
                     result = {"city": call_args.get("city"), "value": f"{call['function']['name']} result {k}.{generation}.{turn}"}
                     messages.append({"role": "tool", "tool_call_id": call["id"], "content": json.dumps(result)})
             generation += 1
+
+
+def rows_wanted(totals: Totals, rows: list[dict[str, Any]], args: argparse.Namespace) -> bool:
+    """--requests: wait until a request completed since the last sample (True: take one), or
+    every request is done and sampled, or one failed (False). The first sample is taken at once."""
+    if not rows:
+        return True
+    with totals.lock:
+        totals.changed.wait_for(lambda: totals.requests > totals.sampled or bool(totals.errors) or totals.requests >= args.requests,
+                                timeout=args.request_timeout)  # a hang guard: each wait is one request at most
+        return totals.requests > totals.sampled and not totals.errors
 
 
 def metric_value(text: str, name: str) -> float:
@@ -237,7 +267,7 @@ def verdict(rows: list[dict[str, Any]], idle: dict[str, Any], totals: Totals, ar
     for name, pool in idle["pools"].items():
         if pool["in_use"] or pool["capacity"] != pool["free"] + pool["cached"] + pool["in_use"] + pool["quarantined"]:
             failures.append(f"pool {name} unbalanced at idle: {pool}")
-    after = [r for r in rows if r["elapsed_s"] >= args.warmup]
+    after = [r for r in rows if (r["elapsed_s"] if args.requests is None else r["requests"]) >= args.warmup]
     growth = None
     if len(after) >= 2:
         base = after[0]["rss_total_mb"]
@@ -300,6 +330,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="what `ft serve --model` gets (default: its default, gemma3-270m)")
     p.add_argument("--duration", type=float, default=3600.0, help="seconds of traffic (default 3600)")
+    p.add_argument("--requests", type=int, default=None,
+                   help="instead of --duration and --interval: exactly this many requests, a sample after each (no clock; for tests)")
     p.add_argument("--conversations", type=int, default=4, help="concurrent conversations; also --max-running-requests (default 4)")
     p.add_argument("--turns", type=int, default=8, help="turns before a conversation starts over (default 8)")
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of each turn (default 64)")
@@ -315,7 +347,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("bench-out/soak"), help="directory for soak.csv, soak.json, soak.png, serve.log")
     args = p.parse_args(argv)
     if args.warmup is None:
-        args.warmup = args.duration / 10
+        args.warmup = args.duration / 10 if args.requests is None else args.requests // 10
+    if args.requests is not None and args.requests < args.conversations:
+        p.error("--requests must be at least --conversations")
     return args
 
 
@@ -343,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
             w.start()
         with open(args.out / "soak.csv", "w", newline="") as f:
             writer: csv.DictWriter[str] | None = None
-            while time.monotonic() - t0 < args.duration:
+            while (time.monotonic() - t0 < args.duration) if args.requests is None else rows_wanted(totals, rows, args):
                 row = sample(server, t0, totals)
                 rows.append(row)
                 if writer is None:
@@ -353,8 +387,15 @@ def main(argv: list[str] | None = None) -> int:
                 f.flush()
                 if row["errors"] or row["violations"]:
                     break  # a failed run says so now, not in an hour
+                if args.requests is not None:
+                    with totals.lock:
+                        totals.sampled = row["requests"]
+                        totals.changed.notify_all()
+                    continue
                 time.sleep(max(0.0, args.interval - (time.monotonic() - t0 - row["elapsed_s"])))
             stop.set()
+            with totals.lock:
+                totals.changed.notify_all()
             for w in workers:
                 w.join(args.request_timeout)
             idle = wait_idle(server)

@@ -106,6 +106,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--expert-cache-gb", type=float, default=4.0, metavar="GB",
                    help="offload: the expert cache's budget in GiB (default 4; POST /admin/cache/resize moves it at run time)")
     p.add_argument("--debug-kv", action="store_true", help="audit the KV cache after every step; a violation is fatal (for tests)")
+    p.add_argument("--test-hold", default=None, metavar="PATH",
+                   help="a test hook, off by default: while PATH exists the engine holds what it says (freetoken/engine/hold.py)")
     p.add_argument("--speculative", default="off", choices=["off", "ngram"],
                    help="ngram: draft tokens from the prompt and output (n-gram lookup), verified in the batched forward; exact (docs/speculative.md; default off)")
     p.add_argument("--spec-max-draft", type=int, default=16, metavar="K", help="drafted tokens per verified chunk at most (default 16)")
@@ -201,6 +203,7 @@ def _serve(args: argparse.Namespace) -> None:
         swa_full_tokens_ratio=args.swa_full_tokens_ratio,
         swa_pool_tokens=args.swa_pool_tokens,
         debug_kv=args.debug_kv,
+        test_hold=args.test_hold,
         max_pinned_tokens=args.max_pinned_tokens,
         kv_cache_dtype=args.kv_cache_dtype,
         threads=args.threads,

@@ -56,6 +56,7 @@ class EngineConfig:
     spec_ngram_max: int = 4
     moe_strategy: str = "resident"  # resident | offload: experts decoded at load, or an LRU cache over the file (docs/moe.md)
     expert_cache_gb: float = 4.0  # offload: the expert cache's budget (resizable: POST /admin/cache/resize)
+    test_hold: str | None = None  # a test hook, off by default: the hold file of engine/hold.py
 
     def validate(self) -> None:
         """Raise ConfigError on flags that cannot work, naming the flag."""

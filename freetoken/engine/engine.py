@@ -191,8 +191,13 @@ class Engine:
             self._integrity_failure(KVIntegrityError(report.violations), updates)
 
     def _step(self, updates: dict[str, RequestUpdate]) -> None:
+        hold = self.scheduler.hold  # a test hook, None unless EngineConfig.test_hold (hold.py)
+        if hold is not None:
+            hold.wait_while_step_held()
         items = self.scheduler.schedule()
         if not items:
+            if hold is not None:
+                hold.idle_wait()
             return
         self.steps += 1
         # Read before any token is appended: `samples` compares against the request's length.

@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from freetoken.config import ResolvedConfig
+from freetoken.engine.hold import TestHold
 from freetoken.engine.speculative import Speculator
 from freetoken.kv.manager import KVManager
 from freetoken.request import Request, RequestStatus
@@ -51,6 +52,7 @@ class Scheduler:
             Speculator(engine.spec_max_draft, engine.spec_ngram_min, engine.spec_ngram_max)
             if engine.speculative == "ngram" else None
         )
+        self.hold = TestHold(engine.test_hold) if engine.test_hold else None  # a test hook (hold.py)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -74,10 +76,13 @@ class Scheduler:
         budget = self.config.engine.max_prefill_length
         items: list[ScheduledItem] = []
         preempted_before = self.preemptions
+        rule = self.hold.rule() if self.hold is not None else None
         for req in list(self.running):
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             remaining = req.num_tokens - req.num_computed
+            if rule is not None and remaining == 1 and rule.holds(req):
+                continue  # the test hook holds this decode row
             n = 1 if remaining == 1 else min(remaining, budget)
             if n == 0:
                 continue

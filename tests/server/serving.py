@@ -2,10 +2,12 @@
 
 Owns `ServeProcess` (launch, wait until /health is 200, stop with SIGTERM, log on failure) and the
 idle-balance check of `/v1/cache/status`. A server shared by many tests is judged per test: the
-conftest's autouse fixture marks each test's start (`begin_test`), and
-`ServeProcess.assert_balanced_idle` compares with that mark (no new violation, no restart), so
-one failure does not spread into later tests and no test depends on which ran before it.
-Deadlines are generous hang guards and nothing is timed.
+conftest marks each test's start (`begin_test`), and after the test `assert_balanced_idle`
+compares with that mark (no new violation, no restart), so one failure does not spread into later
+tests and no test depends on which ran before it. What no test answered for -- a restart or a
+violation between tests, or in a fixture -- is caught by `assert_accounted`, which the conftest
+runs after every module and `serving` at the server's end. Deadlines are generous hang guards and
+nothing is timed.
 """
 
 from __future__ import annotations
@@ -55,6 +57,11 @@ class ServeProcess:
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.engine_pids: set[int] = set()  # every engine pid /health reported
         self.mark: TestMark | None = None  # set by begin_test
+        # (restarts, violations) as of the last test that answered for them (passed its check, or
+        # failed, or expected a restart); a change no test answered for is noted in `unaccounted`.
+        self.accounted: tuple[int, int] = (0, 0)
+        self.unaccounted: list[str] = []
+        self.guarded = False  # the conftest's per-test guard has judged tests on this server
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[2])
 
     @property
@@ -98,12 +105,37 @@ class ServeProcess:
             time.sleep(0.2)
         raise AssertionError(f"not idle after {IDLE_DEADLINE_S} s: {status}")
 
-    def begin_test(self) -> TestMark:
-        """Record the engine's pid, restart count and violation count at a test's start."""
+    def begin_test(self, name: str = "a test") -> TestMark:
+        """Record the engine's pid, restart count and violation count at a test's start; a change
+        since the last accounted test is noted as unaccounted (it happened between tests)."""
         self.wait_healthy()
         status = self.cache_status()
         self.mark = TestMark(status["engine"]["pid"], status["engine"]["restarts"], status["integrity"]["violations"])
+        now = (self.mark.restarts, self.mark.violations)
+        if self.guarded and now != self.accounted:
+            self.unaccounted.append(f"before {name}: (restarts, violations) went {self.accounted} -> {now}")
+        self.accounted = now
         return self.mark
+
+    def account(self) -> None:
+        """This test answers for whatever happened during it (it failed, or expected it)."""
+        try:
+            status = self.wait_healthy()
+            integrity = self.cache_status()["integrity"]
+        except (RuntimeError, AssertionError, httpx.HTTPError):
+            return  # the server itself is gone: its end says so
+        self.accounted = (status["restarts"], integrity["violations"])
+
+    def assert_accounted(self) -> None:
+        """No restart and no audit violation that no test answered for, and balanced idle pools."""
+        assert not self.unaccounted, f"the engine restarted or failed an audit between tests: {self.unaccounted}\n{self.log()}"
+        status = self.wait_idle()
+        now = (status["engine"]["restarts"], status["integrity"]["violations"])
+        assert now == self.accounted, (
+            f"(restarts, violations) is {now}, but the tests answered for {self.accounted}: "
+            f"something after the last test restarted the engine or failed an audit\n{self.log()}"
+        )
+        assert_pools_balanced(status)
 
     def assert_balanced_idle(self) -> dict[str, Any]:
         """Wait until idle, then: the same engine as at this test's start, no violation since,
@@ -115,6 +147,7 @@ class ServeProcess:
         )
         assert status["integrity"]["violations"] == mark.violations, status["integrity"]
         assert_pools_balanced(status)
+        self.accounted = (mark.restarts, mark.violations)
         return status
 
     def stop(self) -> int:
@@ -171,6 +204,8 @@ def serving(
     try:
         proc.wait_healthy(deadline_s)
         yield proc
+        if proc.guarded:
+            proc.assert_accounted()  # the server's end: nothing happened that no test answered for
     finally:
         code = proc.stop()
     assert_clean_shutdown(proc, code)

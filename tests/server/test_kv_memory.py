@@ -1,13 +1,16 @@
 """KV memory features through a real `ft serve` on the tiny sliding-window model (window 7,
 pages of 4, --enable-cache-report, --debug-kv): the cache report's miss reason and its metric,
-and `POST /admin/cache/resize` (on a small server of its own, so that page numbers are known).
-Every test ends with the pools balanced and no violation or engine restart during it."""
+and `POST /admin/cache/resize` (on a small server of its own, so that page numbers are known;
+the requests a shrink must wait for are held in the engine by its test hold, `--test-hold`, so
+they certainly hold their pages when it comes). Every test ends with the pools balanced and no
+violation or engine restart during it."""
 
 from __future__ import annotations
 
 import itertools
 import re
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 from conftest import API_KEY
+from hold import EngineHold
 from serving import ServeProcess, assert_pools_balanced, serving
 
 MODEL = "tiny-gemma"
@@ -73,9 +77,14 @@ SMALL_FLAGS = [
 
 
 @pytest.fixture
-def small_server(tiny_gemma_dir: Path, tmp_path: Path) -> Iterator[ServeProcess]:
+def small_hold(tmp_path: Path) -> EngineHold:
+    return EngineHold(tmp_path / "hold")
+
+
+@pytest.fixture
+def small_server(tiny_gemma_dir: Path, small_hold: EngineHold, tmp_path: Path) -> Iterator[ServeProcess]:
     """A fresh server with a 32-page FULL pool: its first requests take pages 1, 2, ... in order."""
-    with serving(str(tiny_gemma_dir), SMALL_FLAGS, tmp_path / "small.log", api_key=API_KEY) as proc:
+    with serving(str(tiny_gemma_dir), [*SMALL_FLAGS, *small_hold.flags], tmp_path / "small.log", api_key=API_KEY) as proc:
         proc.begin_test()
         yield proc
 
@@ -93,7 +102,7 @@ def balanced(server: ServeProcess) -> dict[str, Any]:
     return status
 
 
-def test_resize_checks_its_body_then_grows_and_shrinks_under_load(small_server: ServeProcess) -> None:
+def test_resize_checks_its_body_then_grows_and_shrinks_under_load(small_server: ServeProcess, small_hold: EngineHold) -> None:
     assert resize(small_server, {"full_tokens": 256}, key=None).status_code == 401
     for body, param in [({"full_tokens": "256"}, "full_tokens"), ({"swa_tokens": 0}, "swa_tokens"),
                         ({"bogus": 1}, "bogus"), ({}, "full_tokens"), ({"full_tokens": 2}, "full_tokens")]:
@@ -111,20 +120,26 @@ def test_resize_checks_its_body_then_grows_and_shrinks_under_load(small_server: 
         complete(small_server, fresh_prompt(40))  # the tree holds pages 1-33
     done: list[dict[str, Any]] = []
     runners = [threading.Thread(target=lambda p=p: done.append(complete(small_server, p, 60)))
-               for p in (fresh_prompt(30), fresh_prompt(30))]  # pages 34-57 between them
-    for t in runners:
-        t.start()
-    with small_server.http() as c:  # the runners usually hold pages now; the test holds either way
-        for _ in range(200):
-            if c.get("/health").json().get("in_flight", 0) >= 2:
-                break
-            threading.Event().wait(0.02)
-    # 48 pages: above the floor (twice a runner's 23 pages), below pages the runners hold (they retire later)
-    r = resize(small_server, {"full_tokens": 48 * 4})
-    assert r.status_code == 200, r.text
-    pending = r.json()["pools"]["full"]["pending_release"]
-    during = balanced(small_server)["pools"]["full"]
-    assert during["target"] == 48 and during["capacity"] >= 48 and pending >= 0, during  # converging
+               for p in (fresh_prompt(30), fresh_prompt(30))]  # 13 pages each at the hold: pages 34-59
+    start = small_server.cache_status()["engine"]["tokens_generated"]
+    small_hold.decode_after(20)  # each runner holds 30 + 20 tokens until the release
+    try:
+        for t in runners:
+            t.start()
+        end = time.monotonic() + 300  # a hang guard
+        held = small_server.cache_status()
+        while held["engine"]["tokens_generated"] - start < 40 and time.monotonic() < end:
+            time.sleep(0.05)
+            held = small_server.cache_status()
+        assert held["engine"]["tokens_generated"] - start == 40 and held["engine"]["in_flight"] == 2, held["engine"]
+        # 48 pages: above the floor (twice a runner's 23 pages), below pages the held runners hold
+        r = resize(small_server, {"full_tokens": 48 * 4})
+        assert r.status_code == 200, r.text
+        pending = r.json()["pools"]["full"]["pending_release"]
+        during = balanced(small_server)["pools"]["full"]
+    finally:
+        small_hold.release()
+    assert pending > 0 and during["target"] == 48 and during["capacity"] > 48, (pending, during)  # converging, not done
     for t in runners:
         t.join(timeout=300)
     assert len(done) == 2

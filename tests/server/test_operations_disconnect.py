@@ -1,8 +1,11 @@
 """A client that disconnects from a non-streaming generation -- on the completions, chat,
 Anthropic messages and Responses routes -- gets its request aborted in the engine: the request is counted as
-499, it generated far fewer tokens than it asked for, and its pages are free again (read from
-/v1/cache/status). The client is a raw socket, so the hang-up comes exactly when the test says.
-Deadlines are generous hang guards, nothing is timed."""
+499, it generated no more tokens than the engine's test hold let it (`--test-hold`,
+tests/server/hold.py: one token before the hang-up; a stream gets one more after it, the write at
+which a hang-up may be noticed), and its pages are free again (read from /v1/cache/status). So the
+request is certainly in flight at the hang-up and certainly aborted rather than finished, on a
+fast machine or a slow one. The client is a raw socket, so the hang-up comes exactly when the test
+says. Deadlines are generous hang guards, nothing is timed."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import time
 from typing import Any
 
 import pytest
+from hold import EngineHold
 from serving import ServeProcess
 
 GUARD_S = 60.0
@@ -62,10 +66,11 @@ def all_free(status: dict[str, Any]) -> bool:
 
 
 @pytest.mark.parametrize("endpoint", sorted(ROUTES))
-def test_non_streaming_disconnect_aborts_and_frees_pages(server: ServeProcess, endpoint: str) -> None:
+def test_non_streaming_disconnect_aborts_and_frees_pages(server: ServeProcess, hold: EngineHold, endpoint: str) -> None:
     path, fields = ROUTES[endpoint]
     before_499 = metric_total(server, endpoint, 499)
     start = server.cache_status()["engine"]["tokens_generated"]
+    hold.decode_after(1)
     sock = send_raw(server, path, {"model": "default", "temperature": 0, **fields})
     try:
         generating = poll_status(server, lambda s: running_one(s) and s["engine"]["tokens_generated"] > start)
@@ -74,7 +79,7 @@ def test_non_streaming_disconnect_aborts_and_frees_pages(server: ServeProcess, e
         sock.close()  # the client goes away without reading a byte
     freed = poll_status(server, all_free)
     assert all_free(freed), freed
-    assert freed["engine"]["tokens_generated"] - start < MAX_TOKENS, freed["engine"]  # aborted, not finished
+    assert freed["engine"]["tokens_generated"] - start == 1, freed["engine"]  # held at 1, then aborted
     end = time.monotonic() + GUARD_S
     while metric_total(server, endpoint, 499) == before_499 and time.monotonic() < end:
         time.sleep(0.05)
@@ -83,11 +88,13 @@ def test_non_streaming_disconnect_aborts_and_frees_pages(server: ServeProcess, e
 
 
 @pytest.mark.parametrize("endpoint", sorted(ROUTES))
-def test_streaming_disconnect_aborts_and_frees_pages(server: ServeProcess, endpoint: str) -> None:
-    """The same hang-up after the first bytes of a stream: noticed at the next write."""
+def test_streaming_disconnect_aborts_and_frees_pages(server: ServeProcess, hold: EngineHold, endpoint: str) -> None:
+    """The same hang-up after the first bytes of a stream: noticed at the latest at the next
+    write, which the hold then allows (one more token, and no more)."""
     path, fields = ROUTES[endpoint]
     before_499 = metric_total(server, endpoint, 499)
     start = server.cache_status()["engine"]["tokens_generated"]
+    hold.decode_after(1)
     sock = send_raw(server, path, {"model": "default", "temperature": 0, "stream": True, **fields})
     try:
         assert b"data:" in sock.recv(65536) or b"data:" in sock.recv(65536)  # the stream has started
@@ -95,9 +102,10 @@ def test_streaming_disconnect_aborts_and_frees_pages(server: ServeProcess, endpo
         assert running_one(generating), generating
     finally:
         sock.close()
+    hold.decode_after(2)
     freed = poll_status(server, all_free)
     assert all_free(freed), freed
-    assert freed["engine"]["tokens_generated"] - start < MAX_TOKENS, freed["engine"]
+    assert 1 <= freed["engine"]["tokens_generated"] - start <= 2, freed["engine"]
     end = time.monotonic() + GUARD_S
     while metric_total(server, endpoint, 499) == before_499 and time.monotonic() < end:
         time.sleep(0.05)

@@ -2,6 +2,12 @@
 new request gets 503 with Retry-After, then the server exits 0 with its engine gone;
 `POST /admin/drain` (behind the API key) does the same and past `--shutdown-timeout` ends what is
 left with an error; a second SIGTERM exits at once. Each test owns its server (it ends it).
+
+The stream is held in the engine after its first token by the engine's test hold (`--test-hold`,
+tests/server/hold.py), so it is certainly still in flight when the drain starts, however fast the
+machine: the drain test releases it once the draining state is seen (and gives the drain a
+guard-sized `--shutdown-timeout`, so the release, not the machine's speed, decides that it
+finishes); the timeout test never releases it, so `--shutdown-timeout 0.5` certainly cuts it.
 Deadlines are generous hang guards, nothing is timed."""
 
 from __future__ import annotations
@@ -13,17 +19,21 @@ import time
 from pathlib import Path
 
 import httpx
+from hold import EngineHold
 from serving import ServeProcess, assert_clean_shutdown, pid_alive
 
 FLAGS = ["--page-size", "4", "--num-tokens", "2048", "--max-running-requests", "2", "--dtype", "float32", "--threads", "1"]
-LONG = {"model": "default", "prompt": [5, 6, 7, 8], "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
+LONG = {"model": "default", "prompt": [5, 6, 7, 8], "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": True}
 GUARD_S = 120.0
 
 
-def start(model: Path, log: Path, *flags: str, api_key: str | None = None) -> ServeProcess:
-    proc = ServeProcess(str(model), [*FLAGS, *flags], log, api_key=api_key)
+def start(model: Path, tmp_path: Path, log: str, *flags: str, api_key: str | None = None) -> tuple[ServeProcess, EngineHold]:
+    """A server whose engine holds every request after its first token (until `hold.release()`)."""
+    hold = EngineHold(tmp_path / "hold")
+    hold.decode_after(1)
+    proc = ServeProcess(str(model), [*FLAGS, *hold.flags, *flags], tmp_path / log, api_key=api_key)
     proc.wait_healthy()
-    return proc
+    return proc, hold
 
 
 class Stream(threading.Thread):
@@ -64,7 +74,7 @@ def wait_exit(server: ServeProcess) -> int:
 
 
 def test_sigterm_drains_in_flight_then_exits_0(tiny_gemma_dir: Path, tmp_path: Path) -> None:
-    server = start(tiny_gemma_dir, tmp_path / "drain.log")
+    server, hold = start(tiny_gemma_dir, tmp_path, "drain.log", "--shutdown-timeout", str(GUARD_S))
     try:
         server.engine_pids.add(server.wait_healthy()["pid"])
         stream = Stream(server)
@@ -74,6 +84,8 @@ def test_sigterm_drains_in_flight_then_exits_0(tiny_gemma_dir: Path, tmp_path: P
         assert wait_draining(server)
         refused = httpx.post(f"{server.base}/v1/completions", json={"model": "default", "prompt": "x", "max_tokens": 2}, timeout=GUARD_S)
         health = httpx.get(f"{server.base}/health", timeout=GUARD_S)
+        assert stream.is_alive() and "data: [DONE]" not in stream.events  # held: in flight through all of the above
+        hold.release()
         stream.join(GUARD_S)
         code = wait_exit(server)
     finally:
@@ -90,7 +102,7 @@ def test_sigterm_drains_in_flight_then_exits_0(tiny_gemma_dir: Path, tmp_path: P
 
 
 def test_admin_drain_needs_the_key_and_ends_stragglers_at_the_timeout(tiny_gemma_dir: Path, tmp_path: Path) -> None:
-    server = start(tiny_gemma_dir, tmp_path / "admin.log", "--shutdown-timeout", "0.5", api_key="ops-key")
+    server, _ = start(tiny_gemma_dir, tmp_path, "admin.log", "--shutdown-timeout", "0.5", api_key="ops-key")  # never released
     try:
         server.engine_pids.add(server.wait_healthy()["pid"])
         assert httpx.post(f"{server.base}/admin/drain", timeout=GUARD_S).status_code == 401
@@ -112,7 +124,7 @@ def test_admin_drain_needs_the_key_and_ends_stragglers_at_the_timeout(tiny_gemma
 
 
 def test_second_sigterm_exits_at_once(tiny_gemma_dir: Path, tmp_path: Path) -> None:
-    server = start(tiny_gemma_dir, tmp_path / "twice.log")
+    server, _ = start(tiny_gemma_dir, tmp_path, "twice.log")  # held: the first SIGTERM cannot finish the drain
     try:
         pid = server.wait_healthy()["pid"]
         stream = Stream(server)

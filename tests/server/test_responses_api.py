@@ -85,10 +85,15 @@ def test_string_input_gives_a_response_object(server: ServeProcess) -> None:
     assert item["type"] == "message" and item["role"] == "assistant"
     usage = body["usage"]
     assert usage["output_tokens"] >= 1 and usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
-    assert usage["input_tokens_details"]["cached_tokens"] >= 0
     if body["status"] == "incomplete":
         assert usage["output_tokens"] == 6 and body["incomplete_details"] == {"reason": "max_output_tokens"}
         assert item["status"] == "incomplete"
+    # The same request again is served from the prefix cache, and its usage says how much: whole
+    # pages, never the whole prompt (at least one token is always computed).
+    again = create(server, input="Say hello.", max_output_tokens=6, temperature=0)["usage"]
+    cached = again["input_tokens_details"]["cached_tokens"]
+    assert again["input_tokens"] == usage["input_tokens"]
+    assert cached % PAGE == 0 and 0 < cached < usage["input_tokens"], again
     server.assert_balanced_idle()
 
 

@@ -2,9 +2,12 @@
 with an error event (no hang, no [DONE]), then the supervisor's new engine serves again. Also:
 the app module keeps torch out of the API process, and a model without a chat template says so.
 
-No test depends on another's restarts (each counts its own, as a delta) or on catching the down
-window by polling fast: the test that checks the 503s freezes (SIGSTOP) the supervisor's new
-engine process the moment it is spawned, so the engine stays down until the test resumes it."""
+No test depends on another's restarts (each counts its own, as a delta; both are marked
+`expects_engine_restart` for the conftest's guard) or on catching the down window by polling
+fast: the test that checks the 503s freezes (SIGSTOP) the supervisor's new engine process the
+moment it is spawned, so the engine stays down until the test resumes it. Nor on speed: the
+stream killed mid-way is held in the engine after its first token (`--test-hold`,
+tests/server/hold.py), so it is still in flight at the SIGKILL however fast the machine."""
 
 from __future__ import annotations
 
@@ -13,22 +16,28 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
+from hold import EngineHold
+from procs import RespawnFreezer
 from serving import ServeProcess, serving
 
 MODEL = "tiny-gemma"
 
 
 @pytest.fixture(scope="module")
-def own_server(tiny_gemma_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    flags = ["--page-size", "4", "--num-tokens", "2048", "--max-running-requests", "2", "--dtype", "float32", "--threads", "1"]
+def own_hold(tmp_path_factory: pytest.TempPathFactory) -> EngineHold:
+    return EngineHold(tmp_path_factory.mktemp("restart_hold") / "hold")
+
+
+@pytest.fixture(scope="module")
+def own_server(tiny_gemma_dir: Path, own_hold: EngineHold, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    flags = ["--page-size", "4", "--num-tokens", "2048", "--max-running-requests", "2", "--dtype", "float32", "--threads", "1",
+             *own_hold.flags]
     with serving(str(tiny_gemma_dir), flags, tmp_path_factory.mktemp("restart_logs") / "restart.log") as proc:
         yield proc
 
@@ -38,22 +47,27 @@ def restarts_metric(server: ServeProcess) -> float:
     return next(float(line.split()[1]) for line in text.splitlines() if line.startswith("freetoken_engine_restarts "))
 
 
-def test_engine_killed_mid_stream_then_back(own_server: ServeProcess) -> None:
+@pytest.mark.expects_engine_restart
+def test_engine_killed_mid_stream_then_back(own_server: ServeProcess, own_hold: EngineHold) -> None:
     healthy = own_server.wait_healthy()
     first_pid, restarts_before = healthy["pid"], healthy["restarts"]
     metric_before = restarts_metric(own_server)
-    body = {"model": MODEL, "prompt": [5, 6, 7, 8], "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {"model": MODEL, "prompt": [5, 6, 7, 8], "max_tokens": 100, "temperature": 0, "ignore_eos": True, "stream": True}
     events: list[str] = []
-    with httpx.Client(base_url=own_server.base, timeout=120) as c, c.stream("POST", "/v1/completions", json=body) as r:
-        lines = r.iter_lines()
-        for line in lines:
-            if line.startswith("data: "):
-                events.append(line)
-                break
-        os.kill(first_pid, signal.SIGKILL)
-        for line in lines:  # must end (with an error event), not hang
-            if line.startswith("data: "):
-                events.append(line)
+    own_hold.decode_after(1)
+    try:
+        with httpx.Client(base_url=own_server.base, timeout=120) as c, c.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: "):
+                    events.append(line)
+                    break
+            os.kill(first_pid, signal.SIGKILL)  # the stream is held after its first token: still in flight
+            for line in lines:  # must end (with an error event), not hang
+                if line.startswith("data: "):
+                    events.append(line)
+    finally:
+        own_hold.release()
     assert "data: [DONE]" not in events
     last = json.loads(events[-1][6:])
     assert "error" in last and last["error"]["message"], last
@@ -71,38 +85,11 @@ def test_engine_killed_mid_stream_then_back(own_server: ServeProcess) -> None:
     assert restarts_metric(own_server) == metric_before + 1
 
 
-class RespawnFreezer(threading.Thread):
-    """Suspends (SIGSTOP) the first new child process of the server: the engine the supervisor
-    spawns after a death, caught while it still imports torch, long before it can say Ready."""
-
-    def __init__(self, server: ServeProcess) -> None:
-        super().__init__(daemon=True)
-        self.parent = psutil.Process(server.proc.pid)
-        self.known = {c.pid for c in self.parent.children(recursive=True)}  # old engine, resource tracker
-        self.frozen: psutil.Process | None = None
-        self.caught = threading.Event()
-        self.quit = threading.Event()
-
-    def run(self) -> None:
-        while not self.quit.is_set():
-            for child in self.parent.children(recursive=True):
-                if child.pid not in self.known:
-                    child.suspend()
-                    self.frozen = child
-                    self.caught.set()
-                    return
-            time.sleep(0.001)
-
-    def resume(self) -> None:
-        self.quit.set()
-        if self.frozen is not None:
-            self.frozen.resume()
-
-
+@pytest.mark.expects_engine_restart
 def test_health_is_503_while_engine_is_down(own_server: ServeProcess) -> None:
     healthy = own_server.wait_healthy()
     pid, restarts_before = healthy["pid"], healthy["restarts"]
-    freezer = RespawnFreezer(own_server)
+    freezer = RespawnFreezer(own_server.proc.pid)
     freezer.start()
     try:
         os.kill(pid, signal.SIGKILL)

@@ -101,7 +101,7 @@ def test_every_scenario_against_a_fake_server(tmp_path: Path) -> None:
 
 
 def test_plot_writes_a_png(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
+    import matplotlib  # noqa: F401 - declared in [test]: missing is a failure, not a skip
     s = dataclasses.replace(serving.quick(serving.Settings(base_url="http://fake")), progress=False, scenarios=("sweep", "prefill"))
     result = asyncio.run(serving.run(s, transport=fake_server()))
     out = tmp_path / "x.png"

