@@ -48,7 +48,10 @@ constexpr int64_t kTileRows = 16;
 // between threads), which the hardware prefetcher ramps up on too slowly: prefetching 4 KB ahead
 // took the linear layers of a SmolLM2 / Gemma 3 decode step from ~15 to ~24 GB/s on one thread
 // and from ~23 to ~36 GB/s on two (Zen 4; 2-8 KB all gave about the same).
-constexpr int64_t kPrefetchBytes = 4096;
+#ifndef FT_PREFETCH_BYTES
+#define FT_PREFETCH_BYTES 4096
+#endif
+constexpr int64_t kPrefetchBytes = FT_PREFETCH_BYTES;
 #ifndef FT_PAIR_ROWS_FROM
 #define FT_PAIR_ROWS_FROM 1
 #endif
@@ -514,7 +517,10 @@ void run(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& ws,
 template <int MT, int KIND>
 FT_AVX512 void sb_tile_kernel(const uint8_t* wq, const uint8_t* wmeta, int64_t C, int64_t n0, int64_t n1,
                               const QuantizedActs& a, int64_t m0, float* out, int64_t ldo) {
-  constexpr int NR = MT <= 4 ? 2 : 1;  // as tile_kernel (q6_k's second dot fits: 4 x 2 x 2 accumulators)
+#ifndef FT_SB_NR
+#define FT_SB_NR 2
+#endif
+  constexpr int NR = MT == 1 ? FT_SB_NR : MT <= 4 ? 2 : 1;  // as tile_kernel (q6_k's second dot fits: 4 x 2 x 2 accumulators)
   int64_t n = n0;
   for (; n + NR <= n1; n += NR) sb_rows_kernel<MT, KIND, NR>(wq, wmeta, C, n, a, m0, out, ldo);
   for (; n < n1; ++n) sb_rows_kernel<MT, KIND, 1>(wq, wmeta, C, n, a, m0, out, ldo);
