@@ -206,11 +206,17 @@ def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Te
     per call at this shape (setup and tiling for long query blocks)."""
     B, H, D = q.shape
     n_kv = k.shape[1]
+    G = H // n_kv
     dtype = torch.promote_types(q.dtype, torch.float32)
-    qg = q.view(B, n_kv, H // n_kv, D).to(dtype)  # [B, n_kv, G, D]: the query heads of each kv head
-    scores = torch.matmul(qg, k.to(dtype).transpose(-1, -2)).mul_(scale)  # [B, n_kv, G, S]
+    qg = q.view(B, n_kv, G, D).to(dtype)  # [B, n_kv, G, D]: the query heads of each kv head
+    kt, vf = k.to(dtype).transpose(-1, -2), v.to(dtype)  # [B, n_kv, D, S], [B, n_kv, S, D]
+    # One query head per matmul: a GEMM's values depend on its row count, and a tensor-parallel
+    # rank holds fewer query heads per KV head than one rank does, so each head must be computed
+    # alike whatever G is (the decode kernel's activation rounding would amplify any difference).
+    scores = torch.cat([torch.matmul(qg[:, :, g:g + 1], kt) for g in range(G)], dim=2).mul_(scale)  # [B, n_kv, G, S]
     probs = scores.masked_fill_(~visible, float("-inf")).softmax(dim=-1)
-    return torch.matmul(probs, v.to(dtype)).to(q.dtype).view(B, H, D)  # [B, H, D]
+    out = torch.cat([torch.matmul(probs[:, :, g:g + 1], vf) for g in range(G)], dim=2)  # [B, n_kv, G, D]
+    return out.to(q.dtype).view(B, H, D)  # [B, H, D]
 
 
 _Plan = tuple[torch.Tensor, torch.Tensor, int, "tuple[torch.Tensor, torch.Tensor] | None"]
