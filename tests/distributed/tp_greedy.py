@@ -4,7 +4,7 @@ the prefill copies run), then decoded together greedily for NEW_TOKENS tokens. E
 its TOP_SAVED best log-probabilities. Run in-process it is the TP=1 reference; run as a script it
 is one rank of a TP group (rank 0 saves the result).
 
-    python tp_greedy.py RANK WORLD PORT OUT_FILE MODEL WEIGHTS KV_CACHE_DTYPE[,KV_CACHE_DTYPE...]
+    python tp_greedy.py RANK WORLD PORT OUT_FILE MODEL WEIGHTS KV_CACHE_DTYPE[,KV_CACHE_DTYPE...] NEW_TOKENS
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class Run:
     tokens: list[list[int]]
 
 
-def run_greedy(loaded: LoadedModel, cache_dtype: str) -> Run:
+def run_greedy(loaded: LoadedModel, cache_dtype: str, new_tokens: int = NEW_TOKENS) -> Run:
     model, config = loaded.model, loaded.config
     prompts = [loaded.tokenizer.encode(text) for text in PROMPTS]
     kv = KVTensors(model.config.kv_layout(), PAGES, PAGES, P, loaded.dtype, loaded.device, cache_dtype)
@@ -52,7 +52,7 @@ def run_greedy(loaded: LoadedModel, cache_dtype: str) -> Run:
     work = [list(p) for p in prompts]
     tokens: list[list[int]] = [[] for _ in prompts]
     ids_out, lp_out = [], []
-    for step in range(NEW_TOKENS):
+    for step in range(new_tokens):
         specs = []
         for r, new in enumerate(work):
             while len(tables[r]) * P < lengths[r] + len(new):
@@ -82,11 +82,11 @@ def main(argv: list[str]) -> int:
     from freetoken.distributed.group import join_group, leave_group
 
     rank, world, port, out = int(argv[0]), int(argv[1]), int(argv[2]), argv[3]
-    model, weights, cache_dtypes = argv[4], argv[5], argv[6].split(",")
+    model, weights, cache_dtypes, new_tokens = argv[4], argv[5], argv[6].split(","), int(argv[7])
     torch.set_num_threads(1)
     join_group(rank, world, port, torch.device("cpu"))
     loaded = load(model, weights, rank, world)
-    runs = {cache: run_greedy(loaded, cache) for cache in cache_dtypes}
+    runs = {cache: run_greedy(loaded, cache, new_tokens) for cache in cache_dtypes}
     if rank == 0:
         torch.save({cache: vars(run) for cache, run in runs.items()}, out)
     leave_group()
