@@ -1,8 +1,8 @@
 """What each weight matrix of a loaded model runs as: the per-weight plan and its one-line summary.
 
-Owns naming a loaded matrix's format the way the kernels will read it — `int4`, `int5` (an 8-bit
-weight whose integers fit 5 bits, which the kernel reads as such), `int8`, or the float dtype —
-for every linear layer and embedding (by module name) and every resident expert matrix
+Owns naming a loaded matrix's format the way the kernels will read it — the packed form's own
+name (`int4`, `int5` for an 8-bit weight whose integers fit 5 bits, `int8`, `q4_k`, `q6_k`, parts
+joined by ` + ` for a fused projection of mixed types) or the float dtype — for every linear layer and embedding (by module name) and every resident expert matrix
 (`name.gate_up.E`, `name.down.E`). Tensor parallelism compares these plans across ranks (a rank
 whose shard runs a matrix in another format computes another model) and `ft serve` logs the
 summary per rank. It does not choose formats (the `--weights` policy and the packing do).
@@ -17,12 +17,13 @@ from torch import nn
 
 from freetoken.models.experts import Experts
 from freetoken.models.linear import QuantizableWeight
-from freetoken.ops.qlinear import PackedWeight
 
 
 def _format(matrix: object, dtype: torch.dtype) -> str:
-    if isinstance(matrix, PackedWeight):
-        return f"int{matrix.bits}"
+    """A packed matrix's `format`; a float one's dtype."""
+    fmt = getattr(matrix, "format", None)
+    if isinstance(fmt, str):
+        return fmt
     return str(getattr(matrix, "dtype", dtype)).removeprefix("torch.")
 
 
@@ -32,7 +33,7 @@ def weight_formats(model: nn.Module) -> dict[str, str]:
     plan: dict[str, str] = {}
     for name, module in model.named_modules():
         if isinstance(module, QuantizableWeight):
-            plan[name] = f"int{module.packed.bits}" if module.packed is not None else _format(module.weight, module.dtype)
+            plan[name] = _format(module.packed if module.packed is not None else module.weight, module.dtype)
         elif isinstance(module, Experts):
             if module.cache is not None:
                 plan[name] = "offloaded"
