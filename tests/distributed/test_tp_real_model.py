@@ -1,16 +1,17 @@
-"""TP=2 on the real Gemma 3 270M Q4_K_M (one KV head, replicated on both ranks; vocabulary 262144
-split in two) is the TP=1 model: over several prompts (two sharing a prefix) prefilled in one
-batch and decoded greedily together for 64 tokens, the top-5 log-probabilities at every prefill
-and decode position agree within TOL and the greedy texts are equal — with the file's quantized
-weights (the serving default `--weights auto`), with float K/V and with 8-bit K/V; and with float
-weights (16 tokens: they only show the all-reduce's rounding).
+"""One rank against several over gloo on the bundled models is the same model: Gemma 3 270M
+Q4_K_M at TP=2 (one KV head, replicated on both ranks; vocabulary 262144 split in two) and
+SmolLM2-135M Q4_1 at TP=3 (its 3 KV heads split). Over several prompts (two sharing a prefix)
+prefilled in one batch and decoded greedily together, the top-5 log-probabilities at every
+prefill and decode position agree within TOL and the greedy texts are equal: Gemma with the
+file's quantized weights (the serving default `--weights auto`) over 64 tokens with float and
+8-bit K/V, and with float weights over 16; SmolLM2 over 16 tokens with 8-bit K/V.
 
 TOL: float weights combine the ranks' partial sums with an all-reduce, which differs from the
-unsplit sum by float32 rounding (measured: at most 4e-5 over these rows, 64 decode steps).
-Quantized weights gather instead (models/shard.py, ROW_GATHER) and are equal bit for bit
-(measured: 0); an all-reduce there gave differences up to 0.32, because the kernel's int8
-activation rounding turns a last-bit difference into a whole rounding step (docs/scale-out.md,
-"Numerics"). TOL is 5e-4: ten times the float rounding seen, 600 times below a different model."""
+unsplit sum by float32 rounding (measured: at most 4e-5 over these rows). Quantized weights
+gather instead (models/shard.py, ROW_GATHER) and are equal bit for bit (measured: 0); with an
+all-reduce there Gemma's differed by up to 0.86 (SmolLM2's 0.36), because the kernel's int8 activation rounding
+turns a last-bit difference into a whole rounding step (docs/scale-out.md, "Numerics"). TOL is
+5e-4: ten times the float rounding seen, a thousand times below a different model."""
 
 from __future__ import annotations
 
@@ -56,33 +57,39 @@ def top_k_difference(reference: Run, other: Run) -> float:
     return worst
 
 
-@pytest.fixture(scope="module")
-def gguf() -> str:
+def gguf(name: str) -> str:
     try:
-        return str(resolve_model("gemma3-270m").path)
+        return str(resolve_model(name).path)
     except ModelLoadError as err:
         pytest.skip(str(err))
 
 
-def tp2(gguf: str, weights: str, caches: list[str], new_tokens: int, out: Path) -> dict[str, Run]:
+def tp(model: str, world: int, weights: str, caches: list[str], new_tokens: int, out: Path) -> dict[str, Run]:
     from serving import free_port
 
     cmd = [sys.executable, str(HERE / "tp_greedy.py")]
     port = str(free_port())
-    args = [str(out), gguf, weights, ",".join(caches), str(new_tokens)]
-    procs = [subprocess.Popen([*cmd, str(rank), "2", port, *args]) for rank in (0, 1)]
-    assert [p.wait(RANK_DEADLINE_S) for p in procs] == [0, 0]
+    args = [str(out), model, weights, ",".join(caches), str(new_tokens)]
+    procs = [subprocess.Popen([*cmd, str(rank), str(world), port, *args]) for rank in range(world)]
+    assert [p.wait(RANK_DEADLINE_S) for p in procs] == [0] * world
     return {cache: Run(**fields) for cache, fields in torch.load(out).items()}
 
 
-@pytest.mark.parametrize("weights, caches, new_tokens", [("auto", ["auto", "int8"], NEW_TOKENS), ("bf16", ["auto"], 16)])
-def test_tp2_is_the_tp1_model(gguf: str, weights: str, caches: list[str], new_tokens: int, tmp_path: Path) -> None:
-    got = tp2(gguf, weights, caches, new_tokens, tmp_path / "tp2.pt")
-    loaded = load(gguf, weights)
+# SmolLM2-135M (Q4_1): 9 heads and 3 KV heads split over 3 ranks (GQA, one KV head each).
+@pytest.mark.parametrize("name, world, weights, caches, new_tokens", [
+    ("gemma3-270m", 2, "auto", ["auto", "int8"], NEW_TOKENS),
+    ("gemma3-270m", 2, "bf16", ["auto"], 16),
+    ("smollm2-135m-instruct", 3, "auto", ["int8"], 16),
+])
+def test_tp_is_the_tp1_model(name: str, world: int, weights: str, caches: list[str], new_tokens: int,
+                             tmp_path: Path) -> None:
+    model = gguf(name)
+    got = tp(model, world, weights, caches, new_tokens, tmp_path / "tp.pt")
+    loaded = load(model, weights)
     for cache in caches:
         reference = run_greedy(loaded, cache, new_tokens)
         difference = top_k_difference(reference, got[cache])
-        print(f"weights {weights}, K/V {cache}: max |top-{TOP_K} log p difference| {difference:.2e}")
+        print(f"{name} TP={world}, weights {weights}, K/V {cache}: max |top-{TOP_K} log p difference| {difference:.2e}")
         assert difference <= TOL, f"top-{TOP_K} log p differ by {difference:.3g}"
         texts = [loaded.tokenizer.decode(t) for t in reference.tokens]
         assert [loaded.tokenizer.decode(t) for t in got[cache].tokens] == texts
