@@ -57,7 +57,8 @@ def run_follower(config: EngineConfig, rank: int, port: int) -> int:
     join_group(rank, config.tensor_parallel_size, port, device)
     try:
         loaded = load_model(config.model, dtype, device, config.weights, config.prefill_weights,
-                            rank=rank, world=config.tensor_parallel_size)
+                            rank=rank, world=config.tensor_parallel_size, moe_strategy=config.moe_strategy,
+                            expert_cache_gb=config.expert_cache_gb)
     except FreeTokenError as err:
         log.error("rank %d cannot load the model: %s", rank, err)
         return EXIT_STARTUP
