@@ -206,11 +206,21 @@ def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Te
     per call at this shape (setup and tiling for long query blocks)."""
     B, H, D = q.shape
     n_kv = k.shape[1]
+    G = H // n_kv
     dtype = torch.promote_types(q.dtype, torch.float32)
-    qg = q.view(B, n_kv, H // n_kv, D).to(dtype)  # [B, n_kv, G, D]: the query heads of each kv head
-    scores = torch.matmul(qg, k.to(dtype).transpose(-1, -2)).mul_(scale)  # [B, n_kv, G, S]
+    qg = q.view(B, n_kv, G, D).to(dtype)  # [B, n_kv, G, D]: the query heads of each kv head
+    # One query head per matmul, every operand contiguous: a GEMM's values depend on its row count
+    # and on its operands' layout (a gathered [B, S, n_kv, D] cache seen as [B, n_kv, S, D] is
+    # strided unless n_kv is 1), and a tensor-parallel rank holds fewer query and KV heads than one
+    # rank does, so each head must be computed alike whatever G and n_kv are (the decode kernel's
+    # activation rounding would amplify any difference).
+    kt = k.to(dtype).contiguous().transpose(-1, -2)  # [B, n_kv, D, S]
+    vf = v.to(dtype).contiguous()  # [B, n_kv, S, D]
+    heads = [qg[:, :, g:g + 1].contiguous() for g in range(G)]
+    scores = torch.cat([torch.matmul(h, kt) for h in heads], dim=2).mul_(scale)  # [B, n_kv, G, S]
     probs = scores.masked_fill_(~visible, float("-inf")).softmax(dim=-1)
-    return torch.matmul(probs, v.to(dtype)).to(q.dtype).view(B, H, D)  # [B, H, D]
+    out = torch.cat([torch.matmul(probs[:, :, g:g + 1].contiguous(), vf) for g in range(G)], dim=2)  # [B, n_kv, G, D]
+    return out.to(q.dtype).view(B, H, D)  # [B, H, D]
 
 
 _Plan = tuple[torch.Tensor, torch.Tensor, int, "tuple[torch.Tensor, torch.Tensor] | None"]

@@ -1,8 +1,9 @@
 """The main of a tensor-parallel rank other than 0: load its shard, then run every step rank 0 sends.
 
 Owns a follower rank's life: join the group, load the model's shard, allocate its own K/V
-tensors (its KV heads, the pool sizes rank 0 broadcasts), then forward each step it receives
-until STOP. It keeps no page accounting: the page tables come with each step. It exits when its
+tensors (its KV heads, the pool sizes rank 0 broadcasts, the `--kv-cache-dtype` every rank
+shares), report what it built to rank 0 (`report`: rank 0 refuses a mismatch), then forward each
+step it receives until STOP. It keeps no page accounting: the page tables come with each step. It exits when its
 parent (rank 0) is gone, and a failure ends the process, which ends the engine (`launch`).
 
     python -m freetoken.distributed.follower '<EngineConfig as JSON>' RANK PORT
@@ -26,6 +27,7 @@ from freetoken.distributed.group import (
     rank_device,
     rank_threads,
 )
+from freetoken.distributed.report import RankReport, exchange
 from freetoken.distributed.step import receive_pools, receive_step
 from freetoken.engine.runner import build_batch, run_model
 from freetoken.errors import FreeTokenError
@@ -55,12 +57,14 @@ def run_follower(config: EngineConfig, rank: int, port: int) -> int:
     join_group(rank, config.tensor_parallel_size, port, device)
     try:
         loaded = load_model(config.model, dtype, device, config.weights, config.prefill_weights,
-                            rank=rank, world=config.tensor_parallel_size)
+                            rank=rank, world=config.tensor_parallel_size, moe_strategy=config.moe_strategy,
+                            expert_cache_gb=config.expert_cache_gb)
     except FreeTokenError as err:
         log.error("rank %d cannot load the model: %s", rank, err)
         return EXIT_STARTUP
     full, swa, page_size = receive_pools(device)
-    kv = KVTensors(loaded.model.config.kv_layout(), full, swa, page_size, dtype, device)
+    kv = KVTensors(loaded.model.config.kv_layout(), full, swa, page_size, dtype, device, config.kv_cache_dtype)
+    exchange(RankReport(rank, loaded.formats, kv.nbytes, str(kv.dtype).removeprefix("torch.")))  # rank 0 checks it
     with torch.inference_mode():
         while (step := receive_step(device)) is not None:
             run_model(loaded.model, kv, step.ids, build_batch(loaded.config, kv, step.specs, step.logit_rows))

@@ -3,7 +3,8 @@
 Owns start-up: dtype and device choice, torch threads, pool sizing from memory (via
 `EngineConfig.resolve`, which refuses an SWA pool below its floor) and allocating the K/V
 tensors. Under `--tensor-parallel-size N` it also starts ranks 1..N-1 (`distributed.launch`)
-before loading this rank's (rank 0's) shard, and sends them the pool sizes. Nothing here runs per step.
+before loading this rank's (rank 0's) shard, sends them the pool sizes and refuses to start when a
+rank reports another weight plan or other K/V bytes (`distributed.report`). Nothing here runs per step.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from freetoken.config import EngineConfig, ResolvedConfig
 from freetoken.distributed.checks import check_world_fits
 from freetoken.distributed.group import rank_threads
 from freetoken.distributed.launch import Peers, start_peers
+from freetoken.distributed.report import RankReport, check_reports, exchange
 from freetoken.engine.engine import Engine
 from freetoken.engine.grammar import GrammarCompiler
 from freetoken.engine.runner import Runner
@@ -85,6 +87,10 @@ def build_engine_for(config: EngineConfig, loaded: LoadedModel, peers: Peers | N
     )
     if peers is not None:
         peers.sender.send_pools(resolved.full_pages, resolved.swa_pages or 0, config.page_size)
+        reports = exchange(RankReport(0, loaded.formats, tensors.nbytes, str(tensors.dtype).removeprefix("torch.")))
+        for report in reports:
+            log.info("tensor parallelism, %s", report.line())
+        check_reports(reports)  # a rank that built another model or other K/V: refused, one line
     runner = Runner(loaded.model, loaded.config, tensors, kv, peers)
     return Engine(resolved, runner, kv, GrammarCompiler(loaded.tokenizer))
 

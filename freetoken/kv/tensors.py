@@ -112,6 +112,13 @@ class KVTensors:
             self.k.append(self._zeros(shape))
             self.v.append(self._zeros(shape))
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every pool tensor (K and V of every layer, with an 8-bit cache's scales)."""
+        tensors = [*self.k, *self.v]
+        scales = [t.kv_scale for t in tensors if hasattr(t, "kv_scale")]
+        return sum(t.numel() * t.element_size() for t in [*tensors, *scales])
+
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         """A zero pool tensor of `shape`, with its zero scales when the cache is 8-bit."""
         t = torch.zeros(shape, dtype=self.dtype, device=self.device)

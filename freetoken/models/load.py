@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,6 +18,7 @@ from freetoken.models.bind import bind_submodules
 from freetoken.models.config import ModelConfig
 from freetoken.models.experts import offload_experts
 from freetoken.models.experts_cache import GIB, ExpertCache
+from freetoken.models.formats import summary, weight_formats
 from freetoken.models.linear import check_policy
 from freetoken.models.registry import build_model
 from freetoken.tokenizer import Tokenizer
@@ -37,6 +38,7 @@ class LoadedModel:
     device: torch.device
     quant_types: dict[str, int]
     weights: str = "bf16"  # the --weights policy the model was loaded with
+    formats: dict[str, str] = field(default_factory=dict)  # matrix -> what it runs as (models.formats)
 
 
 def load_tokenizer(source: ModelSource, metadata: dict[str, object] | None) -> Tokenizer:
@@ -67,10 +69,12 @@ def load_model(
     tensors = ckpt.tensors
     plan = None
     if world > 1:
-        shard.check_shardable(config, world)
-        plan = shard.ShardPlan(rank, world, config)
+        plan = shard.ShardPlan(rank, world, config, shard.row_parallel_for(tensors, weights))
+        shard.check_shardable(config, world, plan.row_parallel)
         tensors = shard.shard_tensors(tensors, plan)
     model = build_model(config if plan is None else plan.local_config(), dtype, device)
+    if plan is not None:
+        shard.gather_row_projections(model, plan)
     if moe_strategy == "offload":
         offload_experts(model, ExpertCache(int(expert_cache_gb * GIB)))
     try:
@@ -85,6 +89,9 @@ def load_model(
     quant_types = ckpt.quant_types
     del ckpt, tensors  # the checkpoint's temporaries: freed, then returned to the system
     return_freed_memory()
+    formats = weight_formats(model)
     log.info("loaded %s (%s, %s, weights %s) in %.1f s", source.name, config.architecture, dtype, weights,
              time.perf_counter() - t0)
-    return LoadedModel(source, config, model, tokenizer, dtype, device, quant_types, weights)
+    log.info("weights of rank %d of %d run as %s%s", rank, world, summary(formats),
+             "" if plan is None else f" (block outputs: {plan.row_parallel})")
+    return LoadedModel(source, config, model, tokenizer, dtype, device, quant_types, weights, formats)

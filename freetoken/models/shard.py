@@ -1,16 +1,28 @@
 """Megatron-style tensor-parallel sharding of a model: which slice of each weight a rank holds,
 and the collectives that put the ranks' partial results back together.
 
-Owns the shard plan (heads, KV heads, MLP columns and vocabulary rows of one rank), slicing the
-checkpoint's HF-named tensors (float or `QuantizedWeight`, before they are fused or packed; the
-experts also as MXFP4 blocks or the GGUF loader's deferred per-expert lists) and
-the collectives installed on a loaded model: a sum (all-reduce) after each attention and MLP
-block, whose last projection is row-parallel, and a vocab-parallel embedding and output head
-(all-gather of the logits). Column-parallel: q/k/v, gate/up, the experts' gate_up; row-parallel:
-o_proj, down, the experts' down (a row-parallel bias is kept by rank 0 only, so the sum adds it
-once). KV heads split across ranks, or are replicated when there are fewer KV heads than ranks.
-Nothing here runs at world size 1: the model code has no parallel branch of its own.
-It does not start processes or choose a backend (`freetoken.distributed` does).
+Owns the shard plan (heads, KV heads, MLP columns and vocabulary rows of one rank, and how the
+block-closing projections are combined), slicing the checkpoint's HF-named tensors (float or
+`QuantizedWeight`, before they are fused or packed; the experts also as MXFP4 blocks or the GGUF
+loader's deferred per-expert lists) and the collectives installed on a loaded model.
+Column-parallel: q/k/v, gate/up, the experts' gate_up. The projections that close a block
+(o_proj, down, the experts' down) are combined one of two ways (`ShardPlan.row_parallel`):
+
+- `sum` (float weights): row-parallel, each rank multiplies its input columns and an all-reduce
+  adds the partial sums (a row-parallel bias is kept by rank 0 only, so the sum adds it once).
+  The sum differs from the unsplit one by float32 rounding only, and that rounding stays small.
+- `gather` (quantized weights; MoE experts excepted): the block's input columns are all-gathered,
+  each rank multiplies the whole input by its share of the projection's output rows, and the
+  outputs are all-gathered. Every output value is then the one-rank kernel's value bit for bit:
+  the decode kernel rounds each activation group to int8 at the next layer, and a last-bit
+  difference from a reordered sum moves some of those roundings by a whole step, which grows
+  layer by layer to the size of the activation rounding itself (docs/scale-out.md, "Numerics").
+
+The embedding and output head are vocab-parallel (all-reduce of rows that are zero on every rank
+but one, so exact; all-gather of the logits). KV heads split across ranks, or are replicated
+when there are fewer KV heads than ranks. Nothing here runs at world size 1: the model code has
+no parallel branch of its own. It does not start processes or choose a backend
+(`freetoken.distributed` does).
 """
 
 from __future__ import annotations
@@ -27,9 +39,33 @@ from torch import nn
 from freetoken.errors import ConfigError
 from freetoken.models.config import ModelConfig
 from freetoken.models.experts import Source
-from freetoken.models.linear import Weight
+from freetoken.models.linear import Linear, Weight
 from freetoken.ops.quantized import GROUP, SUPER, QuantizedWeight, SuperBlockWeight, dequantize, is_quantized
 from freetoken.weights.dequant import Deferred
+
+
+# How the projections that close an attention or MLP block (o_proj, down_proj) are combined.
+ROW_SUM = "sum"  # row-parallel: partial sums, all-reduced
+ROW_GATHER = "gather"  # input all-gathered, output rows split, output all-gathered: exact
+
+
+def row_parallel_for(tensors: Mapping[str, object], weights: str) -> str:
+    """ROW_GATHER when any matrix will run quantized (the `--weights` policy quantizes, or `auto`
+    keeps a quantized checkpoint matrix), else ROW_SUM. A quantized matrix runs through the decode
+    kernel, whose int8 activation rounding turns a last-bit difference of an all-reduce into a
+    whole rounding step (see the module docstring), so its model needs every value exact."""
+    if weights in ("int8", "int4"):
+        return ROW_GATHER
+    if weights == "bf16":
+        return ROW_SUM
+
+    def quantized(value: object) -> bool:
+        if isinstance(value, list):
+            return any(quantized(v) for v in value)
+        return is_quantized(value) or isinstance(value, Deferred)
+
+    mxfp4 = any(name.endswith("_blocks") for name in tensors)
+    return ROW_GATHER if mxfp4 or any(quantized(v) for v in tensors.values()) else ROW_SUM
 
 
 @dataclass(frozen=True)
@@ -39,6 +75,17 @@ class ShardPlan:
     rank: int
     world: int
     config: ModelConfig
+    row_parallel: str = "sum"  # ROW_SUM | ROW_GATHER: how o_proj and down_proj are combined
+
+    @property
+    def gathers_rows(self) -> bool:
+        return self.row_parallel == ROW_GATHER
+
+    @property
+    def hidden_rows(self) -> slice:
+        """The output rows (hidden units) of o_proj / down_proj held here under ROW_GATHER."""
+        share = self.config.hidden_size // self.world
+        return slice(self.rank * share, (self.rank + 1) * share)
 
     @property
     def heads(self) -> int:
@@ -73,8 +120,9 @@ class ShardPlan:
         )
 
 
-def check_shardable(config: ModelConfig, world: int) -> None:
-    """Raise ConfigError (one line naming the flag) when `world` ranks cannot split `config`."""
+def check_shardable(config: ModelConfig, world: int, row_parallel: str = ROW_SUM) -> None:
+    """Raise ConfigError (one line naming the flag) when `world` ranks cannot split `config`
+    (under ROW_GATHER the hidden size too: the closing projections split their output rows)."""
     c, flag = config, f"--tensor-parallel-size {world}"
     if world < 1:
         raise ConfigError(f"--tensor-parallel-size must be at least 1, got {world}")
@@ -86,6 +134,8 @@ def check_shardable(config: ModelConfig, world: int) -> None:
         raise ConfigError(f"{flag} neither divides nor is a multiple of the model's {c.num_kv_heads} KV heads")
     if c.intermediate_size % world:
         raise ConfigError(f"{flag} does not divide the model's MLP width {c.intermediate_size}")
+    if row_parallel == ROW_GATHER and c.hidden_size % world:
+        raise ConfigError(f"{flag} does not divide the model's hidden size {c.hidden_size}")
 
 
 # -- slicing checkpoint tensors ---------------------------------------------------------------
@@ -142,6 +192,8 @@ def shard_tensor(name: str, w: Weight, plan: ShardPlan) -> Weight:
         return _rows(w, first * D, (first + plan.kv_heads) * D)
     if proj in ("gate_proj", "up_proj"):
         return _rows(w, inter.start, inter.stop)
+    if proj in ("o_proj", "down_proj") and plan.gathers_rows:  # output rows (+ bias): whole input
+        return _rows(w, plan.hidden_rows.start, plan.hidden_rows.stop)
     if proj in ("o_proj", "down_proj") and leaf == "weight":
         span = heads if proj == "o_proj" else inter
         scale = D if proj == "o_proj" else 1
@@ -200,6 +252,40 @@ def _all_gather_columns(local: torch.Tensor, vocab: int) -> torch.Tensor:
     return torch.cat(parts, dim=-1)[:, :vocab]  # [N, vocab]
 
 
+class GatheredRowLinear(Linear):
+    """A block's closing projection under ROW_GATHER: this rank's output rows [hidden / N, in] of
+    the whole matrix. x [T, in / N] (this rank's heads or MLP columns) -> [T, hidden]: the input
+    columns all-gathered, multiplied, the output columns all-gathered (shards in rank order)."""
+
+    def __init__(self, local: Linear, plan: ShardPlan) -> None:
+        n_out, n_in = local.weight.shape  # type: ignore[union-attr]
+        super().__init__(n_in * plan.world, n_out // plan.world, local.bias is not None, local.dtype,
+                         local.weight.device, local.quantizable)  # type: ignore[union-attr]
+        self.gathered_in = n_in * plan.world
+        self.gathered_out = n_out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        whole = _all_gather_columns(x, self.gathered_in)  # [T, in]
+        return _all_gather_columns(self.project(whole, self.bias), self.gathered_out)  # [T, hidden]
+
+
+def gather_row_projections(model: nn.Module, plan: ShardPlan) -> None:
+    """Under ROW_GATHER, swap every dense o_proj / down_proj Linear of a model built from
+    `plan.local_config()` for a GatheredRowLinear of the right shape, before its weights load
+    (MoE experts keep their row-parallel sum)."""
+    if not plan.gathers_rows:
+        return
+    for layer in model.layers:  # type: ignore[attr-defined]
+        for block, proj in ((layer.self_attn, "o_proj"), (layer.mlp, "down_proj")):
+            local = getattr(block, proj, None)
+            if isinstance(local, Linear) and not isinstance(local, GatheredRowLinear):
+                setattr(block, proj, GatheredRowLinear(local, plan))
+
+
+def _closes_with_gather(block: nn.Module) -> bool:
+    return isinstance(getattr(block, "o_proj", None) or getattr(block, "down_proj", None), GatheredRowLinear)
+
+
 class VocabParallelEmbedding(nn.Module):
     """Rows [first, first + rows) of the token table on this rank: tokens outside them read zero,
     and the sum over ranks is the full lookup. `project` is the tied, vocab-parallel output head."""
@@ -241,10 +327,12 @@ class VocabParallelHead(nn.Module):
 
 def install_collectives(model: nn.Module, plan: ShardPlan) -> None:
     """Make a model built from `plan.local_config()` and loaded with `shard_tensors` compute the
-    whole model's function: a sum after every attention and MLP block, vocab-parallel ends."""
+    whole model's function: a sum after every attention and MLP block whose closing projection
+    is row-parallel (a GatheredRowLinear already returns the whole output), vocab-parallel ends."""
     for layer in model.layers:  # type: ignore[attr-defined]
-        layer.self_attn.register_forward_hook(_sum_output)
-        layer.mlp.register_forward_hook(_sum_output)
+        for block in (layer.self_attn, layer.mlp):
+            if not _closes_with_gather(block):
+                block.register_forward_hook(_sum_output)
     model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, plan)  # type: ignore[assignment]
     if model.lm_head is not None:  # type: ignore[attr-defined]
         model.lm_head = VocabParallelHead(model.lm_head, plan)  # type: ignore[assignment]

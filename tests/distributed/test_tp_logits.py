@@ -1,8 +1,8 @@
 """TP=2 over two gloo ranks (spawned processes, one thread each) computes the TP=1 logits, within
 float32 tolerance, for a mixed prefill batch and paged decode, on tiny random-weight Llama,
 Gemma 3 (sliding layers, soft-capping) and gpt-oss (sinks, experts) models; also a Gemma 3 with
-one KV head (replicated on both ranks, as in Gemma 3 270M) under int8 weights (quantized
-matrices sharded by rows and by whole 32-groups of columns)."""
+one KV head (replicated on both ranks, as in Gemma 3 270M) under int8 weights, whose logits are
+equal bit for bit (quantized matrices sharded by rows; the closing projections gathered)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from tp_script import PROMPTS, load, run_script
+from tp_script import PROMPTS, cache_dtype, load, run_script
 
 HERE = Path(__file__).resolve().parent
 RANK_DEADLINE_S = 300  # a hang guard for two processes importing torch on a busy machine
-# int8: the decode kernel quantizes each activation row, and a row-parallel rank's row is half the
-# width, so its scale differs; TP=1 int8 vs float weights differ by ~5e-2, TP=2 vs TP=1 by ~3e-3.
-TOL = {"gemma3_kv1_int8": 1e-2}
+# int8: quantized weights close each block by gathering (models/shard.py, ROW_GATHER), so every
+# value is the one-rank kernel's: the logits are equal bit for bit. Float weights all-reduce partial
+# sums: equal up to float32 summation order.
+TOL = {"gemma3_kv1_int8": 0.0, "gemma3_kv1_int8_kv8": 0.0, "llama_int4": 0.0}
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +37,12 @@ def specs(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
         out.append(f"{family}={root / family}")
     kv1 = write_tiny_model("gemma3", root / "gemma3_kv1", num_key_value_heads=1, intermediate_size=128)
     out.append(f"gemma3_kv1_int8={kv1}:int8")
+    out.append(f"gemma3_kv1_int8_kv8={kv1}:int8:int8")  # and 8-bit K/V on both ranks
+    # GQA: 4 heads, 2 KV heads split across the ranks. MLP width 128: each rank's 64 columns are
+    # whole 32-element blocks of torch's vectorized activation (a shorter tail takes its scalar
+    # loop, whose last bits differ; docs/scale-out.md, "Numerics").
+    gqa = write_tiny_model("llama", root / "llama_gqa", intermediate_size=128)
+    out.append(f"llama_int4={gqa}:int4")
     return out
 
 
@@ -52,10 +59,10 @@ def tp2_logits(specs: list[str], tmp_path_factory: pytest.TempPathFactory) -> di
     return {s.partition("=")[0]: torch.load(out / f"{s.partition('=')[0]}.pt") for s in specs}
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma3", "gpt_oss", "gemma3_kv1_int8"])
+@pytest.mark.parametrize("name", ["llama", "gemma3", "gpt_oss", "gemma3_kv1_int8", "gemma3_kv1_int8_kv8", "llama_int4"])
 def test_tp2_logits_equal_tp1(name: str, specs: list[str], tp2_logits: dict[str, list[torch.Tensor]]) -> None:
     spec = next(s for s in specs if s.startswith(f"{name}="))
-    reference = run_script(load(spec)[1])
+    reference = run_script(load(spec)[1], cache_dtype(spec))
     got = tp2_logits[name]
     assert len(got) == len(reference)
     assert got[0].shape == (sum(len(p) for p in PROMPTS), reference[0].shape[1])

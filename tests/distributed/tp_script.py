@@ -2,7 +2,7 @@
 (every row's logits), then decoded together step by step over shuffled pages. Run in-process it
 is the TP=1 reference; run as a script it is one rank of a TP group (rank 0 saves the logits).
 
-    python tp_script.py RANK WORLD PORT OUT_DIR NAME=DIR[:POLICY] ...
+    python tp_script.py RANK WORLD PORT OUT_DIR NAME=DIR[:POLICY[:KV_CACHE_DTYPE]] ...
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ PROMPTS = ([(7 * i + 3) % 290 + 5 for i in range(19)], [(11 * i + 1) % 290 + 5 f
 DECODE_STEPS = 6
 
 
-def run_script(loaded: LoadedModel) -> list[torch.Tensor]:
+def run_script(loaded: LoadedModel, cache_dtype: str = "auto") -> list[torch.Tensor]:
     """Logits of every step: prefill rows of both prompts, then one row per request per step."""
     model = loaded.model
-    kv = KVTensors(model.config.kv_layout(), 48, 48, P, torch.float32, "cpu")
+    kv = KVTensors(model.config.kv_layout(), 48, 48, P, torch.float32, "cpu", cache_dtype)
     free = [int(p) for p in np.random.default_rng(0).permutation(np.arange(1, 49))]
     tables: list[list[int]] = [[], []]
     lengths = [0, 0]
@@ -48,9 +48,16 @@ def run_script(loaded: LoadedModel) -> list[torch.Tensor]:
     return out
 
 
+def cache_dtype(spec: str) -> str:
+    """The K/V cache dtype a spec names (`auto` unless it has a third field)."""
+    fields = spec.partition("=")[2].split(":")
+    return fields[2] if len(fields) > 2 else "auto"
+
+
 def load(spec: str, rank: int = 0, world: int = 1) -> tuple[str, LoadedModel]:
     name, _, rest = spec.partition("=")
     directory, _, policy = rest.partition(":")
+    policy = policy.partition(":")[0]
     return name, load_model(directory, torch.float32, torch.device("cpu"), policy or "bf16", rank=rank, world=world)
 
 
@@ -62,7 +69,7 @@ def main(argv: list[str]) -> int:
     join_group(rank, world, port, torch.device("cpu"))
     for spec in argv[4:]:
         name, loaded = load(spec, rank, world)
-        logits = run_script(loaded)
+        logits = run_script(loaded, cache_dtype(spec))
         if rank == 0:
             torch.save(logits, out_dir / f"{name}.pt")
     leave_group()
