@@ -34,7 +34,7 @@ import re
 from collections.abc import Collection, Mapping
 
 from freetoken.errors import ModelLoadError
-from freetoken.weights.names import check_architecture
+from freetoken.weights.architectures import check_architecture
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"

@@ -30,8 +30,8 @@ import torch
 
 from freetoken.errors import ModelLoadError
 from freetoken.ops.quantized import QuantizedWeight, SuperBlockWeight
+from freetoken.weights.architectures import check_architecture
 
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "gemma3", "gpt-oss", "qwen3", "qwen3moe", "gemma4")
 
 _GLOBAL: dict[str, str] = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -134,11 +134,6 @@ class Target:
 
     hf_name: str
     part: int | None = None
-
-
-def check_architecture(arch: str) -> None:
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(f"unsupported architecture: {arch}")
 
 
 def hf_target(arch: str, gguf_name: str) -> Target | None:
