@@ -118,7 +118,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="measure: `roofline` (decode against the machine's read bandwidth), `serve` (a server over HTTP, optionally paired with a peer)")
+    p = sub.add_parser("bench", help="measure: `roofline` (decode against the machine's read bandwidth), `serve` (a server over HTTP, optionally paired with a peer), `load` (time to ready and memory)")
     kinds = p.add_subparsers(dest="bench", metavar="KIND", required=True)
     r = kinds.add_parser("roofline", help="read bandwidth, bytes a decode step reads, in-process decode tok/s and the fraction of the roofline")
     r.add_argument("--model", default=None, help=MODEL_HELP)
@@ -135,6 +135,14 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--concurrency", type=int, nargs="+", default=None, help="sweep stream counts (default 1 2 4 8 16; paired 4 8)")
     s.add_argument("--quick", action="store_true", help="a smoke run: every scenario, a fraction of the work")
     s.add_argument("--out", default=None, help="write the result JSON here")
+    ld = kinds.add_parser("load", help="launch to ready and peak memory of `ft serve`, first and later starts, beside a peer binary")
+    ld.add_argument("--model", required=True, help="a GGUF file both servers load")
+    ld.add_argument("--peer", default=None, metavar="BINARY", help="a llama-server binary started on the same file (-m FILE -t N -c N)")
+    ld.add_argument("--starts", type=int, default=3, help="launches of each server, alternating (default 3)")
+    ld.add_argument("--threads", type=int, default=None, help="threads of both servers (default: the physical cores this process may use)")
+    ld.add_argument("--num-tokens", type=int, default=16384, help="KV capacity of both (ft --num-tokens, peer -c; default 16384)")
+    ld.add_argument("--timeout", type=float, default=600.0, help="seconds a start may take to be ready (default 600)")
+    ld.add_argument("--ft-arg", action="append", default=[], metavar="ARG", help="an extra `ft serve` argument (repeatable)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -173,10 +181,12 @@ def _inspect(args: argparse.Namespace) -> None:
 
 
 def _bench(args: argparse.Namespace) -> None:
-    from freetoken.bench.command import bench_roofline, bench_serve
+    from freetoken.bench.command import bench_load, bench_roofline, bench_serve
 
     if args.bench == "roofline":
         bench_roofline(args.model, args.threads, args.weights, args.tokens, args.repeats)
+    elif args.bench == "load":
+        bench_load(args.model, args.peer, args.starts, args.threads, args.num_tokens, args.timeout, args.ft_arg)
     else:
         bench_serve(args.base_url, args.peer_url, args.paired_rounds, args.scenarios, args.concurrency, args.quick, args.out)
 

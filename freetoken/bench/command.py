@@ -1,4 +1,4 @@
-"""What `ft bench roofline` and `ft bench serve` do with their arguments: run the measurement and
+"""What `ft bench roofline`, `ft bench serve` and `ft bench load` do with their arguments: run the measurement and
 print its report (the CLI only parses). Owns no measurement of its own."""
 
 from __future__ import annotations
@@ -39,4 +39,13 @@ def bench_serve(base_url: str, peer_url: str | None, rounds: int, scenarios: lis
     if out:
         with open(out, "w") as f:
             json.dump(data, f, indent=1)
+    sys.stdout.flush()
+
+
+def bench_load(model: str, peer: str | None, starts: int, threads: int | None, num_tokens: int, timeout_s: float,
+               ft_extra: list[str]) -> None:
+    from freetoken.bench import load
+
+    results = load.run(model, peer, starts, threads or default_threads(), num_tokens, timeout_s, ft_extra)
+    print(load.table(results))
     sys.stdout.flush()

@@ -1,0 +1,186 @@
+"""`ft bench load`: how long a server takes from launch to its first `/health` 200, and how much
+memory it holds on the way and after two short requests, beside a peer on the same file.
+
+Each start launches the server in its own session, polls `/health` every 0.1 s, then sends two
+64-token `/v1/completions` and reads the memory of every process in its tree:
+
+- `ready_s`: launch to the first 200 (a model load, the engine process included);
+- `rss_mb`: resident memory after the two requests, summed over the tree;
+- `peak_mb`: the sum over the tree of each process's `VmHWM` (its own high-water mark), read just
+  before the stop; a process that came and went in between is caught by the sampled peak;
+- `sampled_peak_mb`: the largest tree total seen by a 0.1 s sampler (a lower bound of the true peak).
+
+Starts alternate between the servers (FreeToken first on odd rounds, the peer first on even
+ones), so a cold page cache or a busy neighbour does not always fall on one side; the first
+start of each is reported apart (file pages may be cold), the rest as medians. Owns no server
+logic: it only launches commands and reads /proc.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+
+PROMPT = "The history of the printing press begins"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def _hwm_bytes(p: psutil.Process) -> int:
+    """The process's resident high-water mark (VmHWM), 0 once it is gone."""
+    try:
+        with open(f"/proc/{p.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+@dataclass
+class Start:
+    """One launch of one server, measured."""
+
+    label: str
+    ready_s: float = 0.0
+    rss_mb: float = 0.0
+    peak_mb: float = 0.0
+    sampled_peak_mb: float = 0.0
+    hwm: dict[int, int] = field(default_factory=dict)  # pid -> VmHWM bytes seen so far
+
+
+def measure(label: str, cmd: list[str], port: int, timeout_s: float, log: Path) -> Start:
+    """Launch `cmd` (which must listen on `port`), time it to ready, send two requests, stop it."""
+    start = Start(label)
+    stopping = threading.Event()
+    with open(log, "w") as out:
+        t0 = time.monotonic()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+        def sample() -> None:
+            while not stopping.wait(0.1):
+                total = 0
+                for p in _tree(proc.pid):
+                    try:
+                        total += p.memory_info().rss
+                    except psutil.Error:
+                        continue
+                    start.hwm[p.pid] = max(start.hwm.get(p.pid, 0), _hwm_bytes(p))
+                start.sampled_peak_mb = max(start.sampled_peak_mb, total / 2**20)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        base = f"http://127.0.0.1:{port}"
+        try:
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{label} exited with {proc.returncode} before it was ready; see {log}")
+                if time.monotonic() - t0 > timeout_s:
+                    raise RuntimeError(f"{label} not ready after {timeout_s:.0f} s; see {log}")
+                try:
+                    if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.1)
+            start.ready_s = time.monotonic() - t0
+            for _ in range(2):
+                body = {"prompt": PROMPT, "max_tokens": 64, "temperature": 0, "model": "m"}
+                httpx.post(f"{base}/v1/completions", json=body, timeout=600).raise_for_status()
+            procs = _tree(proc.pid)
+            start.rss_mb = sum(p.memory_info().rss for p in procs) / 2**20
+            for p in procs:
+                start.hwm[p.pid] = max(start.hwm.get(p.pid, 0), _hwm_bytes(p))
+            start.peak_mb = sum(start.hwm.values()) / 2**20
+        finally:
+            stopping.set()
+            sampler.join()
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+    return start
+
+
+def ft_command(model: str, threads: int, num_tokens: int, port: int, extra: list[str]) -> list[str]:
+    ft = shutil.which("ft")
+    head = [ft] if ft else [sys.executable, "-m", "freetoken.cli"]
+    return [*head, "serve", "--model", model, "--threads", str(threads), "--num-tokens", str(num_tokens),
+            "--host", "127.0.0.1", "--port", str(port), *extra]
+
+
+def peer_command(binary: str, model: str, threads: int, num_tokens: int, port: int) -> list[str]:
+    return [binary, "-m", model, "-t", str(threads), "-tb", str(threads), "-c", str(num_tokens),
+            "--host", "127.0.0.1", "--port", str(port)]
+
+
+def run(model: str, peer: str | None, starts: int, threads: int, num_tokens: int, timeout_s: float,
+        ft_extra: list[str]) -> list[Start]:
+    """`starts` launches of FreeToken (and of the peer binary, alternating), in order."""
+    logs = Path(tempfile.mkdtemp(prefix="ft-bench-load-"))
+    results: list[Start] = []
+    for i in range(starts):
+        order = ["freetoken", "peer"] if i % 2 == 0 else ["peer", "freetoken"]
+        for label in order:
+            if label == "peer" and peer is None:
+                continue
+            port = free_port()
+            cmd = (ft_command(model, threads, num_tokens, port, ft_extra) if label == "freetoken"
+                   else peer_command(str(peer), model, threads, num_tokens, port))
+            print(f"ft bench load: start {i + 1}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
+            results.append(measure(label, cmd, port, timeout_s, logs / f"{label}-{i}.log"))
+    return results
+
+
+def table(results: list[Start]) -> str:
+    """First start and the median of the later ones, per server; ratios FreeToken / peer."""
+    labels = list(dict.fromkeys(r.label for r in results))
+    rows: dict[str, dict[str, float]] = {}
+    for label in labels:
+        mine = [r for r in results if r.label == label]
+        later = mine[1:] or mine
+        rows[label] = {
+            "first start, ready (s)": mine[0].ready_s,
+            "later starts, ready (s, median)": statistics.median(r.ready_s for r in later),
+            "RSS after two requests (MiB, median)": statistics.median(r.rss_mb for r in mine),
+            "peak, sum of VmHWM (MiB, median)": statistics.median(r.peak_mb for r in mine),
+            "peak, sampled (MiB, median)": statistics.median(r.sampled_peak_mb for r in mine),
+        }
+    head = "| measure | " + " | ".join(labels) + (" | ratio |" if len(labels) == 2 else " |")
+    lines = [head, "|---" * (len(labels) + 1 + (len(labels) == 2)) + "|"]
+    for key in rows[labels[0]]:
+        values = [rows[label][key] for label in labels]
+        cells = " | ".join(f"{v:.1f}" for v in values)
+        ratio = f" | {values[0] / values[1]:.2f}x" if len(values) == 2 and values[1] else ""
+        lines.append(f"| {key} | {cells}{ratio} |")
+    return "\n".join(lines)
