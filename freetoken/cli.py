@@ -97,8 +97,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="cap on prefix-cache tokens held by cache_control / prompt_cache_key pins (default: a quarter of the FULL pool; 0 = no pins)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="auto = bfloat16 where the hardware is fast at it, else float32")
     p.add_argument("--threads", type=int, default=None, help="the engine process's torch threads (default: the physical cores it may use)")
-    p.add_argument("--prefill-weights", default="bf16", choices=["bf16", "quantized"],
-                   help="bf16 = quantized linear layers also keep a --dtype copy for prefill batches (about 2x faster prefill, ~2 bytes per layer weight more memory); quantized = no copy (default bf16)")
+    p.add_argument("--prefill-weights", default="auto", choices=["auto", "bf16", "quantized"],
+                   help="which quantized linear layers also keep a --dtype copy for prefill batches: auto = where the kernel is slower than the copy (q6_k, group-32; not q4_k or the LM head), bf16 = all (~2 bytes per weight more), quantized = none (default auto)")
     p.add_argument("--weights", default="auto", choices=["auto", "bf16", "int8", "int4"],
                    help="what matrices run as: auto = the file's precision class (4-bit types int4, 5/6/8-bit int8, float bf16), bf16 = the --dtype, int8/int4 = quantized (default auto)")
     p.add_argument("--moe-strategy", default="resident", choices=["resident", "offload"],

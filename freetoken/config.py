@@ -33,7 +33,7 @@ class EngineConfig:
     model: str | None = None
     dtype: str = "auto"
     weights: str = "auto"  # auto | bf16 | int8 | int4 (models.linear.apply_policy)
-    prefill_weights: str = "bf16"  # bf16: quantized linear layers keep a dense copy for prefill; quantized: not
+    prefill_weights: str = "auto"  # bf16: quantized linear layers keep a dense copy for prefill; auto: where it pays; quantized: none
     device: str | None = None
     cache_type: str = "radix"
     page_size: int = 16
@@ -62,8 +62,8 @@ class EngineConfig:
         """Raise ConfigError on flags that cannot work, naming the flag."""
         if self.weights not in WEIGHT_POLICIES:
             raise ConfigError(f"--weights must be one of {', '.join(WEIGHT_POLICIES)}, got {self.weights!r}")
-        if self.prefill_weights not in ("bf16", "quantized"):
-            raise ConfigError(f"--prefill-weights must be bf16 or quantized, got {self.prefill_weights!r}")
+        if self.prefill_weights not in ("auto", "bf16", "quantized"):
+            raise ConfigError(f"--prefill-weights must be auto, bf16 or quantized, got {self.prefill_weights!r}")
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"--tensor-parallel-size must be at least 1, got {self.tensor_parallel_size}")
         if self.threads is not None and self.threads < 1:

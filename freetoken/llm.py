@@ -31,7 +31,7 @@ class LLM:
         cache_type: str = "radix",
         dtype: str = "auto",
         weights: str = "auto",
-        prefill_weights: str = "bf16",
+        prefill_weights: str = "auto",
         device: str | None = None,
         page_size: int = 16,
         max_running_requests: int = 16,

@@ -163,7 +163,7 @@ class Gemma4ForCausalLM(nn.Module):
                         out[v] = out[k]
         return out
 
-    def load_weights(self, tensors: Mapping[str, Weight], weights: str = "auto", prefill_dense: bool = False) -> None:
+    def load_weights(self, tensors: Mapping[str, Weight], weights: str = "auto", prefill_weights: str = "quantized") -> None:
         """Load HF-named tensors (text-only or multimodal Gemma 4 checkpoints) under the `--weights`
         policy (routers stay float; experts follow the policy)."""
         rest = self._local_names(tensors)
@@ -171,7 +171,7 @@ class Gemma4ForCausalLM(nn.Module):
             if layer.moe:
                 c = self.config
                 layer.experts.load(*take_experts(rest, f"layers.{i}.experts.", c.num_experts, c.moe_intermediate_size, weights))
-        load_named(self, rest, lambda name: name, weights, prefill_dense)
+        load_named(self, rest, lambda name: name, weights, prefill_weights)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv: KVTensors) -> torch.Tensor:

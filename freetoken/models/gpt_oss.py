@@ -158,14 +158,14 @@ class GptOssForCausalLM(nn.Module):
             return None
         return strip_prefix(name, ("model.",))
 
-    def load_weights(self, tensors: Mapping[str, Weight], weights: str = "auto", prefill_dense: bool = False) -> None:
+    def load_weights(self, tensors: Mapping[str, Weight], weights: str = "auto", prefill_weights: str = "quantized") -> None:
         """Load HF-named tensors (`model.layers.0.mlp.experts.gate_up_proj`, ...); `weights` is the
         `--weights` policy for the attention projections, embeddings and experts (the router stays
         float); experts come as HF's interleaved float stacks or MXFP4 `*_blocks` / `*_scales`."""
         rest = dict(tensors)
         for i, layer in enumerate(self.layers):
             layer.mlp.experts.load(*split_experts(rest, i, weights))
-        load_named(self, rest, self._rename, weights, prefill_dense)
+        load_named(self, rest, self._rename, weights, prefill_weights)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv: KVTensors) -> torch.Tensor:

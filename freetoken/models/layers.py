@@ -20,7 +20,7 @@ from freetoken.attention.metadata import ForwardBatch
 from freetoken.errors import ModelLoadError
 from freetoken.kv.tensors import KVTensors
 from freetoken.models.config import ModelConfig, RopeConfig
-from freetoken.models.linear import Embedding, Linear, QuantizableWeight, Weight, apply_policy, check_policy
+from freetoken.models.linear import Embedding, Linear, QuantizableWeight, Weight, apply_policy, check_policy, keeps_dense_copy
 from freetoken.ops.layers import add_rms_norm, gated_act, qk_norm_rope_, rms_norm, rope_
 from freetoken.ops.quantized import concat, dequantize, is_quantized
 
@@ -357,13 +357,13 @@ def fuse_projections(tensors: Mapping[str, Weight], fused_names: set[str]) -> di
 
 def load_named(
     module: nn.Module, tensors: Mapping[str, Weight], rename: Callable[[str], str | None], weights: str = "auto",
-    prefill_dense: bool = False,
+    prefill_weights: str = "quantized",
 ) -> None:
     """Copy checkpoint tensors into `module`'s parameters, each HF name mapped by `rename`
     (None: a tensor the model knowingly ignores), q/k/v and gate/up parts stacked into the
     model's fused projections, and each quantizable matrix loaded as the `weights` policy says
-    (`models.linear.apply_policy`); with `prefill_dense` each quantized linear layer also keeps a
-    dequantized copy for prefill. Raises ModelLoadError naming the missing, unexpected or
+    (`models.linear.apply_policy`); `prefill_weights` says which quantized linear layers also keep
+    a dequantized copy for prefill (`models.linear.keeps_dense_copy`). Raises ModelLoadError naming the missing, unexpected or
     mis-shaped tensors."""
     check_policy(weights)
     params = dict(module.named_parameters())
@@ -393,7 +393,7 @@ def load_named(
                 tensor = apply_policy(tensor, weights)
                 if is_quantized(tensor):
                     owner.load_quantized(tensor)
-                    if prefill_dense and isinstance(owner, Linear):
+                    if isinstance(owner, Linear) and keeps_dense_copy(prefill_weights, owner, local):
                         owner.keep_dense_copy()
                     loaded.add(local)
                     continue

@@ -4,7 +4,8 @@ Owns the `--weights` policy (`auto | bf16 | int8 | int4`) as it applies to one w
 time, and the two modules every family builds its projections from. A quantized weight runs
 through `freetoken.ops.qlinear` (our kernel for decode-sized batches, torch otherwise); with
 `--prefill-weights bf16` a linear layer also keeps its matrix dequantized to the model dtype and
-multiplies prefill-sized batches (PREFILL_ROWS rows or more) by it. An embedding over a
+multiplies prefill-sized batches (PREFILL_ROWS rows or more) by it; `auto` keeps that copy only
+where the kernel is slower than the copy at prefill sizes (`keeps_dense_copy`). An embedding over a
 quantized table dequantizes only the rows it reads, and a tied output head multiplies by the
 same packed table. It does not read files or choose kernels.
 """
@@ -18,6 +19,7 @@ from torch import nn
 from freetoken.config import WEIGHT_POLICIES
 from freetoken.errors import ModelLoadError
 from freetoken.ops.qlinear import PREFILL_ROWS, Packed, pack, qlinear
+from freetoken.ops.superblock import PackedStack, PackedSuperBlock
 from freetoken.ops.quantized import (
     GROUP,
     Quantized,
@@ -118,6 +120,32 @@ class QuantizableWeight(nn.Module):
                 return dense_linear(x, self.dense, bias)
             return qlinear(x, self.packed, bias)
         return dense_linear(x, self.weight, bias)
+
+
+# The LM head multiplies the rows that are sampled (one a sequence), not the prompt: a prefill-sized
+# batch reaches it only for prompt logprobs.
+HEAD = "lm_head.weight"
+
+
+def _kernel_keeps_up(packed: Packed) -> bool:
+    """Whether `packed` multiplies a prefill batch about as fast through the kernel as through a
+    bf16 copy. Measured (docs/kernels.md, "Prefill"): q4_k's sbmm at 512 rows of a 1.1B's shapes
+    is 0.9-1.0x the bf16 GEMM's time; q6_k's is ~1.9x (its scale epilogue per 16 weights), and the
+    group-32 kernel's ~2x. A fused projection keeps up only if every part does."""
+    if isinstance(packed, PackedStack):
+        return all(_kernel_keeps_up(p) for p in packed.parts)
+    return isinstance(packed, PackedSuperBlock) and packed.kind == "q4_k"
+
+
+def keeps_dense_copy(prefill_weights: str, layer: QuantizableWeight, name: str) -> bool:
+    """Under `--prefill-weights` (bf16 | auto | quantized), whether the quantized linear layer
+    loaded as `name` also holds a copy in the model dtype for prefill: bf16 always, quantized
+    never, auto where the kernel is slower (`_kernel_keeps_up`), and never for the LM head."""
+    if layer.packed is None or prefill_weights == "quantized":
+        return False
+    if prefill_weights == "bf16":
+        return True
+    return name != HEAD and not _kernel_keeps_up(layer.packed)
 
 
 # Prefill row counts are rounded up to a multiple of this for the dense GEMM on CPU: oneDNN keeps

@@ -61,9 +61,9 @@ class LlamaForCausalLM(nn.Module):
             return None  # tied: the embedding is the head
         return strip_prefix(name, ("model.",))
 
-    def load_weights(self, tensors: Mapping[str, Weight], weights: str = "auto", prefill_dense: bool = False) -> None:
+    def load_weights(self, tensors: Mapping[str, Weight], weights: str = "auto", prefill_weights: str = "quantized") -> None:
         """Load HF-named tensors (`model.layers.0.self_attn.q_proj.weight`, ...). `weights` is the `--weights` policy."""
-        load_named(self, tensors, self._rename, weights, prefill_dense)
+        load_named(self, tensors, self._rename, weights, prefill_weights)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv: KVTensors) -> torch.Tensor:

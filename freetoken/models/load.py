@@ -55,7 +55,8 @@ def load_model(
     """Resolve `spec`, read its weights, build the model on `device` with activations in `dtype`
     and each matrix as the `weights` policy says (`models.linear.apply_policy`; `bf16`, the
     default here, is every weight in `dtype`; the serving default is `auto`). `prefill_weights`
-    `bf16` also keeps each quantized linear layer dequantized to `dtype` for prefill batches.
+    says which quantized linear layers also keep a copy dequantized to `dtype` for prefill batches
+    (`models.linear.keeps_dense_copy`: `bf16` all, `auto` where the kernel is slower, `quantized` none).
     With `world` > 1 the model is rank `rank`'s tensor-parallel shard (`models.shard`; the
     process group must be joined): `config` stays the whole model's, `model.config` is the shard's.
     `moe_strategy` `offload` leaves the experts in the checkpoint (the GGUF memory map) and decodes
@@ -78,7 +79,7 @@ def load_model(
     if moe_strategy == "offload":
         offload_experts(model, ExpertCache(int(expert_cache_gb * GIB)))
     try:
-        model.load_weights(tensors, weights, prefill_weights == "bf16")
+        model.load_weights(tensors, weights, prefill_weights)
     except (KeyError, ValueError, RuntimeError) as err:
         raise ModelLoadError(f"{source.path}: weights do not fit the {config.architecture} model ({err})") from None
     if plan is not None:

@@ -100,7 +100,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             return super().mlp_of(layer, dtype, device)
         return Qwen3MoE(self.config, dtype, device)
 
-    def load_weights(self, tensors: Mapping[str, Weight], weights: str = "auto", prefill_dense: bool = False) -> None:
+    def load_weights(self, tensors: Mapping[str, Weight], weights: str = "auto", prefill_weights: str = "quantized") -> None:
         """Load HF-named tensors (`model.layers.0.mlp.gate.weight`, `...mlp.experts.gate_up_proj`, ...);
         `weights` is the `--weights` policy for projections, embeddings and experts (the router stays float)."""
         c = self.config
@@ -109,4 +109,4 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             if isinstance(layer.mlp, Qwen3MoE):
                 prefix = f"layers.{i}.mlp.experts."
                 layer.mlp.experts.load(*take_experts(rest, prefix, c.num_experts, c.moe_intermediate_size, weights))
-        load_named(self, rest, self._rename, weights, prefill_dense)
+        load_named(self, rest, self._rename, weights, prefill_weights)

@@ -27,7 +27,7 @@ from freetoken.models.qwen3_moe import Qwen3MoeForCausalLM
 class CausalLM(Protocol):
     config: ModelConfig
 
-    def load_weights(self, tensors: Mapping[str, Weight], weights: str = "auto", prefill_dense: bool = False) -> None:
+    def load_weights(self, tensors: Mapping[str, Weight], weights: str = "auto", prefill_weights: str = "quantized") -> None:
         """Copy HF-named tensors into the model under the `--weights` policy (and with a dense
         prefill copy of each quantized linear layer); ModelLoadError names missing/unexpected ones."""
 

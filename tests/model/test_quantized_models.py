@@ -153,7 +153,7 @@ def test_prefill_dense_copy_runs_prefill_sized_batches(checkpoint: tuple[str, Pa
     family, directory = checkpoint
     config = ModelConfig.from_hf(json.loads((directory / "config.json").read_text()))
     dense = build_model(config, torch.float32, "cpu")
-    dense.load_weights(load_safetensors_dir(directory, dtype=torch.float32), "int8", prefill_dense=True)
+    dense.load_weights(load_safetensors_dir(directory, dtype=torch.float32), "int8", prefill_weights="bf16")
     plain = load(directory, "int8")
     linears = [m for m in dense.modules() if isinstance(m, Linear) and m.packed is not None]
     assert linears and all(m.dense is not None for m in linears)
@@ -166,3 +166,36 @@ def test_prefill_dense_copy_runs_prefill_sized_batches(checkpoint: tuple[str, Pa
     short = ids[: PREFILL_ROWS // 2]  # below the threshold: the kernel, bit for bit the same
     assert torch.equal(PagedRunner(dense, 4, torch.float32).step([(Seq(), short)])[0],
                        PagedRunner(plain, 4, torch.float32).step([(Seq(), short)])[0])
+
+
+def test_prefill_weights_auto_keeps_a_copy_only_where_the_kernel_is_slower() -> None:
+    """`--prefill-weights auto`: q4_k super-blocks (sbmm keeps up with the bf16 GEMM at prefill
+    sizes) and the LM head (it multiplies sampled rows, not the prompt) keep no dense copy; q6_k,
+    the group-32 forms and a fused projection with any such part do. bf16 copies every quantized
+    layer, quantized none, and a float layer never has one."""
+    from freetoken.models.linear import HEAD, keeps_dense_copy
+    from freetoken.ops.superblock import PackedStack, PackedSuperBlock
+
+    def superblock(kind: str) -> PackedSuperBlock:
+        packed = object.__new__(PackedSuperBlock)  # the policy reads the kind only: no kernel needed
+        packed.kind = kind
+        return packed
+
+    def layer(packed: object) -> Linear:
+        lin = Linear(32, 8, False, torch.float32, "cpu")
+        lin.packed = packed  # type: ignore[assignment]
+        return lin
+
+    q4, q6 = layer(superblock("q4_k")), layer(superblock("q6_k"))
+    group32 = layer(object())
+    q4_stack = layer(PackedStack.__new__(PackedStack))
+    q4_stack.packed.parts = [superblock("q4_k"), superblock("q4_k")]  # type: ignore[union-attr]
+    mixed_stack = layer(PackedStack.__new__(PackedStack))
+    mixed_stack.packed.parts = [superblock("q4_k"), superblock("q6_k")]  # type: ignore[union-attr]
+    auto = {name: keeps_dense_copy("auto", lin, "model.layers.0.x.weight")
+            for name, lin in [("q4", q4), ("q6", q6), ("group32", group32), ("q4_stack", q4_stack), ("mixed", mixed_stack)]}
+    assert auto == {"q4": False, "q6": True, "group32": True, "q4_stack": False, "mixed": True}
+    assert not keeps_dense_copy("auto", q6, HEAD) and keeps_dense_copy("bf16", q6, HEAD)
+    for lin in (q4, q6, group32, mixed_stack):
+        assert keeps_dense_copy("bf16", lin, "w") and not keeps_dense_copy("quantized", lin, "w")
+    assert not keeps_dense_copy("bf16", Linear(32, 8, False, torch.float32, "cpu"), "w")  # float: nothing to copy
