@@ -18,6 +18,7 @@ logic: it only launches commands and reads /proc.
 
 from __future__ import annotations
 
+import logging
 import os
 import shlex
 import shutil
@@ -34,6 +35,8 @@ from pathlib import Path
 
 import httpx
 import psutil
+
+logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per /health poll otherwise
 
 PROMPT = "The history of the printing press begins"
 
@@ -111,8 +114,9 @@ def measure(label: str, cmd: list[str], port: int, timeout_s: float, log: Path) 
                     pass
                 time.sleep(0.1)
             start.ready_s = time.monotonic() - t0
+            models = httpx.get(f"{base}/v1/models", timeout=60).json().get("data") or [{"id": "default"}]
             for _ in range(2):
-                body = {"prompt": PROMPT, "max_tokens": 64, "temperature": 0, "model": "m"}
+                body = {"prompt": PROMPT, "max_tokens": 64, "temperature": 0, "model": models[0]["id"]}
                 httpx.post(f"{base}/v1/completions", json=body, timeout=600).raise_for_status()
             procs = _tree(proc.pid)
             start.rss_mb = sum(p.memory_info().rss for p in procs) / 2**20

@@ -25,10 +25,14 @@ SERVER = textwrap.dedent('''
         def answer(self, code):
             self.send_response(code); self.send_header("content-length", "2"); self.end_headers(); self.wfile.write(b"{}")
         def do_GET(self):
+            if self.path == "/v1/models":
+                body = json.dumps({"data": [{"id": "stand-in"}]}).encode()
+                self.send_response(200); self.send_header("content-length", str(len(body))); self.end_headers(); self.wfile.write(body)
+                return
             self.answer(200 if os.path.exists(ready) else 503)
         def do_POST(self):
-            self.rfile.read(int(self.headers["content-length"]))
-            with open(hits, "a") as f: f.write("x")
+            body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+            with open(hits, "a") as f: f.write(body["model"][0])
             self.answer(200)
     open(ready, "w").close()
     HTTPServer(("127.0.0.1", port), H).serve_forever()
@@ -41,7 +45,7 @@ def test_measure_times_a_launch_and_reads_the_tree_memory(tmp_path: Path) -> Non
     port = load.free_port()
     ready, hits = tmp_path / "ready", tmp_path / "hits"
     start = load.measure("stand-in", [sys.executable, str(script), str(port), str(ready), str(hits)], port, 60, tmp_path / "log")
-    assert ready.exists() and hits.read_text() == "xx"  # ready was seen, then exactly two requests
+    assert ready.exists() and hits.read_text() == "ss"  # ready was seen, then two requests naming the served model
     assert start.ready_s > 0
     assert start.peak_mb >= 64 and start.rss_mb >= 64  # the ballast is counted
     assert start.peak_mb >= start.rss_mb * 0.99  # a high-water mark is never below the resident size
