@@ -1,0 +1,46 @@
+"""`benchmarks/chaos.py`, short: every traffic kind (tool-calling agents, Responses chains, pinned
+chat and Anthropic requests, speculative greedy completions, streams and requests dropped by the
+client) against one `ft serve` with n-gram speculation, int8 K/V, the SWA pool at its floor,
+`--debug-kv`, pool resizes and two engine SIGKILLs, on the tiny sliding-window model.
+
+No clock: `--requests` makes the run exactly 42 units over 3 workers, the resizes come every 7
+completed units and the kills after 14 and 28. The script's own verdict must pass: no error
+outside a kill window, no violation, restarts == kills, balanced pools at idle, every kind done,
+the same greedy probe before and after."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def chaos_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tiny_models import write_tiny_model
+
+    return write_tiny_model("gemma3", tmp_path_factory.mktemp("chaos_model") / "tiny-gemma", max_position_embeddings=4096)
+
+
+def test_short_chaos_run_passes(chaos_model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "chaos"
+    cmd = [
+        sys.executable, "benchmarks/chaos.py", "--model", str(chaos_model), "--requests", "42", "--workers", "3",
+        "--kills", "2", "--resize-every-requests", "7", "--threads", "1", "--out", str(out),
+        "--serve-arg=--dtype", "--serve-arg=float32", "--serve-arg=--page-size", "--serve-arg=4",
+        "--serve-arg=--num-tokens", "--serve-arg=8192",
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    summary = json.loads((out / "chaos.json").read_text())
+    assert summary["passed"] and summary["unexpected_errors"] == 0, summary
+    assert summary["kills"] == 2 and summary["restarts"] == 2, summary
+    assert all(n > 0 for n in summary["done"].values()), summary["done"]
+    assert summary["resizes"]["applied"] + summary["resizes"]["refused_409"] >= 4, summary["resizes"]
+    assert summary["probes"][0] == summary["probes"][1] and summary["probes"][0], summary["probes"]
+    assert summary["audits"] > 0 and summary["serve_exit_code"] == 0, summary
