@@ -42,10 +42,10 @@ import numpy as np
 import torch
 
 from freetoken.errors import FreeTokenError
+from freetoken.grammar_text import grammar_text
 from freetoken.request import GRAMMAR_KINDS
 from freetoken.tokenizer import Tokenizer
 
-JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CACHE_SIZE = 64  # distinct compiled grammars kept per engine
 _BITS = 32  # tokens per bitmask word
 
@@ -68,17 +68,11 @@ def llg_tokenizer(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
 def grammar_definition(kind: str, text: str) -> str:
     """llguidance's grammar text for `(kind, text)`; GrammarError on an unknown kind or bad JSON."""
     try:
-        if kind == "json_schema":
-            return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_DEFAULTS)  # type: ignore[arg-type]
-        if kind == "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_DEFAULTS)  # type: ignore[arg-type]
-        if kind == "lark":
-            return llguidance.LLMatcher.grammar_from_lark(text)
-        if kind == "regex":
-            return llguidance.LLMatcher.grammar_from_regex(text)
+        return grammar_text(kind, text)
     except ValueError as err:
         raise GrammarError(f"the {kind} grammar is not valid: {err}") from None
-    raise GrammarError(f"unknown grammar kind {kind!r}; expected one of {GRAMMAR_KINDS}")
+    except KeyError:
+        raise GrammarError(f"unknown grammar kind {kind!r}; expected one of {GRAMMAR_KINDS}") from None
 
 
 class GrammarCompiler:

@@ -17,10 +17,9 @@ from typing import Any
 
 import llguidance
 
+from freetoken.grammar_text import grammar_text
 from freetoken.server.core.errors import bad_request
 
-# As engine/grammar.py's JSON_DEFAULTS (the engine imports torch; this module must not).
-JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _EOS = 256
 
 
@@ -36,24 +35,14 @@ class _ByteTokenizer:
         return list(text)
 
 
-def _definition(kind: str, text: str) -> str:
-    if kind == "json_schema":
-        return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_DEFAULTS)  # type: ignore[arg-type]
-    if kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_DEFAULTS)  # type: ignore[arg-type]
-    if kind == "lark":
-        return llguidance.LLMatcher.grammar_from_lark(text)
-    if kind == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(text)
-    raise ValueError(f"unknown grammar kind {kind!r}")
-
-
 def grammar_problem(kind: str, text: str) -> str | None:
     """Why the grammar cannot be enforced, in one line; None when it can."""
     try:
-        definition = _definition(kind, text)
+        definition = grammar_text(kind, text)
     except (ValueError, RecursionError) as err:
         return f"the {kind} grammar is not valid: {err}"
+    except KeyError:
+        return f"unknown grammar kind {kind!r}"
     if kind == "json_schema":
         try:
             schema = json.loads(text)
