@@ -8,7 +8,7 @@ query_pre_attn_scalar attention scale and optional soft-capping. It does not rea
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import MutableMapping
 
 import torch
 from torch import nn
@@ -69,7 +69,7 @@ class Gemma3ForCausalLM(nn.Module):
             return None
         return strip_prefix(name, _PREFIXES)
 
-    def load_weights(self, tensors: Mapping[str, Weight], weights: str = "auto", prefill_weights: str = "quantized") -> None:
+    def load_weights(self, tensors: MutableMapping[str, Weight], weights: str = "auto", prefill_weights: str = "quantized") -> None:
         """Load HF-named tensors (text-only or multimodal Gemma 3 checkpoints) under the `--weights` policy."""
         load_named(self, tensors, self._rename, weights, prefill_weights)
 

@@ -23,7 +23,7 @@ read files.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +35,7 @@ from freetoken.models.config import ModelConfig, RopeConfig
 from freetoken.models.experts import Experts
 from freetoken.models.layers import (
     GatedMLP, RMSNorm, Rotary, SelfAttention, compute_dtype, embedding, linear, load_named, output_logits, residual,
-    strip_prefix,
+    strip_prefix, take_all,
 )
 from freetoken.models.linear import Weight
 from freetoken.models.qwen3_moe import take_experts
@@ -163,10 +163,10 @@ class Gemma4ForCausalLM(nn.Module):
                         out[v] = out[k]
         return out
 
-    def load_weights(self, tensors: Mapping[str, Weight], weights: str = "auto", prefill_weights: str = "quantized") -> None:
+    def load_weights(self, tensors: MutableMapping[str, Weight], weights: str = "auto", prefill_weights: str = "quantized") -> None:
         """Load HF-named tensors (text-only or multimodal Gemma 4 checkpoints) under the `--weights`
         policy (routers stay float; experts follow the policy)."""
-        rest = self._local_names(tensors)
+        rest = self._local_names(take_all(tensors))
         for i, layer in enumerate(self.layers):
             if layer.moe:
                 c = self.config

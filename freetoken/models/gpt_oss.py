@@ -10,7 +10,7 @@ per-projection stacks. It does not read files.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import MutableMapping
 
 import torch
 from torch import nn
@@ -22,7 +22,7 @@ from freetoken.models.config import ModelConfig
 from freetoken.models.experts import Activation, Experts, ExpertStack, with_policy
 from freetoken.models.layers import (
     RMSNorm, Rotary, apply_rope, compute_dtype, embedding, linear, load_named, output_logits, paged_self_attention,
-    qkv_linear, split_qkv, strip_prefix,
+    qkv_linear, split_qkv, strip_prefix, take_all,
 )
 from freetoken.models.linear import Weight
 from freetoken.ops.quantized import QuantizedWeight
@@ -158,11 +158,11 @@ class GptOssForCausalLM(nn.Module):
             return None
         return strip_prefix(name, ("model.",))
 
-    def load_weights(self, tensors: Mapping[str, Weight], weights: str = "auto", prefill_weights: str = "quantized") -> None:
+    def load_weights(self, tensors: MutableMapping[str, Weight], weights: str = "auto", prefill_weights: str = "quantized") -> None:
         """Load HF-named tensors (`model.layers.0.mlp.experts.gate_up_proj`, ...); `weights` is the
         `--weights` policy for the attention projections, embeddings and experts (the router stays
         float); experts come as HF's interleaved float stacks or MXFP4 `*_blocks` / `*_scales`."""
-        rest = dict(tensors)
+        rest = take_all(tensors)
         for i, layer in enumerate(self.layers):
             layer.mlp.experts.load(*split_experts(rest, i, weights))
         load_named(self, rest, self._rename, weights, prefill_weights)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 
 import torch
 import torch.nn.functional as F
@@ -355,22 +355,34 @@ def fuse_projections(tensors: Mapping[str, Weight], fused_names: set[str]) -> di
     return out
 
 
+def take_all(tensors: MutableMapping[str, Weight]) -> dict[str, Weight]:
+    """Everything in `tensors`, which is left empty: a loader that takes a checkpoint's mapping
+    this way holds the only reference to each matrix, so dropping it once placed frees it."""
+    out = dict(tensors)
+    tensors.clear()
+    return out
+
+
 def load_named(
-    module: nn.Module, tensors: Mapping[str, Weight], rename: Callable[[str], str | None], weights: str = "auto",
+    module: nn.Module, tensors: MutableMapping[str, Weight], rename: Callable[[str], str | None], weights: str = "auto",
     prefill_weights: str = "quantized",
 ) -> None:
     """Copy checkpoint tensors into `module`'s parameters, each HF name mapped by `rename`
     (None: a tensor the model knowingly ignores), q/k/v and gate/up parts stacked into the
     model's fused projections, and each quantizable matrix loaded as the `weights` policy says
     (`models.linear.apply_policy`); `prefill_weights` says which quantized linear layers also keep
-    a dequantized copy for prefill (`models.linear.keeps_dense_copy`). Raises ModelLoadError naming the missing, unexpected or
-    mis-shaped tensors."""
+    a dequantized copy for prefill (`models.linear.keeps_dense_copy`). Raises ModelLoadError
+    naming the missing, unexpected or mis-shaped tensors.
+
+    Takes `tensors` over: the mapping is left empty, and each matrix is dropped as soon as it is
+    copied or packed, so the checkpoint's matrices are freed one by one and the load's peak stays
+    near the kept weights rather than kept weights + the whole checkpoint. Pass a copy to keep yours."""
     check_policy(weights)
     params = dict(module.named_parameters())
     modules = dict(module.named_modules())
     renamed: dict[str, Weight] = {}
     checkpoint_name: dict[str, str] = {}  # local name -> the checkpoint's, for messages
-    for name, tensor in tensors.items():
+    for name, tensor in take_all(tensors).items():
         local = rename(name)
         if local is not None:
             renamed[local] = tensor
@@ -378,7 +390,11 @@ def load_named(
     loaded: set[str] = set()
     unexpected: list[str] = []
     with torch.no_grad():
-        for local, tensor in fuse_projections(renamed, set(modules)).items():
+        fused = fuse_projections(renamed, set(modules))
+        renamed.clear()
+        while fused:
+            local = next(iter(fused))
+            tensor = fused.pop(local)  # the only reference from here on: freed once placed
             param = params.get(local)
             if param is None:
                 unexpected.append(checkpoint_name.get(local, local))

@@ -6,7 +6,7 @@ Owns the module tree (parameter names follow transformers' LlamaForCausalLM with
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import MutableMapping
 
 import torch
 from torch import nn
@@ -61,7 +61,7 @@ class LlamaForCausalLM(nn.Module):
             return None  # tied: the embedding is the head
         return strip_prefix(name, ("model.",))
 
-    def load_weights(self, tensors: Mapping[str, Weight], weights: str = "auto", prefill_weights: str = "quantized") -> None:
+    def load_weights(self, tensors: MutableMapping[str, Weight], weights: str = "auto", prefill_weights: str = "quantized") -> None:
         """Load HF-named tensors (`model.layers.0.self_attn.q_proj.weight`, ...). `weights` is the `--weights` policy."""
         load_named(self, tensors, self._rename, weights, prefill_weights)
 

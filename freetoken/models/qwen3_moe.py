@@ -12,7 +12,7 @@ norms and the model skeleton are `qwen3.py`'s. It does not read files.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import MutableMapping
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +21,7 @@ from torch import nn
 from freetoken.errors import ModelLoadError
 from freetoken.models.config import ModelConfig
 from freetoken.models.experts import Experts, ExpertStack, Source, with_policy
-from freetoken.models.layers import linear, load_named, strip_prefix
+from freetoken.models.layers import linear, load_named, strip_prefix, take_all
 from freetoken.models.linear import Weight
 from freetoken.models.qwen3 import Qwen3ForCausalLM
 from freetoken.ops.quantized import QuantizedWeight
@@ -100,11 +100,11 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             return super().mlp_of(layer, dtype, device)
         return Qwen3MoE(self.config, dtype, device)
 
-    def load_weights(self, tensors: Mapping[str, Weight], weights: str = "auto", prefill_weights: str = "quantized") -> None:
+    def load_weights(self, tensors: MutableMapping[str, Weight], weights: str = "auto", prefill_weights: str = "quantized") -> None:
         """Load HF-named tensors (`model.layers.0.mlp.gate.weight`, `...mlp.experts.gate_up_proj`, ...);
         `weights` is the `--weights` policy for projections, embeddings and experts (the router stays float)."""
         c = self.config
-        rest = {strip_prefix(name, ("model.",)): t for name, t in tensors.items()}
+        rest = {strip_prefix(name, ("model.",)): t for name, t in take_all(tensors).items()}
         for i, layer in enumerate(self.layers):
             if isinstance(layer.mlp, Qwen3MoE):
                 prefix = f"layers.{i}.mlp.experts."

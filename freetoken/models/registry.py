@@ -6,7 +6,7 @@ implements. It does not load weights from files (the weights package does that).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import MutableMapping
 from typing import Protocol
 
 import torch
@@ -27,7 +27,7 @@ from freetoken.models.qwen3_moe import Qwen3MoeForCausalLM
 class CausalLM(Protocol):
     config: ModelConfig
 
-    def load_weights(self, tensors: Mapping[str, Weight], weights: str = "auto", prefill_weights: str = "quantized") -> None:
+    def load_weights(self, tensors: MutableMapping[str, Weight], weights: str = "auto", prefill_weights: str = "quantized") -> None:
         """Copy HF-named tensors into the model under the `--weights` policy (and with a dense
         prefill copy of each quantized linear layer); ModelLoadError names missing/unexpected ones."""
 

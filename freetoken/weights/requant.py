@@ -177,8 +177,37 @@ def to_quantized(raw: np.ndarray | torch.Tensor, qtype: QType | int, shape: Sequ
 SUPERBLOCK_TYPES: frozenset[QType] = frozenset({QType.Q4_K, QType.Q6_K})
 
 
-def _blocks_of(raw: np.ndarray | torch.Tensor, qtype: QType, shape: Sequence[int], name: str) -> tuple[int, int, torch.Tensor]:
-    """(N, K, the matrix's blocks as uint8 [N * K / 256, type_size]) after the shape and size checks."""
+# Rows converted per pass: a pass's temporaries (a copy of its bytes out of the read-only map,
+# the integer unpacking's intermediates) are a few tens of MB, not a multiple of the whole matrix
+# (a 262k-vocabulary head is ~100M weights).
+ROWS_PER_PASS = 2048
+
+
+def to_superblocks(raw: np.ndarray | torch.Tensor, qtype: QType | int, shape: Sequence[int], name: str = "<unnamed>") -> SuperBlockWeight:
+    """The Q4_K or Q6_K matrix of `shape` [N, K] in `raw` as a SuperBlockWeight (exact), converted
+    ROWS_PER_PASS rows at a time."""
+    if qtype not in SUPERBLOCK_TYPES:
+        raise ModelLoadError(f"tensor {name}: {type_name(qtype)} is not a super-block type")
+    qtype = QType(qtype)
+    n, k, rows = _block_rows(raw, qtype, shape, name)
+    parts = [_superblocks(rows(start, min(n, start + ROWS_PER_PASS)), qtype, k) for start in range(0, n, ROWS_PER_PASS)]
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+
+    def joined(field: str) -> torch.Tensor | None:
+        if getattr(first, field) is None:
+            return None
+        out = torch.cat([getattr(p, field) for p in parts])
+        for p in parts:
+            setattr(p, field, None)  # each part's copy freed as soon as it is joined
+        return out
+    return SuperBlockWeight(first.kind, joined("q"), joined("sc"), joined("d"), joined("m"), joined("dmin"))
+
+
+def _block_rows(raw: np.ndarray | torch.Tensor, qtype: QType, shape: Sequence[int], name: str):  # type: ignore[no-untyped-def]
+    """(N, K, rows) after the shape and size checks, where rows(a, b) is rows [a, b)'s blocks as a
+    writable uint8 tensor [(b - a) * K / 256, type_size] (copied out of a read-only source)."""
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     if len(shape) != 2 or shape[1] % block_size != 0:
         raise ModelLoadError(f"tensor {name}: shape {list(shape)} is not a matrix of whole {qtype.name} blocks")
@@ -188,19 +217,21 @@ def _blocks_of(raw: np.ndarray | torch.Tensor, qtype: QType, shape: Sequence[int
         raise ModelLoadError(
             f"tensor {name}: {data.shape[0]} bytes of {qtype.name} data, expected {n * k // block_size * type_size} for shape {list(shape)}"
         )
-    if isinstance(data, np.ndarray):
-        data = torch.from_numpy(data.copy())  # the source is read-only
-    return n, k, data.view(-1, type_size)
+    row_bytes = k // block_size * type_size
+
+    def rows(a: int, b: int) -> torch.Tensor:
+        part = data[a * row_bytes:b * row_bytes]
+        t = torch.from_numpy(part.copy()) if isinstance(part, np.ndarray) else part
+        return t.view(-1, type_size)
+
+    return n, k, rows
 
 
-def to_superblocks(raw: np.ndarray | torch.Tensor, qtype: QType | int, shape: Sequence[int], name: str = "<unnamed>") -> SuperBlockWeight:
-    """The Q4_K or Q6_K matrix of `shape` [N, K] in `raw` as a SuperBlockWeight (exact)."""
-    if qtype not in SUPERBLOCK_TYPES:
-        raise ModelLoadError(f"tensor {name}: {type_name(qtype)} is not a super-block type")
-    qtype = QType(qtype)
-    n, k, blocks = _blocks_of(raw, qtype, shape, name)
+def _superblocks(blocks: torch.Tensor, qtype: QType, k: int) -> SuperBlockWeight:
+    """Whole rows of super-blocks (uint8 [rows * K / 256, type_size]) as a SuperBlockWeight."""
     c = _Constants.on(torch.device("cpu"))
     per_row = k // SUPER
+    n = blocks.shape[0] // per_row
     d = blocks[:, 208:210] if qtype == QType.Q6_K else blocks[:, 0:2]
     d = d.contiguous().view(torch.float16).reshape(n, per_row)
     if qtype == QType.Q6_K:

@@ -64,7 +64,7 @@ def load(tensors: dict, config: dict, weights: str = "auto", cache: ExpertCache 
     model = build_model(ModelConfig.from_hf(config), torch.float32, "cpu")
     if cache is not None:
         offload_experts(model, cache)
-    model.load_weights(tensors, weights)
+    model.load_weights(dict(tensors), weights)  # load_weights empties the mapping it is given
     return model
 
 
