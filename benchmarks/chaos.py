@@ -45,7 +45,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import soak  # noqa: E402 - the sibling script: its Server, sampling and plot
@@ -183,17 +182,6 @@ def worker(base: str, w: int, ledger: Ledger, stop: threading.Event, quota: int 
             i += 1
 
 
-def engine_pids(server: soak.Server) -> list[int]:
-    pids = []
-    for child in server.ps.children(recursive=True):
-        try:
-            if "resource_tracker" not in " ".join(child.cmdline()):
-                pids.append(child.pid)
-        except psutil.NoSuchProcess:
-            continue
-    return pids
-
-
 def wait_healthy(base: str, deadline_s: float) -> bool:
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
@@ -249,7 +237,7 @@ class Chaos:
 
     def kill(self) -> None:
         self.samples.append(soak_sample(self.server, self.t0, self.ledger))  # the engine's counters die with it
-        pids = engine_pids(self.server)
+        pids = [p.pid for p in self.server.engine_processes()]
         before = restarts_now(self.server.base)
         with self.ledger.lock:
             self.ledger.kills.append([time.monotonic(), float("inf")])

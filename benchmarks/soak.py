@@ -126,15 +126,24 @@ class Server:
             time.sleep(0.5)
         raise SystemExit(f"soak: ft serve was not healthy after {deadline_s:.0f} s; see {self.log_path}")
 
-    def rss_mb(self) -> tuple[float, float]:
-        """(API process, engine processes) resident memory in MiB; multiprocessing's resource
-        tracker is left out."""
-        api = self.ps.memory_info().rss
-        engine = 0
+    def engine_processes(self) -> list[psutil.Process]:
+        """The engine process(es): every child of `ft serve` but multiprocessing's resource tracker."""
+        found = []
         for child in self.ps.children(recursive=True):
             try:
                 if "resource_tracker" not in " ".join(child.cmdline()):
-                    engine += child.memory_info().rss
+                    found.append(child)
+            except psutil.NoSuchProcess:
+                continue
+        return found
+
+    def rss_mb(self) -> tuple[float, float]:
+        """(API process, engine processes) resident memory in MiB."""
+        api = self.ps.memory_info().rss
+        engine = 0
+        for child in self.engine_processes():
+            try:
+                engine += child.memory_info().rss
             except psutil.NoSuchProcess:
                 continue
         return api / 2**20, engine / 2**20

@@ -15,6 +15,7 @@ from freetoken.errors import ConfigError
 CACHE_TYPES = ("naive", "radix", "swa_radix")
 # The --weights policies (kept here, below models, so validation needs no model import).
 WEIGHT_POLICIES = ("auto", "bf16", "int8", "int4")
+PREFILL_WEIGHTS = ("auto", "bf16", "quantized")  # models.linear.keeps_dense_copy
 MOE_STRATEGIES = ("resident", "offload")  # --moe-strategy (models/experts.py)
 KV_CACHE_DTYPES = ("auto", "bf16", "int8", "q8_0", "fp8_e4m3")  # kv/tensors.py stores them (q8_0 = int8)
 
@@ -62,8 +63,8 @@ class EngineConfig:
         """Raise ConfigError on flags that cannot work, naming the flag."""
         if self.weights not in WEIGHT_POLICIES:
             raise ConfigError(f"--weights must be one of {', '.join(WEIGHT_POLICIES)}, got {self.weights!r}")
-        if self.prefill_weights not in ("auto", "bf16", "quantized"):
-            raise ConfigError(f"--prefill-weights must be auto, bf16 or quantized, got {self.prefill_weights!r}")
+        if self.prefill_weights not in PREFILL_WEIGHTS:
+            raise ConfigError(f"--prefill-weights must be one of {', '.join(PREFILL_WEIGHTS)}, got {self.prefill_weights!r}")
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"--tensor-parallel-size must be at least 1, got {self.tensor_parallel_size}")
         if self.threads is not None and self.threads < 1:

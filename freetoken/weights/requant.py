@@ -190,7 +190,8 @@ def to_superblocks(raw: np.ndarray | torch.Tensor, qtype: QType | int, shape: Se
         raise ModelLoadError(f"tensor {name}: {type_name(qtype)} is not a super-block type")
     qtype = QType(qtype)
     n, k, rows = _block_rows(raw, qtype, shape, name)
-    parts = [_superblocks(rows(start, min(n, start + ROWS_PER_PASS)), qtype, k) for start in range(0, n, ROWS_PER_PASS)]
+    c = _Constants.on(torch.device("cpu"))
+    parts = [_superblocks(rows(start, min(n, start + ROWS_PER_PASS)), qtype, k, c) for start in range(0, n, ROWS_PER_PASS)]
     if len(parts) == 1:
         return parts[0]
     first = parts[0]
@@ -227,9 +228,8 @@ def _block_rows(raw: np.ndarray | torch.Tensor, qtype: QType, shape: Sequence[in
     return n, k, rows
 
 
-def _superblocks(blocks: torch.Tensor, qtype: QType, k: int) -> SuperBlockWeight:
+def _superblocks(blocks: torch.Tensor, qtype: QType, k: int, c: _Constants) -> SuperBlockWeight:
     """Whole rows of super-blocks (uint8 [rows * K / 256, type_size]) as a SuperBlockWeight."""
-    c = _Constants.on(torch.device("cpu"))
     per_row = k // SUPER
     n = blocks.shape[0] // per_row
     d = blocks[:, 208:210] if qtype == QType.Q6_K else blocks[:, 0:2]
