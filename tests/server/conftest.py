@@ -43,6 +43,14 @@ def tiny_gemma_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma_4k_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Gemma with a 4096-token context: the soak and chaos scripts' long conversations."""
+    from tiny_models import write_tiny_model
+
+    return write_tiny_model("gemma3", tmp_path_factory.mktemp("tiny_gemma_4k") / "tiny-gemma", max_position_embeddings=4096)
+
+
+@pytest.fixture(scope="session")
 def shared_hold(tmp_path_factory: pytest.TempPathFactory) -> EngineHold:
     return EngineHold(tmp_path_factory.mktemp("shared_hold") / "hold")
 

@@ -15,22 +15,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def chaos_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tiny_models import write_tiny_model
-
-    return write_tiny_model("gemma3", tmp_path_factory.mktemp("chaos_model") / "tiny-gemma", max_position_embeddings=4096)
-
-
-def test_short_chaos_run_passes(chaos_model: Path, tmp_path: Path) -> None:
+def test_short_chaos_run_passes(tiny_gemma_4k_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "chaos"
     cmd = [
-        sys.executable, "benchmarks/chaos.py", "--model", str(chaos_model), "--requests", "42", "--workers", "3",
+        sys.executable, "benchmarks/chaos.py", "--model", str(tiny_gemma_4k_dir), "--requests", "42", "--workers", "3",
         "--kills", "2", "--resize-every-requests", "7", "--threads", "1", "--out", str(out),
         "--serve-arg=--dtype", "--serve-arg=float32", "--serve-arg=--page-size", "--serve-arg=4",
         "--serve-arg=--num-tokens", "--serve-arg=8192",

@@ -16,22 +16,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def soak_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tiny_models import write_tiny_model
-
-    return write_tiny_model("gemma3", tmp_path_factory.mktemp("soak_short_model") / "tiny-gemma", max_position_embeddings=4096)
-
-
-def test_short_soak_passes(soak_model: Path, tmp_path: Path) -> None:
+def test_short_soak_passes(tiny_gemma_4k_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "soak"
     cmd = [
-        sys.executable, "benchmarks/soak.py", "--model", str(soak_model), "--requests", "12", "--warmup", "3",
+        sys.executable, "benchmarks/soak.py", "--model", str(tiny_gemma_4k_dir), "--requests", "12", "--warmup", "3",
         "--conversations", "3", "--turns", "4", "--max-tokens", "90", "--system-sentences", "3", "--threads", "1",
         "--max-rss-growth-mb", "64", "--out", str(out),
         "--serve-arg=--dtype", "--serve-arg=float32", "--serve-arg=--page-size", "--serve-arg=4",
