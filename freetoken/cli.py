@@ -101,6 +101,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="which quantized linear layers also keep a --dtype copy for prefill batches: auto = where the kernel is slower than the copy (q6_k, group-32; not q4_k or the LM head), bf16 = all (~2 bytes per weight more), quantized = none (default auto)")
     p.add_argument("--weights", default="auto", choices=["auto", "bf16", "int8", "int4"],
                    help="what matrices run as: auto = the file's precision class (4-bit types int4, 5/6/8-bit int8, float bf16), bf16 = the --dtype, int8/int4 = quantized (default auto)")
+    p.add_argument("--weights-cache", default="auto", metavar="auto|off|DIR",
+                   help="where what a load makes of the checkpoint is kept, memory-mapped on the next start with the same file, options and version: auto = ~/.cache/freetoken/weights (or $FREETOKEN_CACHE_DIR/weights), off = none (docs/operations.md; default auto)")
     p.add_argument("--moe-strategy", default="resident", choices=["resident", "offload"],
                    help="MoE experts: resident = all decoded at load; offload = kept in the file, the hot ones in an LRU cache of --expert-cache-gb (docs/moe.md; default resident)")
     p.add_argument("--expert-cache-gb", type=float, default=4.0, metavar="GB",
@@ -202,6 +204,7 @@ def _serve(args: argparse.Namespace) -> None:
         dtype=args.dtype,
         weights=args.weights,
         prefill_weights=args.prefill_weights,
+        weights_cache=args.weights_cache,
         cache_type=args.cache_type,
         page_size=args.page_size,
         max_running_requests=args.max_running_requests,

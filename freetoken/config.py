@@ -55,6 +55,7 @@ class EngineConfig:
     spec_max_draft: int = 16  # drafted tokens per verified chunk at most (the window starts here)
     spec_ngram_min: int = 2  # n-gram sizes looked up, longest first
     spec_ngram_max: int = 4
+    weights_cache: str = "auto"  # auto | off | a directory: what a load made of the checkpoint, mapped on the next start (weights/weight_cache.py)
     moe_strategy: str = "resident"  # resident | offload: experts decoded at load, or an LRU cache over the file (docs/moe.md)
     expert_cache_gb: float = 4.0  # offload: the expert cache's budget (resizable: POST /admin/cache/resize)
     test_hold: str | None = None  # a test hook, off by default: the hold file of engine/hold.py
@@ -69,6 +70,8 @@ class EngineConfig:
             raise ConfigError(f"--tensor-parallel-size must be at least 1, got {self.tensor_parallel_size}")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"--threads must be at least 1, got {self.threads}")
+        if not self.weights_cache:
+            raise ConfigError("--weights-cache must be auto, off or a directory, got ''")
         if self.moe_strategy not in MOE_STRATEGIES:
             raise ConfigError(f"--moe-strategy must be one of {', '.join(MOE_STRATEGIES)}, got {self.moe_strategy!r}")
         if self.expert_cache_gb < 0:

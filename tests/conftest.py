@@ -1,9 +1,16 @@
 """The whole suite's own check: a full default run's skips are only of the kinds, and at most the
-counts, that README's Tests section states (tests/skip_policy.py). Partial runs are not judged."""
+counts, that README's Tests section states (tests/skip_policy.py). Partial runs are not judged.
+
+The weight cache (`--weights-cache auto`, on by default) lives in a directory of this session's
+own, deleted at the end: loads in the suite, engine processes included, use and test it as a
+user's would, and never read or fill the user's cache."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -15,12 +22,17 @@ from skip_policy import SkipPolicy  # noqa: E402
 POLICY = pytest.StashKey[SkipPolicy]()
 
 
+WEIGHT_CACHE = pytest.StashKey[str]()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.stash[POLICY] = SkipPolicy()
+    config.stash[WEIGHT_CACHE] = os.environ["FREETOKEN_CACHE_DIR"] = tempfile.mkdtemp(prefix="ft-test-cache-")
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     session.config.stash[POLICY].sessionfinish(session)
+    shutil.rmtree(session.config.stash[WEIGHT_CACHE], ignore_errors=True)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -12,7 +12,10 @@ Each start launches the server in its own session, polls `/health` every 0.1 s, 
 
 Starts alternate between the servers (FreeToken first on odd rounds, the peer first on even
 ones), so a cold page cache or a busy neighbour does not always fall on one side; the first
-start of each is reported apart (file pages may be cold), the rest as medians. Owns no server
+start of each is reported apart (file pages may be cold), the rest as medians. FreeToken's starts
+share a weight cache directory of the run's own (`--weights-cache`, empty at the first start
+unless one is passed): its first start reads and packs the checkpoint and writes the cache, the
+later ones map it — a user's first and second start. Owns no server
 logic: it only launches commands and reads /proc.
 """
 
@@ -152,6 +155,8 @@ def run(model: str, peer: str | None, starts: int, threads: int, num_tokens: int
         ft_extra: list[str]) -> list[Start]:
     """`starts` launches of FreeToken (and of the peer binary, alternating), in order."""
     logs = Path(tempfile.mkdtemp(prefix="ft-bench-load-"))
+    if "--weights-cache" not in ft_extra:
+        ft_extra = [*ft_extra, "--weights-cache", str(logs / "weights-cache")]
     results: list[Start] = []
     for i in range(starts):
         order = ["freetoken", "peer"] if i % 2 == 0 else ["peer", "freetoken"]

@@ -105,7 +105,8 @@ def load_for(config: EngineConfig) -> LoadedModel:
     device = torch.device(config.device) if config.device else default_device()
     dtype = resolve_dtype(config.dtype, device)
     return load_model(config.model, dtype, device, config.weights, config.prefill_weights, world=config.tensor_parallel_size,
-                      moe_strategy=config.moe_strategy, expert_cache_gb=config.expert_cache_gb)
+                      moe_strategy=config.moe_strategy, expert_cache_gb=config.expert_cache_gb,
+                      weights_cache=config.weights_cache)
 
 
 def build_engine(config: EngineConfig) -> tuple[Engine, LoadedModel]:

@@ -85,8 +85,12 @@ def fuse_gate_up(gate: Source, up: Source, dtype: torch.dtype, device: torch.dev
 
 
 def as_matrix(w: Source, dtype: torch.dtype, device: torch.device) -> Matrix:
+    """One expert matrix in the form its matmul reads. A float one is copied into memory of its
+    own, never left a view into the checkpoint: MKL's float32 GEMM picks its kernel by address
+    alignment, and an expert at an arbitrary offset of the file's map would compute last-bit
+    differently from the same expert mapped back from the weight cache (64-byte aligned)."""
     d = _decoded(w)
-    return _pack(d, device) if isinstance(d, QuantizedWeight) else d.to(device=device, dtype=dtype).contiguous()
+    return _pack(d, device) if isinstance(d, QuantizedWeight) else d.to(device=device, dtype=dtype, copy=True).contiguous()
 
 
 class Experts(nn.Module):

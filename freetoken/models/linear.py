@@ -100,6 +100,14 @@ class QuantizableWeight(nn.Module):
         self.weight = None
         self.packed = pack(_on(qw, device))
 
+    def restore_packed(self, packed: Packed, dense: torch.Tensor | None) -> None:
+        """Take a packed matrix (and its prefill copy) as `load_quantized` and `keep_dense_copy`
+        made them on an earlier load (models/snapshot.py)."""
+        if self.weight is None or (packed.out_features, packed.in_features) != tuple(self.weight.shape):
+            raise ModelLoadError(f"packed weight {packed.out_features}x{packed.in_features} does not fit this layer")
+        self.weight = None
+        self.packed, self.dense = packed, dense
+
     def runs_as(self) -> str:
         """What `ft inspect` prints for this weight: `int8 (group 32)`, `int4 (group 32)`, `q4_k`,
         `q6_k`, parts joined by ` + ` for a fused projection of mixed types, or the float dtype."""

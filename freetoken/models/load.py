@@ -6,9 +6,11 @@ Owns the one path every entry point (`ft generate`, `LLM`, the engine process) u
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -21,9 +23,12 @@ from freetoken.models.experts_cache import GIB, ExpertCache
 from freetoken.models.formats import summary, weight_formats
 from freetoken.models.linear import check_policy
 from freetoken.models.registry import build_model
+from freetoken.models.snapshot import SNAPSHOT_VERSION, capture, restore
+from freetoken.ops.qlinear import signature
 from freetoken.tokenizer import Tokenizer
 from freetoken.utils.heap import return_freed_memory
-from freetoken.weights.loader import ModelSource, load_checkpoint, resolve_model
+from freetoken.weights.loader import Checkpoint, ModelSource, checkpoint_files, load_checkpoint, read_header, resolve_model
+from freetoken.weights.weight_cache import WeightCache, cache_dir, code_identity, file_identity
 
 log = logging.getLogger("freetoken.models")
 
@@ -39,6 +44,7 @@ class LoadedModel:
     quant_types: dict[str, int]
     weights: str = "bf16"  # the --weights policy the model was loaded with
     formats: dict[str, str] = field(default_factory=dict)  # matrix -> what it runs as (models.formats)
+    from_cache: bool = False  # the weights were mapped from the weight cache, not read from the checkpoint
 
 
 def load_tokenizer(source: ModelSource, metadata: dict[str, object] | None) -> Tokenizer:
@@ -48,9 +54,50 @@ def load_tokenizer(source: ModelSource, metadata: dict[str, object] | None) -> T
     return Tokenizer.from_pretrained_dir(source.path)
 
 
+def _cache_key(source: ModelSource, dtype: torch.dtype, weights: str, prefill_weights: str) -> dict:
+    """What decides a snapshot's content: the checkpoint's files, the code that packs them, the
+    kernels this build has, torch's version and the load options."""
+    return {"snapshot": SNAPSHOT_VERSION, "source": file_identity(checkpoint_files(source)), "code": _code(),
+            "kernels": signature(), "torch": torch.__version__, "dtype": str(dtype), "weights": weights,
+            "prefill_weights": prefill_weights}
+
+
+@functools.cache
+def _code() -> str:
+    package = Path(__file__).resolve().parents[1]
+    return code_identity(package / sub for sub in ("ops", "weights", "models"))
+
+
+def _cache_for(weights_cache: str | None, device: torch.device, world: int, moe_strategy: str) -> WeightCache | None:
+    """The weight cache a load may use: CPU, one rank, resident experts (docs/operations.md)."""
+    directory = cache_dir(weights_cache)
+    if directory is None or device.type != "cpu" or world > 1 or moe_strategy != "resident":
+        return None
+    return WeightCache(directory)
+
+
+def _from_snapshot(source: ModelSource, cache: WeightCache, key: dict, dtype: torch.dtype,
+                   device: torch.device) -> tuple[Checkpoint, ModelConfig, torch.nn.Module] | None:
+    """The model built from the cached snapshot under `key`, or None (a miss, or a snapshot
+    that does not fit: logged)."""
+    snapshot = cache.read(key)
+    if snapshot is None:
+        return None
+    header = read_header(source)
+    config = ModelConfig.from_hf(header.hf_config)
+    model = build_model(config, dtype, device)
+    try:
+        restore(model, snapshot)
+    except ModelLoadError as err:
+        log.warning("weight cache entry for %s does not fit (%s): loading from the checkpoint", source.name, err)
+        return None
+    return header, config, model
+
+
 def load_model(
     spec: str | None, dtype: torch.dtype, device: torch.device, weights: str = "bf16", prefill_weights: str = "quantized",
     rank: int = 0, world: int = 1, moe_strategy: str = "resident", expert_cache_gb: float = 0.0,
+    weights_cache: str | None = None,
 ) -> LoadedModel:
     """Resolve `spec`, read its weights, build the model on `device` with activations in `dtype`
     and each matrix as the `weights` policy says (`models.linear.apply_policy`; `bf16`, the
@@ -60,11 +107,51 @@ def load_model(
     With `world` > 1 the model is rank `rank`'s tensor-parallel shard (`models.shard`; the
     process group must be joined): `config` stays the whole model's, `model.config` is the shard's.
     `moe_strategy` `offload` leaves the experts in the checkpoint (the GGUF memory map) and decodes
-    them on demand into an LRU cache of `expert_cache_gb` GiB (models/experts.py)."""
+    them on demand into an LRU cache of `expert_cache_gb` GiB (models/experts.py).
+    `weights_cache` (`auto`, a directory, or `off` / None) is where what the load made of the
+    checkpoint is kept and, on the next load with the same file, code and options, memory-mapped
+    instead of read and packed again (weights/weight_cache.py; CPU, one rank, resident experts)."""
     check_policy(weights)
     t0 = time.perf_counter()
     source = resolve_model(spec)
     log.info("loading %s from %s", source.name, source.path)
+    cache = _cache_for(weights_cache, device, world, moe_strategy)
+    key = _cache_key(source, dtype, weights, prefill_weights) if cache is not None else None
+    cached = _from_snapshot(source, cache, key, dtype, device) if cache is not None and key is not None else None
+    if cached is not None:
+        ckpt, config, model = cached
+        plan = None
+        how = "from the weight cache"
+    else:
+        ckpt, config, model, plan = _from_checkpoint(source, dtype, device, weights, prefill_weights, rank, world,
+                                                     moe_strategy, expert_cache_gb)
+        how = "from the checkpoint"
+        if cache is not None and key is not None:
+            t_write = time.perf_counter()
+            written = cache.write(key, capture(model))
+            if written is not None:
+                log.info("weight cache: wrote %s in %.1f s", written, time.perf_counter() - t_write)
+    if plan is not None:
+        shard.install_collectives(model, plan)
+    model.eval()
+    bind_submodules(model)
+    tokenizer = load_tokenizer(source, ckpt.metadata)
+    quant_types = ckpt.quant_types
+    del ckpt  # the checkpoint's temporaries: freed, then returned to the system
+    return_freed_memory()
+    formats = weight_formats(model)
+    log.info("loaded %s (%s, %s, weights %s) %s in %.1f s", source.name, config.architecture, dtype, weights, how,
+             time.perf_counter() - t0)
+    log.info("weights of rank %d of %d run as %s%s", rank, world, summary(formats),
+             "" if plan is None else f" (block outputs: {plan.row_parallel})")
+    return LoadedModel(source, config, model, tokenizer, dtype, device, quant_types, weights, formats, cached is not None)
+
+
+def _from_checkpoint(
+    source: ModelSource, dtype: torch.dtype, device: torch.device, weights: str, prefill_weights: str, rank: int,
+    world: int, moe_strategy: str, expert_cache_gb: float,
+) -> tuple[Checkpoint, ModelConfig, torch.nn.Module, shard.ShardPlan | None]:
+    """Read the checkpoint and load its tensors into a new model (the shard's, under a plan)."""
     ckpt = load_checkpoint(source, dtype, keep_quantized=weights != "bf16")
     config = ModelConfig.from_hf(ckpt.hf_config)
     tensors = ckpt.tensors
@@ -82,17 +169,4 @@ def load_model(
         model.load_weights(tensors, weights, prefill_weights)
     except (KeyError, ValueError, RuntimeError) as err:
         raise ModelLoadError(f"{source.path}: weights do not fit the {config.architecture} model ({err})") from None
-    if plan is not None:
-        shard.install_collectives(model, plan)
-    model.eval()
-    bind_submodules(model)
-    tokenizer = load_tokenizer(source, ckpt.metadata)
-    quant_types = ckpt.quant_types
-    del ckpt, tensors  # the checkpoint's temporaries: freed, then returned to the system
-    return_freed_memory()
-    formats = weight_formats(model)
-    log.info("loaded %s (%s, %s, weights %s) in %.1f s", source.name, config.architecture, dtype, weights,
-             time.perf_counter() - t0)
-    log.info("weights of rank %d of %d run as %s%s", rank, world, summary(formats),
-             "" if plan is None else f" (block outputs: {plan.row_parallel})")
-    return LoadedModel(source, config, model, tokenizer, dtype, device, quant_types, weights, formats)
+    return ckpt, config, model, plan

@@ -82,24 +82,46 @@ class PackedWeight:
         self.minimum = qw.minimum.contiguous() if qw.minimum is not None else None
         # Only without the kernel, for 4-bit on CPU: torch's int4 layout, beside ours (rows() reads ours).
         self.int4pack: tuple[torch.Tensor, torch.Tensor] | None = None
+        if (qw.q.device.type == "cpu" and _KERNEL is None and qw.bits == 4 and n % 16 == 0
+                and hasattr(torch, "_convert_weight_to_int4pack_for_cpu")):
+            self.int4pack = self._torch_int4pack(qw)
+        self._bind_paths()
+
+    def _bind_paths(self) -> None:
+        """Choose the matmul path for each row count from the device and the kernel."""
         self._order: torch.Tensor | None = None  # see _natural_order
         # The paths as plain functions of (self, x, bias), not bound methods: a bound method kept
         # on self is a reference cycle, and an evicted expert would wait for the garbage collector.
         self._small: _Path
         self._large: _Path
-        if qw.q.device.type != "cpu":
+        if self.packed.device.type != "cpu":
             self._small = self._large = PackedWeight._dequantized_linear
         elif _KERNEL is not None:
             self._small = self._large = PackedWeight._kernel
         else:
             self._small, self._large = PackedWeight._dequantized_linear, PackedWeight._tiled_linear
-            if qw.bits == 4 and n % 16 == 0 and hasattr(torch, "_convert_weight_to_int4pack_for_cpu"):
-                self.int4pack = self._torch_int4pack(qw)
+            if self.int4pack is not None:
                 self._small = PackedWeight._int4pack_or_dequantized
 
     @staticmethod
     def from_quantized(qw: QuantizedWeight) -> PackedWeight:
         return PackedWeight(qw)
+
+    def state(self) -> dict:
+        """The packed form as plain values (tensors, numbers, strings): `from_state` rebuilds it
+        without recomputing anything (the weight cache, models/snapshot.py)."""
+        return {"form": "group32", "shape": [self.out_features, self.in_features], "bits": self.bits,
+                "packed": self.packed, "scale": self.scale, "minimum": self.minimum,
+                "int4pack": list(self.int4pack) if self.int4pack is not None else None}
+
+    @staticmethod
+    def from_state(state: dict) -> PackedWeight:
+        self = PackedWeight.__new__(PackedWeight)
+        self.out_features, self.in_features = state["shape"]
+        self.bits, self.packed, self.scale, self.minimum = state["bits"], state["packed"], state["scale"], state["minimum"]
+        self.int4pack = tuple(state["int4pack"]) if state["int4pack"] is not None else None  # type: ignore[assignment]
+        self._bind_paths()
+        return self
 
     @property
     def format(self) -> str:
@@ -207,6 +229,25 @@ def pack(w: Quantized) -> Packed:
             return PackedSuperBlock(w, _KERNEL)
         return PackedWeight(w.to_group32())
     return PackedWeight(w)
+
+
+def from_state(state: dict) -> Packed:
+    """The packed weight whose `state()` this is, its tensors taken as they are (no copy, no
+    repacking). Raises ValueError for a form this build cannot run (a super-block weight without
+    the kernel): the caller's cache was made elsewhere."""
+    form = state["form"]
+    if form == "group32":
+        return PackedWeight.from_state(state)
+    if form == "stack":
+        return PackedStack([from_state(p) for p in state["parts"]])
+    if form == "superblock" and _SUPERBLOCKS:
+        return PackedSuperBlock.from_state(state, _KERNEL)
+    raise ValueError(f"packed form {form!r} cannot run in this build")
+
+
+def signature() -> str:
+    """What decides the packed forms besides the weights: which kernel paths this build has."""
+    return f"kernel={_KERNEL is not None},five_bits={_FIVE_BITS},superblocks={_SUPERBLOCKS}"
 
 
 def qlinear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -109,6 +109,22 @@ class PackedSuperBlock:
         # kernel takes every row count.
         self._small = self._large = PackedSuperBlock._matmul
 
+    def state(self) -> dict:
+        """Plain values (qlinear.packed_state): `from_state` rebuilds the weight from them."""
+        return {"form": "superblock", "kind": self.kind, "shape": [self.out_features, self.in_features],
+                "values": self.values, "meta": self.meta}
+
+    @staticmethod
+    def from_state(state: dict, kernel: object) -> PackedSuperBlock:
+        self = PackedSuperBlock.__new__(PackedSuperBlock)
+        self.out_features, self.in_features = state["shape"]
+        self.kind = state["kind"]
+        self.bits = 4 if self.kind == "q4_k" else 6
+        self.values, self.meta = state["values"], state["meta"]
+        self._kernel_module, self._code = kernel, _KIND_CODE[self.kind]
+        self._small = self._large = PackedSuperBlock._matmul
+        return self
+
     @property
     def nbytes(self) -> int:
         return self.values.numel() + self.meta.numel()
@@ -149,6 +165,9 @@ class PackedStack:
         self.in_features = parts[0].in_features
         self.bits = max(p.bits for p in parts)
         self._small, self._large = PackedStack._small_rows, PackedStack._large_rows
+
+    def state(self) -> dict:
+        return {"form": "stack", "parts": [p.state() for p in self.parts]}
 
     @property
     def nbytes(self) -> int:

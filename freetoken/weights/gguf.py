@@ -118,6 +118,24 @@ def _check_tensors(path: Path, arch: str, reader: GGUFFile) -> None:
             raise ModelLoadError(f"{path}: {err}") from None
 
 
+def _header(p: Path, reader: GGUFFile) -> GGUFCheckpoint:
+    metadata = metadata_of(reader)
+    try:
+        arch = architecture_of(metadata)
+        hf_config = hf_config_from_metadata(metadata, [t.name for t in reader.tensors])
+    except ModelLoadError as err:
+        raise ModelLoadError(f"{p}: {err}") from None
+    _check_tensors(p, arch, reader)
+    return GGUFCheckpoint(hf_config, {}, metadata, quant_type_counts(reader))
+
+
+def read_gguf_header(path: str | Path) -> GGUFCheckpoint:
+    """What `load_gguf` returns without its tensors (none is read): the HF config, metadata and
+    quant types, for a model whose weights come from elsewhere (the weight cache)."""
+    p = Path(path)
+    return _header(p, open_gguf(p))
+
+
 def load_gguf(
     path: str | Path,
     dtype: torch.dtype = torch.float32,
@@ -132,13 +150,8 @@ def load_gguf(
     (`expert_stack`)."""
     p = Path(path)
     reader = open_gguf(p)
-    metadata = metadata_of(reader)
-    try:
-        arch = architecture_of(metadata)
-        hf_config = hf_config_from_metadata(metadata, [t.name for t in reader.tensors])
-    except ModelLoadError as err:
-        raise ModelLoadError(f"{p}: {err}") from None
-    _check_tensors(p, arch, reader)
+    header = _header(p, reader)
+    metadata, hf_config, arch = header.metadata, header.hf_config, architecture_of(header.metadata)
     assembler = HFTensorAssembler(
         arch,
         int(hf_config["num_attention_heads"]),  # type: ignore[arg-type]
@@ -167,4 +180,4 @@ def load_gguf(
         tensors = assembler.finish()
     except ModelLoadError as err:
         raise ModelLoadError(f"{p}: {err}") from None
-    return GGUFCheckpoint(hf_config, tensors, metadata, quant_type_counts(reader))
+    return GGUFCheckpoint(hf_config, tensors, metadata, header.quant_types)

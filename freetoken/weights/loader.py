@@ -14,7 +14,7 @@ import torch
 
 from freetoken.errors import ModelLoadError
 from freetoken.ops.quantized import QuantizedWeight
-from freetoken.weights.safetensors import load_safetensors_dir
+from freetoken.weights.safetensors import load_safetensors_dir, shard_files
 from freetoken.weights.source import DEFAULT_MODEL, SHORT_NAMES, ModelSource, resolve_model
 
 
@@ -50,4 +50,22 @@ def load_checkpoint(source: ModelSource, dtype: torch.dtype, keep_quantized: boo
     return Checkpoint(source, ckpt.hf_config, ckpt.tensors, ckpt.metadata, ckpt.quant_types)
 
 
-__all__ = ["DEFAULT_MODEL", "SHORT_NAMES", "Checkpoint", "ModelSource", "load_checkpoint", "read_hf_config", "resolve_model"]
+def read_header(source: ModelSource) -> Checkpoint:
+    """The checkpoint's config (and GGUF metadata and quant types) without its tensors."""
+    if source.kind == "safetensors":
+        return Checkpoint(source, read_hf_config(source.path), {})
+    from freetoken.weights.gguf import read_gguf_header
+
+    header = read_gguf_header(source.path)
+    return Checkpoint(source, header.hf_config, {}, header.metadata, header.quant_types)
+
+
+def checkpoint_files(source: ModelSource) -> list[Path]:
+    """The files a load reads: the GGUF file, or a directory's config and safetensors files."""
+    if source.kind == "gguf":
+        return [Path(source.path)]
+    return [Path(source.path) / "config.json", *shard_files(source.path)]
+
+
+__all__ = ["DEFAULT_MODEL", "SHORT_NAMES", "Checkpoint", "ModelSource", "checkpoint_files", "load_checkpoint", "read_header", "read_hf_config",
+           "resolve_model"]

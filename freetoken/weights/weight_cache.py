@@ -1,0 +1,182 @@
+"""The weight cache on disk: what a load made of a checkpoint, kept so the next start maps it.
+
+Owns the cache directory (`--weights-cache auto`: `$FREETOKEN_CACHE_DIR/weights`, else
+`$XDG_CACHE_HOME/freetoken/weights`, else `~/.cache/freetoken/weights`), the identity of a
+checkpoint's files and of the code that packs them, and one entry per key: `<digest>.pt` (the
+value, `torch.save`d) beside `<digest>.json` (its key, size and a CRC-32 per 64 MiB chunk).
+
+An entry is never trusted blindly: `read` checks the manifest's key against the one asked for,
+the file's size, and every chunk's checksum (two threads) before `torch.load(mmap=True,
+weights_only=True)` maps it — its tensors are then the file's pages, shared with the page cache,
+not a copy. A missing, stale or corrupt entry is a miss (a corrupt one is deleted and logged); the
+caller loads the checkpoint and writes a new entry. Writes go to a temporary file renamed into
+place, so a crash mid-write leaves no entry; writing an entry deletes the entries of the same
+checkpoint files made from other file versions or other code. It does not know what the value
+holds (models/snapshot.py) or which options make a key (models/load.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import pickle
+import shutil
+import time
+import zlib
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("freetoken.weights")
+
+CHUNK = 64 << 20  # bytes per checksum
+SPARE_DISK = 512 << 20  # bytes left free on the cache's disk after a write, at least
+STALE_TMP_S = 3600  # a temporary file older than this is a crashed write's: deleted
+
+
+def cache_dir(setting: str | None) -> Path | None:
+    """The directory `--weights-cache` names: `auto` (the user cache dir), `off` / None (no
+    cache), or a path."""
+    if setting is None or setting == "off":
+        return None
+    if setting != "auto":
+        return Path(setting).expanduser()
+    base = os.environ.get("FREETOKEN_CACHE_DIR")
+    if base:
+        return Path(base).expanduser() / "weights"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "freetoken" / "weights"
+
+
+def file_identity(paths: Iterable[Path]) -> list[list[object]]:
+    """[path, size, mtime_ns] per file: a file rewritten or replaced is another identity."""
+    out: list[list[object]] = []
+    for p in paths:
+        st = p.stat()
+        out.append([str(p.resolve()), st.st_size, st.st_mtime_ns])
+    return out
+
+
+def code_identity(roots: Iterable[Path]) -> str:
+    """A digest of every Python and extension file under `roots`: code that packs weights
+    differently is another identity (a snapshot from another version is never read)."""
+    h = hashlib.sha256()
+    for root in roots:
+        for p in sorted(root.rglob("*")):
+            if p.suffix in (".py", ".so") and p.is_file():
+                h.update(str(p.relative_to(root.parent)).encode())
+                h.update(p.read_bytes())
+    return h.hexdigest()[:32]
+
+
+def _digest(key: dict) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _checksums(path: Path, size: int) -> list[int]:
+    """CRC-32 of each CHUNK bytes of the file, two chunks at a time (zlib frees the GIL)."""
+    def crc(start: int) -> int:
+        with path.open("rb") as f:
+            f.seek(start)
+            return zlib.crc32(f.read(min(CHUNK, size - start)))
+
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(crc, range(0, size, CHUNK)))
+
+
+def nbytes(value: object) -> int:
+    """Bytes of the tensors in a nested value of dicts, lists and tensors."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(nbytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(nbytes(v) for v in value)
+    return 0
+
+
+class WeightCache:
+    """Entries in `directory`, one per key (a JSON-able dict naming the checkpoint's files under
+    `"source"` and the packing code under `"code"`)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def paths(self, key: dict) -> tuple[Path, Path]:
+        digest = _digest(key)
+        return self.directory / f"{digest}.pt", self.directory / f"{digest}.json"
+
+    def read(self, key: dict) -> dict | None:
+        """The value stored under `key`, memory-mapped, or None (a miss: absent, or stale or
+        corrupt, which is logged and deleted)."""
+        data, manifest = self.paths(key)
+        if not manifest.exists() or not data.exists():
+            return None
+        try:
+            meta = json.loads(manifest.read_text())
+            if meta.get("key") != key:
+                raise ValueError("its manifest names another key")
+            size = data.stat().st_size
+            if size != meta["size"]:
+                raise ValueError(f"{size} bytes, its manifest says {meta['size']}")
+            if _checksums(data, size) != meta["crc32"]:
+                raise ValueError("a checksum does not match")
+            return torch.load(data, mmap=True, weights_only=True, map_location="cpu")
+        except (OSError, ValueError, KeyError, RuntimeError, TypeError, EOFError, pickle.UnpicklingError) as err:
+            log.warning("weight cache entry %s is unusable (%s): deleted, loading from the checkpoint", data.name, err)
+            self._remove(data, manifest)
+            return None
+
+    def write(self, key: dict, value: dict) -> Path | None:
+        """Store `value` under `key` (replacing any entry), then delete the entries of the same
+        checkpoint files from other file versions or code. Returns the entry's path, or None
+        when it was not written (no room on the disk, or an OS error; logged)."""
+        data, manifest = self.paths(key)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._prune(key)
+            need = nbytes(value)
+            free = shutil.disk_usage(self.directory).free
+            if free < need + SPARE_DISK:
+                log.warning("weight cache: %d MiB free in %s, %d MiB needed: not written",
+                            free >> 20, self.directory, (need + SPARE_DISK) >> 20)
+                return None
+            tmp = data.with_name(f"{data.name}.{os.getpid()}.tmp")
+            torch.save(value, tmp)
+            size = tmp.stat().st_size
+            meta = {"key": key, "size": size, "crc32": _checksums(tmp, size), "created": time.time()}
+            tmp_manifest = manifest.with_name(f"{manifest.name}.{os.getpid()}.tmp")
+            tmp_manifest.write_text(json.dumps(meta))
+            os.replace(tmp, data)
+            os.replace(tmp_manifest, manifest)
+        except OSError as err:
+            log.warning("weight cache: could not write %s (%s)", data, err)
+            return None
+        return data
+
+    def _prune(self, key: dict) -> None:
+        """Delete crashed writes' temporary files and the entries `key` makes stale: same
+        checkpoint paths, other file identity or other code."""
+        paths = [s[0] for s in key["source"]]
+        now = time.time()
+        for p in self.directory.glob("*.tmp"):
+            if now - p.stat().st_mtime > STALE_TMP_S:
+                p.unlink(missing_ok=True)
+        for manifest in self.directory.glob("*.json"):
+            try:
+                other = json.loads(manifest.read_text())["key"]
+            except (OSError, ValueError, KeyError, TypeError):
+                self._remove(manifest.with_suffix(".pt"), manifest)
+                continue
+            if [s[0] for s in other.get("source", [])] == paths and (
+                    other.get("source") != key["source"] or other.get("code") != key["code"]):
+                self._remove(manifest.with_suffix(".pt"), manifest)
+
+    @staticmethod
+    def _remove(data: Path, manifest: Path) -> None:
+        manifest.unlink(missing_ok=True)
+        data.unlink(missing_ok=True)
