@@ -20,7 +20,7 @@ from freetoken.models.experts import offload_experts
 from freetoken.models.experts_cache import GIB, ExpertCache
 from freetoken.models.formats import summary, weight_formats
 from freetoken.models.linear import check_policy
-from freetoken.models.registry import build_model
+from freetoken.models.registry import build_model, config_from_hf
 from freetoken.tokenizer import Tokenizer
 from freetoken.utils.heap import return_freed_memory
 from freetoken.weights.loader import ModelSource, load_checkpoint, resolve_model
@@ -66,7 +66,7 @@ def load_model(
     source = resolve_model(spec)
     log.info("loading %s from %s", source.name, source.path)
     ckpt = load_checkpoint(source, dtype, keep_quantized=weights != "bf16")
-    config = ModelConfig.from_hf(ckpt.hf_config)
+    config = config_from_hf(ckpt.hf_config)
     tensors = ckpt.tensors
     plan = None
     if world > 1:
