@@ -12,10 +12,10 @@ The package in layers, bottom to top (docs/architecture.md, "The server package"
   generation as text pieces, streams and usage, tool-call and reasoning parsing.
 - `openai/` (chat completions, completions), `responses/` (OpenAI Responses), `anthropic/`
   (Messages): one thin package per wire protocol, translating its shapes to and from the core;
-  beside them the admin and router-probe routes (`operations/admin_cache`, `operations/worker_info`).
-  None of these imports another, and the core imports none of them.
+  beside them the admin and router-probe routes (`operations/admin_cache`,
+  `operations/worker_info`). None of these imports another, and the core imports none of them.
 - `app` (the FastAPI app: the only module that imports every protocol package) and `serve` (the
   `ft serve` process: settings -> preflight -> engine client -> app -> uvicorn).
 
-tests/unit/test_server_layers.py checks these import rules.
+tests/unit/test_layers.py checks these import rules.
 """

@@ -5,8 +5,8 @@ and `tool_messages`), the context checks (`limits`), the engine generation of on
 text pieces (`generation`: incremental detokenization, stop strings, abort), the SSE stream and
 usage accounting (`streaming`), tool-call and reasoning parsing and forced-call grammars
 (`tool_calling`), `response_format` -> grammar, token logprob items (`logprobs`) and retention
-pins at message boundaries (`pins`); the error type it raises is the plumbing's (`server/errors.py`).
-The protocol sub-packages
-(`openai`, `responses`, `anthropic`) translate their wire shapes to and from these; nothing here
-imports one of them (tests/unit/test_server_layers.py checks it).
+pins at message boundaries (`pins`); the error type it raises is the plumbing's
+(`server/errors.py`). The protocol sub-packages (`openai`, `responses`, `anthropic`) translate
+their wire shapes to and from these; nothing here imports one of them (tests/unit/test_layers.py
+checks it).
 """
