@@ -69,11 +69,11 @@ def bench_scheduler(steps: int = 100) -> list[str]:
     from freetoken.engine.runner import Runner
     from freetoken.kv.manager import KVManager
     from freetoken.kv.tensors import KVLayout, KVTensors
-    from freetoken.models.config import ModelConfig
+    from freetoken.models.registry import config_from_hf
 
     rows = []
     for window, vocab in ((None, 32000), (512, 32000), (512, 262144)):
-        cfg = ModelConfig.from_hf({
+        cfg = config_from_hf({
             "model_type": "gemma3_text" if window else "llama", "vocab_size": vocab, "hidden_size": 64,
             "intermediate_size": 64, "num_hidden_layers": 6, "num_attention_heads": 1, "num_key_value_heads": 1,
             "head_dim": 8, "sliding_window": window or 4096, "max_position_embeddings": 32768,

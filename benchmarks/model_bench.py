@@ -73,12 +73,11 @@ class FreeTokenRunner:
     """FreeToken's model driven directly: one request, pages 1..n in order in both pools."""
 
     def __init__(self, model_name: str, dtype: torch.dtype) -> None:
-        from freetoken.models.config import ModelConfig
-        from freetoken.models.registry import build_model
+        from freetoken.models.registry import build_model, config_from_hf
         from freetoken.weights.loader import load_checkpoint, resolve_model
 
         ckpt = load_checkpoint(resolve_model(model_name), dtype)
-        self.config = ModelConfig.from_hf(ckpt.hf_config)
+        self.config = config_from_hf(ckpt.hf_config)
         self.model = build_model(self.config, dtype, "cpu")
         self.model.load_weights(ckpt.tensors)
         self.model.eval()

@@ -29,11 +29,10 @@ from freetoken.distributed.group import (
 )
 from freetoken.distributed.report import RankReport, exchange
 from freetoken.distributed.step import receive_pools, receive_step
-from freetoken.engine.runner import build_batch, run_model
-from freetoken.errors import FreeTokenError
+from freetoken.errors import EXIT_STARTUP, FreeTokenError
 from freetoken.kv.tensors import KVTensors
+from freetoken.models.forward import build_batch, run_model
 from freetoken.models.load import load_model
-from freetoken.server.process.exit_codes import EXIT_STARTUP
 from freetoken.utils.hardware import default_device, resolve_dtype
 
 log = logging.getLogger("freetoken.engine")

@@ -24,11 +24,11 @@ import torch
 from freetoken.config import EngineConfig
 from freetoken.distributed.group import free_loopback_port, join_group, leave_group
 from freetoken.distributed.step import StepSender
-from freetoken.server.process.exit_codes import EXIT_FAILED, EXIT_STARTUP
+from freetoken.errors import EXIT_FAILED, EXIT_STARTUP
 
 log = logging.getLogger("freetoken.engine")
 
-# EXIT_FAILED (server/process/exit_codes.py): a restart may help. A rank that could not load the model
+# EXIT_FAILED (freetoken/errors.py): a restart may help. A rank that could not load the model
 # exits with EXIT_STARTUP, which rank 0 passes on as is.
 EXIT_RANK_LOST = EXIT_FAILED
 STOP_WAIT_S = 10.0

@@ -1,10 +1,10 @@
 """Runs the model on one scheduled batch: page tables in, logits out.
 
-Owns the model, the physical K/V tensors and the translation of scheduled items into one
-`ForwardBatch` — one forward over the whole batch, never a Python loop over requests. It reads
-page tables from the KV manager and never changes ownership of a page. Under tensor parallelism
-(rank 0 only) it first broadcasts the step to the other ranks, which run the same `build_batch` and
-`run_model` on it.
+Owns the model, the physical K/V tensors and the translation of scheduled items into request
+specs and logit rows — one forward over the whole batch, never a Python loop over requests; the
+batch itself is built and run by `models/forward.py`. It reads page tables from the KV manager and
+never changes ownership of a page. Under tensor parallelism (rank 0 only) it first broadcasts the
+step to the other ranks, which run the same `build_batch` and `run_model` on it.
 """
 
 from __future__ import annotations
@@ -13,31 +13,12 @@ from collections.abc import Sequence
 
 import torch
 
-from freetoken.attention.metadata import ForwardBatch, RequestSpec
 from freetoken.distributed.launch import Peers
 from freetoken.engine.scheduler import ScheduledItem
 from freetoken.kv.manager import KVManager
 from freetoken.kv.tensors import KVTensors
 from freetoken.models.config import ModelConfig
-
-
-def build_batch(
-    config: ModelConfig, kv_tensors: KVTensors, specs: Sequence[RequestSpec], logit_rows: Sequence[int]
-) -> ForwardBatch:
-    """The ForwardBatch of the requests `specs` (raises ValueError on a malformed table)."""
-    return ForwardBatch.build(
-        specs,
-        page_size=kv_tensors.page_size,
-        logits_indices=logit_rows,
-        device=kv_tensors.device,
-        sliding_window=config.sliding_window if config.has_swa else None,
-    )
-
-
-def run_model(model: torch.nn.Module, kv_tensors: KVTensors, ids: Sequence[int], batch: ForwardBatch) -> torch.Tensor:
-    """input ids -> logits [N, vocab] in the model's compute dtype, for `batch.logits_indices`."""
-    input_ids = torch.tensor(ids, dtype=torch.long, device=kv_tensors.device)
-    return model(input_ids, batch, kv_tensors)
+from freetoken.models.forward import build_batch, run_model
 
 
 class Runner:

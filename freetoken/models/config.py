@@ -1,9 +1,12 @@
 """Model configuration: one frozen dataclass for every supported family.
 
-Owns `ModelConfig` and reading it from a Hugging Face `config.json` dict (as transformers 5.x
-writes it, and the older keys `rope_theta` / `rope_local_base_freq` / `rope_scaling`). It does
-not read GGUF metadata (the weights package builds a `ModelConfig` from that) and holds no
-weights.
+Owns `ModelConfig` and `RopeConfig`, and the pieces of reading a Hugging Face `config.json` dict
+that every family shares (as transformers 5.x writes it, and the older keys `rope_theta` /
+`rope_local_base_freq` / `rope_scaling`): `hf_get`, `read_rope`, `read_single_rope`,
+`read_common`. Each family's own reader (its transformers class defaults and what it derives) is
+`config_from_hf` in the family's module; `registry.config_from_hf` picks one by `model_type`. It
+does not read GGUF metadata (the weights package turns that into a `config.json` dict) and holds
+no weights.
 """
 
 from __future__ import annotations
@@ -138,39 +141,17 @@ class ModelConfig:
         base = self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.head_dim
         return float(base) ** -0.5
 
-    @classmethod
-    def from_hf(cls, config: Mapping[str, Any]) -> ModelConfig:
-        """Read a Hugging Face `config.json` dict (llama, gemma3_text, gemma3, gpt_oss, qwen3,
-        qwen3_moe, gemma4_text, gemma4)."""
-        from freetoken.models.config_families import READERS  # Qwen3 and Gemma 4 readers; they import this module
 
-        model_type = config.get("model_type")
-        if model_type in READERS:
-            return READERS[model_type](config)
-        if model_type == "gemma3":
-            text = config.get("text_config")
-            if not isinstance(text, Mapping):
-                raise ModelLoadError("gemma3 config.json has no text_config")
-            return _from_gemma3({**text, "model_type": "gemma3_text"})
-        if model_type == "gemma3_text":
-            return _from_gemma3(config)
-        if model_type == "llama":
-            return _from_llama(config)
-        if model_type == "gpt_oss":
-            return _from_gpt_oss(config)
-        raise ModelLoadError(
-            f"unsupported model_type {model_type!r} (supported: llama, gemma3, gemma3_text, gpt_oss, "
-            "qwen3, qwen3_moe, gemma4, gemma4_text)"
-        )
+# --- reading config.json: what every family's reader shares ----------------------------------
 
 
-def _get(config: Mapping[str, Any], key: str, default: Any) -> Any:
+def hf_get(config: Mapping[str, Any], key: str, default: Any) -> Any:
     """`config[key]`, or `default` when the key is absent or null."""
     value = config.get(key)
     return default if value is None else value
 
 
-def _rope(params: Mapping[str, Any], theta: float) -> RopeConfig:
+def read_rope(params: Mapping[str, Any], theta: float) -> RopeConfig:
     """One rope dict (`rope_parameters` entry or legacy `rope_scaling`) over a default theta."""
     rope_type = params.get("rope_type", params.get("type", "default"))
 
@@ -180,7 +161,7 @@ def _rope(params: Mapping[str, Any], theta: float) -> RopeConfig:
 
     orig = params.get("original_max_position_embeddings")
     return RopeConfig(
-        theta=float(_get(params, "rope_theta", theta)),
+        theta=float(hf_get(params, "rope_theta", theta)),
         rope_type=str(rope_type),
         factor=opt("factor"),
         original_max_position_embeddings=None if orig is None else int(orig),
@@ -196,14 +177,14 @@ def _rope(params: Mapping[str, Any], theta: float) -> RopeConfig:
     )
 
 
-def _single_rope(config: Mapping[str, Any], default_theta: float) -> RopeConfig:
-    """The one rope of a model whose layers all share it (llama, gpt_oss)."""
-    params = dict(_get(config, "rope_parameters", None) or _get(config, "rope_scaling", None) or {})
-    theta = float(_get(config, "rope_theta", default_theta))
-    rope = _rope(params, theta)
+def read_single_rope(config: Mapping[str, Any], default_theta: float) -> RopeConfig:
+    """The one rope of a model whose layers all share it (llama, gpt_oss, qwen3, qwen3_moe)."""
+    params = dict(hf_get(config, "rope_parameters", None) or hf_get(config, "rope_scaling", None) or {})
+    theta = float(hf_get(config, "rope_theta", default_theta))
+    rope = read_rope(params, theta)
     if rope.rope_type in ("llama3", "yarn") and rope.original_max_position_embeddings is None:
-        max_pos = int(_get(config, "original_max_position_embeddings", config.get("max_position_embeddings", 2048)))
-        rope = _rope({**params, "original_max_position_embeddings": max_pos}, theta)
+        max_pos = int(hf_get(config, "original_max_position_embeddings", config.get("max_position_embeddings", 2048)))
+        rope = read_rope({**params, "original_max_position_embeddings": max_pos}, theta)
     return rope
 
 
@@ -214,12 +195,12 @@ def _eos(config: Mapping[str, Any]) -> tuple[int, ...]:
     return tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
 
 
-def _common(config: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+def read_common(config: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
     """Fields read the same way for every family; `defaults` are the transformers class defaults
     (hub configs such as Gemma 3's nested text_config rely on them)."""
 
     def get(key: str) -> Any:
-        value = _get(config, key, defaults.get(key))
+        value = hf_get(config, key, defaults.get(key))
         if value is None and key in _REQUIRED:
             raise ModelLoadError(f"config.json lacks {key!r}")
         return value
@@ -232,8 +213,8 @@ def _common(config: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str,
         intermediate_size=int(get("intermediate_size")),
         num_layers=int(get("num_hidden_layers")),
         num_heads=heads,
-        num_kv_heads=int(_get(config, "num_key_value_heads", defaults.get("num_key_value_heads", heads))),
-        head_dim=int(_get(config, "head_dim", defaults.get("head_dim", hidden // heads))),
+        num_kv_heads=int(hf_get(config, "num_key_value_heads", defaults.get("num_key_value_heads", heads))),
+        head_dim=int(hf_get(config, "head_dim", defaults.get("head_dim", hidden // heads))),
         rms_norm_eps=float(get("rms_norm_eps")),
         max_position_embeddings=int(get("max_position_embeddings")),
         tie_word_embeddings=bool(get("tie_word_embeddings")),
@@ -245,93 +226,3 @@ def _common(config: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str,
 
 
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-
-
-def _from_llama(config: Mapping[str, Any]) -> ModelConfig:
-    defaults = dict(
-        vocab_size=32_000, hidden_size=4096, intermediate_size=11_008, num_hidden_layers=32, num_attention_heads=32,
-        rms_norm_eps=1e-6, max_position_embeddings=2048, tie_word_embeddings=False,
-        attention_bias=False, bos_token_id=1, eos_token_id=2,
-    )
-    rope = _single_rope(config, 10_000.0)
-    common = _common(config, defaults)
-    return ModelConfig(
-        architecture="llama",
-        **common,
-        layer_types=(FULL_ATTENTION,) * common["num_layers"],
-        rope_full=rope,
-        rope_sliding=rope,
-        hidden_act=str(_get(config, "hidden_act", "silu")),
-        mlp_bias=bool(_get(config, "mlp_bias", False)),
-    )
-
-
-def _from_gemma3(config: Mapping[str, Any]) -> ModelConfig:
-    if config.get("use_bidirectional_attention"):
-        raise ModelLoadError("gemma3 with use_bidirectional_attention is not supported")
-    defaults = dict(
-        vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
-        num_key_value_heads=4, head_dim=256,
-        rms_norm_eps=1e-6, max_position_embeddings=131_072, tie_word_embeddings=True,
-        attention_bias=False, bos_token_id=2, eos_token_id=1, pad_token_id=0,
-    )
-    common = _common(config, defaults)
-    num_layers = common["num_layers"]
-    layer_types = config.get("layer_types")
-    if layer_types is None:
-        pattern = int(_get(config, "sliding_window_pattern", 6))
-        layer_types = [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(num_layers)]
-
-    params = config.get("rope_parameters")
-    if isinstance(params, Mapping) and FULL_ATTENTION in params:
-        rope_full = _rope(params[FULL_ATTENTION] or {}, 1_000_000.0)
-        rope_sliding = _rope(params.get(SLIDING_ATTENTION) or {}, 10_000.0)
-    else:  # legacy keys: rope_scaling applies to the global layers only
-        scaling = dict(params or config.get("rope_scaling") or {})
-        rope_full = _rope(scaling, float(_get(config, "rope_theta", 1_000_000.0)))
-        rope_sliding = RopeConfig(theta=float(_get(config, "rope_local_base_freq", 10_000.0)))
-    return ModelConfig(
-        architecture="gemma3",
-        **common,
-        layer_types=tuple(layer_types),
-        rope_full=rope_full,
-        rope_sliding=rope_sliding,
-        sliding_window=int(_get(config, "sliding_window", 4096)),
-        hidden_act=str(_get(config, "hidden_activation", _get(config, "hidden_act", "gelu_pytorch_tanh"))),
-        query_pre_attn_scalar=float(_get(config, "query_pre_attn_scalar", 256)),
-        attn_logit_softcapping=config.get("attn_logit_softcapping"),
-        final_logit_softcapping=config.get("final_logit_softcapping"),
-    )
-
-
-def _from_gpt_oss(config: Mapping[str, Any]) -> ModelConfig:
-    defaults = dict(
-        vocab_size=201_088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=36, num_attention_heads=64,
-        num_key_value_heads=8, head_dim=64,
-        rms_norm_eps=1e-5, max_position_embeddings=131_072, tie_word_embeddings=False,
-        attention_bias=True, bos_token_id=None, eos_token_id=None,
-    )
-    common = _common(config, defaults)
-    num_layers = common["num_layers"]
-    layer_types = config.get("layer_types") or [
-        SLIDING_ATTENTION if (i + 1) % 2 else FULL_ATTENTION for i in range(num_layers)
-    ]
-    if config.get("rope_parameters") is None and config.get("rope_scaling") is None:
-        config = {**config, "rope_parameters": {
-            "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
-            "truncate": False, "original_max_position_embeddings": 4096,
-        }}
-    rope = _single_rope(config, 150_000.0)
-    return ModelConfig(
-        architecture="gpt_oss",
-        **common,
-        layer_types=tuple(layer_types),
-        rope_full=rope,
-        rope_sliding=rope,
-        sliding_window=int(_get(config, "sliding_window", 128)),
-        hidden_act="swiglu_clamped",
-        num_experts=int(_get(config, "num_local_experts", 128)),
-        num_experts_per_tok=int(_get(config, "num_experts_per_tok", 4)),
-        swiglu_alpha=float(_get(config, "swiglu_alpha", 1.702)),
-        swiglu_limit=float(_get(config, "swiglu_limit", 7.0)),
-    )

@@ -3,19 +3,25 @@
 Owns the Gemma 3 module tree (parameter names follow transformers' Gemma3ForCausalLM without the
 `model.` prefix) and its forward: embeddings scaled by sqrt(hidden) in the model dtype, q/k
 norms, four (1 + w) RMSNorms per block, separate rope bases for local and global layers, the
-query_pre_attn_scalar attention scale and optional soft-capping. It does not read files.
+query_pre_attn_scalar attention scale and optional soft-capping; and `config_from_hf`, the reader
+of a Gemma 3 `config.json` dict (the text model's, or the multimodal checkpoint's `text_config`),
+with Gemma3TextConfig's class defaults and the legacy rope keys. It does not read files.
 """
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
+from typing import Any
 
 import torch
 from torch import nn
 
 from freetoken.attention.metadata import ForwardBatch
+from freetoken.errors import ModelLoadError
 from freetoken.kv.tensors import KVTensors
-from freetoken.models.config import ModelConfig
+from freetoken.models.config import (
+    FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeConfig, hf_get, read_common, read_rope,
+)
 from freetoken.models.linear import Weight
 from freetoken.models.layers import (
     GatedMLP, RMSNorm, Rotary, SelfAttention, embedding, linear, load_named, output_logits, residual, strip_prefix,
@@ -84,3 +90,51 @@ class Gemma3ForCausalLM(nn.Module):
             x = layer(x, cos, sin, i, batch, kv)
         softcap = self.config.final_logit_softcapping
         return output_logits(x, batch, self.norm, self.embed_tokens, self.lm_head, softcap)  # [N, vocab]
+
+
+# --- reading config.json -------------------------------------------------------------------------
+
+
+def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
+    """A Gemma 3 `config.json` dict as a ModelConfig: the text model's (model_type "gemma3_text"),
+    or the multimodal checkpoint's ("gemma3"), whose `text_config` it reads."""
+    if config.get("model_type") == "gemma3":
+        text = config.get("text_config")
+        if not isinstance(text, Mapping):
+            raise ModelLoadError("gemma3 config.json has no text_config")
+        config = {**text, "model_type": "gemma3_text"}
+    if config.get("use_bidirectional_attention"):
+        raise ModelLoadError("gemma3 with use_bidirectional_attention is not supported")
+    defaults = dict(
+        vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256,
+        rms_norm_eps=1e-6, max_position_embeddings=131_072, tie_word_embeddings=True,
+        attention_bias=False, bos_token_id=2, eos_token_id=1, pad_token_id=0,
+    )
+    common = read_common(config, defaults)
+    num_layers = common["num_layers"]
+    layer_types = config.get("layer_types")
+    if layer_types is None:
+        pattern = int(hf_get(config, "sliding_window_pattern", 6))
+        layer_types = [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(num_layers)]
+
+    params = config.get("rope_parameters")
+    if isinstance(params, Mapping) and FULL_ATTENTION in params:
+        rope_full = read_rope(params[FULL_ATTENTION] or {}, 1_000_000.0)
+        rope_sliding = read_rope(params.get(SLIDING_ATTENTION) or {}, 10_000.0)
+    else:  # legacy keys: rope_scaling applies to the global layers only
+        scaling = dict(params or config.get("rope_scaling") or {})
+        rope_full = read_rope(scaling, float(hf_get(config, "rope_theta", 1_000_000.0)))
+        rope_sliding = RopeConfig(theta=float(hf_get(config, "rope_local_base_freq", 10_000.0)))
+    return ModelConfig(
+        architecture="gemma3",
+        **common,
+        layer_types=tuple(layer_types),
+        rope_full=rope_full,
+        rope_sliding=rope_sliding,
+        sliding_window=int(hf_get(config, "sliding_window", 4096)),
+        hidden_act=str(hf_get(config, "hidden_activation", hf_get(config, "hidden_act", "gelu_pytorch_tanh"))),
+        query_pre_attn_scalar=float(hf_get(config, "query_pre_attn_scalar", 256)),
+        attn_logit_softcapping=config.get("attn_logit_softcapping"),
+        final_logit_softcapping=config.get("final_logit_softcapping"),
+    )

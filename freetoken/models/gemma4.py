@@ -16,22 +16,29 @@ Owns the Gemma 4 module tree (parameter names follow transformers' Gemma4ForCaus
   `layer_scalar`;
 - embeddings scaled by sqrt(hidden) in the model dtype, final soft-capping.
 
-Per-layer embeddings and shared KV layers (Gemma 4 E2B / E4B) and the vision / audio towers are
-not modelled (the config reader refuses the first two; tower tensors are ignored). It does not
-read files.
+Also `config_from_hf`, the reader of a Gemma 4 `config.json` dict (the text model's, or the
+multimodal checkpoint's `text_config`): Gemma4TextConfig's class defaults, the full layers' wider
+heads (`global_head_dim` and `num_global_key_value_heads`, or the saved `per_layer_config`), and
+the features FreeToken refuses. Per-layer embeddings and shared KV layers (Gemma 4 E2B / E4B) and
+the vision / audio towers are not modelled (the reader refuses the first two; tower tensors are
+ignored). It does not read files.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from freetoken.attention.metadata import ForwardBatch
+from freetoken.errors import ModelLoadError
 from freetoken.kv.tensors import KVTensors
-from freetoken.models.config import ModelConfig, RopeConfig
+from freetoken.models.config import (
+    FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeConfig, hf_get, read_common, read_rope,
+)
 from freetoken.models.experts import Experts
 from freetoken.models.layers import (
     GatedMLP, RMSNorm, Rotary, SelfAttention, compute_dtype, embedding, linear, load_named, output_logits, residual,
@@ -184,3 +191,68 @@ class Gemma4ForCausalLM(nn.Module):
             x = layer(x, cos, sin, i, batch, kv)
         softcap = self.config.final_logit_softcapping
         return output_logits(x, batch, self.norm, self.embed_tokens, self.lm_head, softcap)  # [N, vocab]
+
+
+# --- reading config.json -------------------------------------------------------------------------
+
+
+_DEFAULTS = dict(
+    vocab_size=262_144, hidden_size=2304, intermediate_size=9216, num_hidden_layers=30, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6, max_position_embeddings=131_072,
+    tie_word_embeddings=True, attention_bias=False, bos_token_id=2, eos_token_id=1, pad_token_id=0,
+)
+GLOBAL_HEAD_DIM = 512  # Gemma4TextConfig's default global_head_dim
+PARTIAL_ROTARY = 0.25  # the full layers' default proportional rope share
+
+
+def _full_heads(config: Mapping[str, Any], layer_types: list[str], kv_heads: int) -> tuple[int, int]:
+    """(head_dim, kv heads) of the full-attention layers: the saved `per_layer_config` (uniform over
+    the full layers, none on sliding ones), or `global_head_dim` / `num_global_key_value_heads` as
+    Gemma4TextConfig derives it (the kv override only with attention_k_eq_v)."""
+    saved = config.get("per_layer_config")
+    if isinstance(saved, Mapping):
+        shapes = {int(i): (v.get("head_dim"), v.get("num_key_value_heads")) for i, v in saved.items()}
+        full = {shapes.get(i) for i, t in enumerate(layer_types) if t == FULL_ATTENTION}
+        if len(full) > 1 or any(layer_types[i] != FULL_ATTENTION for i in shapes):
+            raise ModelLoadError(f"gemma4 per_layer_config must give every full-attention layer one shape, got {dict(saved)}")
+        head_dim, heads = full.pop() if full else (None, None)
+        return int(head_dim or hf_get(config, "head_dim", 256)), int(heads or kv_heads)
+    heads = config.get("num_global_key_value_heads") if hf_get(config, "attention_k_eq_v", False) else None
+    return int(hf_get(config, "global_head_dim", GLOBAL_HEAD_DIM)), int(heads or kv_heads)
+
+
+def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
+    """A Gemma 4 `config.json` dict as a ModelConfig: the text model's (model_type "gemma4_text"),
+    or the multimodal checkpoint's ("gemma4"), whose `text_config` it reads."""
+    if config.get("model_type") == "gemma4":
+        text = config.get("text_config")
+        if not isinstance(text, Mapping):
+            raise ModelLoadError("gemma4 config.json has no text_config")
+        config = {**text, "model_type": "gemma4_text"}
+    if int(hf_get(config, "hidden_size_per_layer_input", 256)):
+        raise ModelLoadError("gemma4 with per-layer embeddings (hidden_size_per_layer_input > 0, Gemma 4 E2B/E4B) is not supported")
+    if int(hf_get(config, "num_kv_shared_layers", 0)):
+        raise ModelLoadError("gemma4 with shared KV layers (num_kv_shared_layers > 0) is not supported")
+    if config.get("use_bidirectional_attention") == "all":
+        raise ModelLoadError("gemma4 with use_bidirectional_attention='all' is not supported")
+    common = read_common(config, _DEFAULTS)
+    n = common["num_layers"]
+    layer_types = list(config.get("layer_types") or [SLIDING_ATTENTION if (i + 1) % 6 else FULL_ATTENTION for i in range(n)])
+    layer_types[-1] = FULL_ATTENTION  # as Gemma4TextConfig forces
+    global_dim, global_heads = _full_heads(config, layer_types, common["num_kv_heads"])
+    params = config.get("rope_parameters") or {}
+    full = dict(params.get(FULL_ATTENTION) or {"rope_type": "proportional", "partial_rotary_factor": PARTIAL_ROTARY})
+    moe = bool(hf_get(config, "enable_moe_block", False))
+    return ModelConfig(
+        architecture="gemma4", **common, layer_types=tuple(layer_types),
+        rope_full=read_rope(full, 1_000_000.0), rope_sliding=read_rope(params.get(SLIDING_ATTENTION) or {}, 10_000.0),
+        sliding_window=int(hf_get(config, "sliding_window", 512)),
+        hidden_act=str(hf_get(config, "hidden_activation", "gelu_pytorch_tanh")),
+        query_pre_attn_scalar=1.0,  # Gemma 4 attends with scale 1 (its q/k norms set the logits' size)
+        final_logit_softcapping=config.get("final_logit_softcapping"),
+        num_experts=int(hf_get(config, "num_experts", 0)) if moe else 0,
+        num_experts_per_tok=int(hf_get(config, "top_k_experts", 0)) if moe else 0,
+        moe_intermediate_size=int(hf_get(config, "moe_intermediate_size", 0)) if moe else 0,
+        global_head_dim=global_dim, num_global_kv_heads=global_heads,
+        attention_k_eq_v=bool(hf_get(config, "attention_k_eq_v", False)),
+    )

@@ -5,12 +5,14 @@ Owns the gpt-oss module tree (parameter names follow transformers' GptOssForCaus
 rope, and a mixture of experts (`models.experts`) routed by softmax over the top-k router logits,
 each expert a clamped SwiGLU `(up + 1) * gate * sigmoid(alpha * gate)`; and the translation of
 HF's expert tensors (float interleaved gate/up, or MXFP4 blocks kept packed) into the Experts'
-per-projection stacks. It does not read files.
+per-projection stacks; and `config_from_hf`, the reader of a gpt-oss `config.json` dict
+(GptOssConfig's class defaults, YaRN rope where none is given). It does not read files.
 """
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,7 +20,7 @@ from torch import nn
 from freetoken.attention.metadata import ForwardBatch
 from freetoken.errors import ModelLoadError
 from freetoken.kv.tensors import KVTensors
-from freetoken.models.config import ModelConfig
+from freetoken.models.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, hf_get, read_common, read_single_rope
 from freetoken.models.experts import Activation, Experts, ExpertStack, with_policy
 from freetoken.models.layers import (
     RMSNorm, Rotary, apply_rope, compute_dtype, embedding, linear, load_named, output_logits, paged_self_attention,
@@ -175,3 +177,40 @@ class GptOssForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, i, batch, kv)
         return output_logits(x, batch, self.norm, self.embed_tokens, self.lm_head)  # [N, vocab]
+
+
+# --- reading config.json -------------------------------------------------------------------------
+
+
+def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
+    """A gpt-oss `config.json` dict (model_type "gpt_oss") as a ModelConfig."""
+    defaults = dict(
+        vocab_size=201_088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=36, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64,
+        rms_norm_eps=1e-5, max_position_embeddings=131_072, tie_word_embeddings=False,
+        attention_bias=True, bos_token_id=None, eos_token_id=None,
+    )
+    common = read_common(config, defaults)
+    num_layers = common["num_layers"]
+    layer_types = config.get("layer_types") or [
+        SLIDING_ATTENTION if (i + 1) % 2 else FULL_ATTENTION for i in range(num_layers)
+    ]
+    if config.get("rope_parameters") is None and config.get("rope_scaling") is None:
+        config = {**config, "rope_parameters": {
+            "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "truncate": False, "original_max_position_embeddings": 4096,
+        }}
+    rope = read_single_rope(config, 150_000.0)
+    return ModelConfig(
+        architecture="gpt_oss",
+        **common,
+        layer_types=tuple(layer_types),
+        rope_full=rope,
+        rope_sliding=rope,
+        sliding_window=int(hf_get(config, "sliding_window", 128)),
+        hidden_act="swiglu_clamped",
+        num_experts=int(hf_get(config, "num_local_experts", 128)),
+        num_experts_per_tok=int(hf_get(config, "num_experts_per_tok", 4)),
+        swiglu_alpha=float(hf_get(config, "swiglu_alpha", 1.702)),
+        swiglu_limit=float(hf_get(config, "swiglu_limit", 7.0)),
+    )

@@ -1,19 +1,22 @@
 """The Llama family (Llama 2/3, SmolLM2, ...): pre-norm blocks of GQA attention and a SwiGLU MLP.
 
 Owns the module tree (parameter names follow transformers' LlamaForCausalLM without the
-`model.` prefix) and its forward over a paged KV cache. It does not read files or pick pages.
+`model.` prefix), its forward over a paged KV cache, and `config_from_hf`, the reader of a Llama
+`config.json` dict (LlamaConfig's class defaults, one rope for every layer). It does not read
+files or pick pages.
 """
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
+from typing import Any
 
 import torch
 from torch import nn
 
 from freetoken.attention.metadata import ForwardBatch
 from freetoken.kv.tensors import KVTensors
-from freetoken.models.config import ModelConfig
+from freetoken.models.config import FULL_ATTENTION, ModelConfig, hf_get, read_common, read_single_rope
 from freetoken.models.linear import Weight
 from freetoken.models.layers import (
     GatedMLP, RMSNorm, Rotary, SelfAttention, embedding, linear, load_named, output_logits, residual, strip_prefix,
@@ -73,3 +76,26 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, i, batch, kv)
         return output_logits(x, batch, self.norm, self.embed_tokens, self.lm_head)  # [N, vocab]
+
+
+# --- reading config.json -------------------------------------------------------------------------
+
+
+def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
+    """A Llama `config.json` dict (model_type "llama") as a ModelConfig."""
+    defaults = dict(
+        vocab_size=32_000, hidden_size=4096, intermediate_size=11_008, num_hidden_layers=32, num_attention_heads=32,
+        rms_norm_eps=1e-6, max_position_embeddings=2048, tie_word_embeddings=False,
+        attention_bias=False, bos_token_id=1, eos_token_id=2,
+    )
+    rope = read_single_rope(config, 10_000.0)
+    common = read_common(config, defaults)
+    return ModelConfig(
+        architecture="llama",
+        **common,
+        layer_types=(FULL_ATTENTION,) * common["num_layers"],
+        rope_full=rope,
+        rope_sliding=rope,
+        hidden_act=str(hf_get(config, "hidden_act", "silu")),
+        mlp_bias=bool(hf_get(config, "mlp_bias", False)),
+    )

@@ -22,7 +22,7 @@ from freetoken.models.experts import offload_experts
 from freetoken.models.experts_cache import GIB, ExpertCache
 from freetoken.models.formats import summary, weight_formats
 from freetoken.models.linear import check_policy
-from freetoken.models.registry import build_model
+from freetoken.models.registry import build_model, config_from_hf
 from freetoken.models.snapshot import SNAPSHOT_VERSION, capture, restore
 from freetoken.ops.qlinear import signature
 from freetoken.tokenizer import Tokenizer
@@ -84,7 +84,7 @@ def _from_snapshot(source: ModelSource, cache: WeightCache, key: dict, dtype: to
     if snapshot is None:
         return None
     header = read_header(source)
-    config = ModelConfig.from_hf(header.hf_config)
+    config = config_from_hf(header.hf_config)
     model = build_model(config, dtype, device)
     try:
         restore(model, snapshot)
@@ -153,7 +153,7 @@ def _from_checkpoint(
 ) -> tuple[Checkpoint, ModelConfig, torch.nn.Module, shard.ShardPlan | None]:
     """Read the checkpoint and load its tensors into a new model (the shard's, under a plan)."""
     ckpt = load_checkpoint(source, dtype, keep_quantized=weights != "bf16")
-    config = ModelConfig.from_hf(ckpt.hf_config)
+    config = config_from_hf(ckpt.hf_config)
     tensors = ckpt.tensors
     plan = None
     if world > 1:

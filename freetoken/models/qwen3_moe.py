@@ -7,23 +7,25 @@ tensors in any of the forms checkpoints hold them (transformers' stacks `gate_up
 GGUF loader's packed per-expert lists) into `models.experts.Experts.load`'s gate / up / down
 (Gemma 4 reuses it); `Experts` runs them. Layers listed in
 `dense_mlp_layers` (`mlp_only_layers`, `decoder_sparse_step`) keep Qwen3's dense MLP. Attention,
-norms and the model skeleton are `qwen3.py`'s. It does not read files.
+norms and the model skeleton are `qwen3.py`'s. Also `config_from_hf`, the reader of a Qwen3-MoE
+`config.json` dict (Qwen3MoeConfig's class defaults, the dense layers). It does not read files.
 """
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from freetoken.errors import ModelLoadError
-from freetoken.models.config import ModelConfig
+from freetoken.models.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, hf_get, read_common, read_single_rope
 from freetoken.models.experts import Experts, ExpertStack, Source, with_policy
 from freetoken.models.layers import linear, load_named, strip_prefix, take_all
 from freetoken.models.linear import Weight
-from freetoken.models.qwen3 import Qwen3ForCausalLM
+from freetoken.models.qwen3 import QWEN3_DEFAULTS, Qwen3ForCausalLM
 from freetoken.ops.quantized import QuantizedWeight
 from freetoken.weights.dequant import Deferred
 
@@ -110,3 +112,34 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
                 prefix = f"layers.{i}.mlp.experts."
                 layer.mlp.experts.load(*take_experts(rest, prefix, c.num_experts, c.moe_intermediate_size, weights))
         load_named(self, rest, self._rename, weights, prefill_weights)
+
+
+# --- reading config.json -------------------------------------------------------------------------
+
+
+_DEFAULTS = dict(
+    QWEN3_DEFAULTS, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_key_value_heads=4,
+)
+
+
+def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
+    """A Qwen3-MoE `config.json` dict (model_type "qwen3_moe") as a ModelConfig."""
+    common = read_common(config, _DEFAULTS)
+    n = common["num_layers"]
+    window = int(hf_get(config, "sliding_window", 4096)) if config.get("use_sliding_window") else None
+    experts = int(hf_get(config, "num_experts", hf_get(config, "num_local_experts", 128)))
+    step = int(hf_get(config, "decoder_sparse_step", 1))
+    mlp_only = set(hf_get(config, "mlp_only_layers", []))
+    dense = tuple(i for i in range(n) if i in mlp_only or experts == 0 or (i + 1) % step != 0)
+    rope = read_single_rope(config, 10_000.0)
+    return ModelConfig(
+        architecture="qwen3_moe", **common,
+        layer_types=(SLIDING_ATTENTION if window is not None else FULL_ATTENTION,) * n,  # HF slides every layer or none
+        rope_full=rope, rope_sliding=rope, sliding_window=window,
+        hidden_act=str(hf_get(config, "hidden_act", "silu")),
+        num_experts=experts,
+        num_experts_per_tok=int(hf_get(config, "num_experts_per_tok", 8)),
+        moe_intermediate_size=int(hf_get(config, "moe_intermediate_size", 768)),
+        norm_topk_prob=bool(hf_get(config, "norm_topk_prob", False)),
+        dense_mlp_layers=dense,
+    )

@@ -1,27 +1,47 @@
-"""Choosing the model class for a configuration.
+"""Choosing a family: the config reader for a `config.json`, the model class for a configuration.
 
-Owns the map from `ModelConfig.architecture` to a family's module and the protocol every family
-implements. It does not load weights from files (the weights package does that).
+Owns the map from a `config.json`'s `model_type` to its family's reader (`config_from_hf`, in
+each family's module), the map from `ModelConfig.architecture` to the family's model class, and
+the protocol every family implements. It does not load weights from files (the weights package
+does that).
 """
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
-from typing import Protocol
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any, Protocol
 
 import torch
 
 from freetoken.attention.metadata import ForwardBatch
 from freetoken.errors import ModelLoadError
 from freetoken.kv.tensors import KVTensors
+from freetoken.models import gemma3, gemma4, gpt_oss, llama, qwen3, qwen3_moe
 from freetoken.models.config import ModelConfig
-from freetoken.models.gemma3 import Gemma3ForCausalLM
-from freetoken.models.gemma4 import Gemma4ForCausalLM
-from freetoken.models.gpt_oss import GptOssForCausalLM
 from freetoken.models.linear import Weight
-from freetoken.models.llama import LlamaForCausalLM
-from freetoken.models.qwen3 import Qwen3ForCausalLM
-from freetoken.models.qwen3_moe import Qwen3MoeForCausalLM
+
+# The reader of each `model_type` transformers writes (a multimodal checkpoint's reader reads its
+# `text_config`).
+CONFIG_READERS: dict[str, Callable[[Mapping[str, Any]], ModelConfig]] = {
+    "llama": llama.config_from_hf,
+    "gemma3": gemma3.config_from_hf,
+    "gemma3_text": gemma3.config_from_hf,
+    "gpt_oss": gpt_oss.config_from_hf,
+    "qwen3": qwen3.config_from_hf,
+    "qwen3_moe": qwen3_moe.config_from_hf,
+    "gemma4": gemma4.config_from_hf,
+    "gemma4_text": gemma4.config_from_hf,
+}
+
+
+def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
+    """Read a Hugging Face `config.json` dict with its family's reader; ModelLoadError for a
+    `model_type` no family reads."""
+    model_type = config.get("model_type")
+    reader = CONFIG_READERS.get(model_type) if isinstance(model_type, str) else None
+    if reader is None:
+        raise ModelLoadError(f"unsupported model_type {model_type!r} (supported: {', '.join(CONFIG_READERS)})")
+    return reader(config)
 
 
 class CausalLM(Protocol):
@@ -40,15 +60,15 @@ class CausalLM(Protocol):
 def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
     """An uninitialised model of the config's family (call load_weights next)."""
     if config.architecture == "llama":
-        return LlamaForCausalLM(config, dtype, device)
+        return llama.LlamaForCausalLM(config, dtype, device)
     if config.architecture == "gemma3":
-        return Gemma3ForCausalLM(config, dtype, device)
+        return gemma3.Gemma3ForCausalLM(config, dtype, device)
     if config.architecture == "gpt_oss":
-        return GptOssForCausalLM(config, dtype, device)
+        return gpt_oss.GptOssForCausalLM(config, dtype, device)
     if config.architecture == "qwen3":
-        return Qwen3ForCausalLM(config, dtype, device)
+        return qwen3.Qwen3ForCausalLM(config, dtype, device)
     if config.architecture == "qwen3_moe":
-        return Qwen3MoeForCausalLM(config, dtype, device)
+        return qwen3_moe.Qwen3MoeForCausalLM(config, dtype, device)
     if config.architecture == "gemma4":
-        return Gemma4ForCausalLM(config, dtype, device)
+        return gemma4.Gemma4ForCausalLM(config, dtype, device)
     raise ModelLoadError(f"unsupported architecture {config.architecture!r}")

@@ -42,8 +42,8 @@ from freetoken.server.anthropic.messages import count_message_tokens, create_mes
 from freetoken.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from freetoken.server.anthropic.threads import ThreadStore
 from freetoken.server.context import DEFAULT_MODEL_ALIAS, ServingContext
-from freetoken.server.core.errors import APIError, http_error, install_error_handlers
 from freetoken.server.core.generation import sse
+from freetoken.server.errors import APIError, http_error, install_error_handlers
 from freetoken.server.middleware import Gate
 from freetoken.server.openai.chat import create_chat_completion
 from freetoken.server.openai.completions import create_completion

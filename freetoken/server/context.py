@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from freetoken.server.core.errors import APIError
+from freetoken.server.errors import APIError
 from freetoken.server.operations.drain import DrainGate
 from freetoken.server.operations.metrics import Metrics
 from freetoken.server.process.messages import Ready

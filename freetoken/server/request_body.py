@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from freetoken.server.core.errors import APIError, bad_request, from_pydantic
+from freetoken.server.errors import APIError, bad_request, from_pydantic
 
 M = TypeVar("M", bound=BaseModel)
 

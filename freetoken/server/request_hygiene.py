@@ -26,7 +26,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from freetoken.server.core.errors import APIError
+from freetoken.server.errors import APIError
 
 REQUEST_ID_HEADER = "x-request-id"
 CLIENT_CLOSED = 499  # nginx's status for "the client closed the connection": logged and counted, never sent

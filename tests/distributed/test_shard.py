@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from freetoken.errors import ConfigError
-from freetoken.models.config import ModelConfig
+from freetoken.models.registry import config_from_hf
 from freetoken.models.shard import ShardPlan, check_shardable, shard_tensor
 from freetoken.ops.quantized import (
     QuantizedWeight,
@@ -25,7 +25,7 @@ HF = {"model_type": "llama", "vocab_size": 301, "hidden_size": 128, "intermediat
 
 
 def plan(rank: int, world: int = 2, **overrides: int) -> ShardPlan:
-    return ShardPlan(rank, world, ModelConfig.from_hf({**HF, **overrides}))
+    return ShardPlan(rank, world, config_from_hf({**HF, **overrides}))
 
 
 @pytest.mark.parametrize("quantize", [quantize_int8, quantize_int4])
@@ -92,7 +92,7 @@ def test_experts_shard_gate_up_pairs_and_down_rows() -> None:
     ({"intermediate_size": 130}, 4, "MLP width 130"),
 ])
 def test_unshardable_world_sizes_are_refused(overrides: dict[str, int], world: int, needle: str) -> None:
-    config = ModelConfig.from_hf({**HF, **overrides})
+    config = config_from_hf({**HF, **overrides})
     with pytest.raises(ConfigError, match="--tensor-parallel-size") as err:
         check_shardable(config, world)
     assert needle in str(err.value) and "\n" not in str(err.value)

@@ -11,9 +11,9 @@ import torch
 
 from freetoken.distributed.report import RankReport, check_reports
 from freetoken.errors import ConfigError
-from freetoken.models.config import ModelConfig
 from freetoken.models.formats import first_difference, summary, weight_formats
 from freetoken.models.linear import Linear
+from freetoken.models.registry import config_from_hf
 from freetoken.models.shard import ROW_GATHER, ROW_SUM, ShardPlan, check_shardable, row_parallel_for, shard_tensor
 from freetoken.ops.quantized import QuantizedWeight, dequantize, quantize_int4
 
@@ -34,7 +34,7 @@ def test_quantized_weights_gather_float_weights_sum() -> None:
 
 @pytest.mark.parametrize("name", ["model.layers.0.self_attn.o_proj", "model.layers.0.mlp.down_proj"])
 def test_gathered_projections_split_output_rows(name: str) -> None:
-    config = ModelConfig.from_hf(HF)
+    config = config_from_hf(HF)
     w, b = quantize_int4(torch.randn(128, 128)), torch.randn(128)
     for rank in (0, 1):
         plan = ShardPlan(rank, 2, config, ROW_GATHER)
@@ -45,7 +45,7 @@ def test_gathered_projections_split_output_rows(name: str) -> None:
 
 
 def test_gathering_needs_the_hidden_size_to_split() -> None:
-    config = ModelConfig.from_hf({**HF, "hidden_size": 98, "num_attention_heads": 8, "num_key_value_heads": 4,
+    config = config_from_hf({**HF, "hidden_size": 98, "num_attention_heads": 8, "num_key_value_heads": 4,
                                   "head_dim": 16})
     check_shardable(config, 4, ROW_SUM)
     with pytest.raises(ConfigError, match="--tensor-parallel-size 4 does not divide the model's hidden size 98"):

@@ -13,8 +13,7 @@ import transformers
 
 from freetoken.attention.metadata import ForwardBatch
 from freetoken.kv.tensors import KVTensors
-from freetoken.models.config import ModelConfig
-from freetoken.models.registry import CausalLM, build_model
+from freetoken.models.registry import CausalLM, build_model, config_from_hf
 from freetoken.weights.safetensors import load_safetensors_dir
 
 VOCAB = 300
@@ -60,7 +59,7 @@ def make_reference(family: str, directory: Path) -> torch.nn.Module:
 
 
 def load_freetoken(directory: Path, dtype: torch.dtype) -> CausalLM:
-    config = ModelConfig.from_hf(json.loads((directory / "config.json").read_text()))
+    config = config_from_hf(json.loads((directory / "config.json").read_text()))
     model = build_model(config, dtype, "cpu")
     model.load_weights(load_safetensors_dir(directory, dtype=dtype))
     return model

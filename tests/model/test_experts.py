@@ -25,7 +25,6 @@ from model_harness import GPT_OSS, chunked_last_logits, make_reference, paged_gr
 from safetensors.torch import save_file
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-from freetoken.models.config import ModelConfig
 from freetoken.models.experts import (
     expert_cache,
     expert_status,
@@ -34,7 +33,7 @@ from freetoken.models.experts import (
 )
 from freetoken.models.experts_cache import TRIM_BYTES, ExpertCache
 from freetoken.models.inspect import _param_count, weight_kinds
-from freetoken.models.registry import CausalLM, build_model
+from freetoken.models.registry import CausalLM, build_model, config_from_hf
 from freetoken.ops.qlinear import PackedWeight
 from freetoken.ops.quantized import dequantize, quantize_int8
 from freetoken.weights.dequant import Deferred, mxfp4_float, mxfp4_q, mxfp4_to_int8
@@ -61,7 +60,7 @@ def to_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def load(tensors: dict, config: dict, weights: str = "auto", cache: ExpertCache | None = None) -> CausalLM:
-    model = build_model(ModelConfig.from_hf(config), torch.float32, "cpu")
+    model = build_model(config_from_hf(config), torch.float32, "cpu")
     if cache is not None:
         offload_experts(model, cache)
     model.load_weights(dict(tensors), weights)  # load_weights empties the mapping it is given

@@ -19,7 +19,7 @@ from test_experts import to_mxfp4, write_gpt_oss_gguf
 from freetoken.errors import ConfigError
 from freetoken.models.config import ModelConfig
 from freetoken.models.experts import Experts, experts_of
-from freetoken.models.registry import build_model
+from freetoken.models.registry import build_model, config_from_hf
 from freetoken.models.shard import ShardPlan, shard_tensors
 from freetoken.weights.gguf import load_gguf
 
@@ -66,7 +66,7 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_gguf_expert_lists_shard_and_sum_to_the_layer(reference: tuple[dict, dict], tmp_path: Path) -> None:
     sd, hf = reference
     ck = load_gguf(write_gpt_oss_gguf(tmp_path / "q8.gguf", sd, hf, gguf.GGMLQuantizationType.Q8_0), keep_quantized=True)
-    config = ModelConfig.from_hf(ck.hf_config)
+    config = config_from_hf(ck.hf_config)
     x, ids, w = routed(config)
     whole = layer_experts(ck.tensors, config)(x, ids, w)
     assert relative(sharded_sum(ck.tensors, config, x, ids, w), whole) < 0.02
@@ -77,10 +77,10 @@ def test_mxfp4_blocks_shard_and_sum_to_the_layer(reference: tuple[dict, dict]) -
     tensors = dict(sd)
     for name in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
         tensors[name + "_blocks"], tensors[name + "_scales"] = to_mxfp4(tensors.pop(name).transpose(1, 2))
-    config = ModelConfig.from_hf(hf)
+    config = config_from_hf(hf)
     x, ids, w = routed(config)
     whole = layer_experts(tensors, config)(x, ids, w)
     assert relative(sharded_sum(tensors, config, x, ids, w), whole) < 0.02
-    narrow = ModelConfig.from_hf({**hf, "intermediate_size": 32})  # 16 columns a rank: half a block
+    narrow = config_from_hf({**hf, "intermediate_size": 32})  # 16 columns a rank: half a block
     with pytest.raises(ConfigError, match="--tensor-parallel-size 2"):
         shard_tensors(tensors, ShardPlan(0, WORLD, narrow))

@@ -1,5 +1,5 @@
-"""ModelConfig.from_hf on hub-style config.json dicts (old and new rope keys), cross-checked with
-transformers' own reading of the same dict."""
+"""Each family's config reader (`registry.config_from_hf`) on hub-style config.json dicts (old
+and new rope keys), cross-checked with transformers' own reading of the same dict."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import transformers
 
 from freetoken.errors import ModelLoadError
 from freetoken.kv.tensors import KVTensors
-from freetoken.models.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from freetoken.models.config import FULL_ATTENTION, SLIDING_ATTENTION
+from freetoken.models.registry import config_from_hf
 
 # Gemma 3 270M as published (legacy rope keys).
 GEMMA3_270M = {
@@ -53,52 +54,52 @@ def via_transformers(d: dict) -> dict:
 
 
 def test_gemma3_270m() -> None:
-    c = ModelConfig.from_hf(GEMMA3_270M)
+    c = config_from_hf(GEMMA3_270M)
     assert c.architecture == "gemma3" and c.has_swa
     assert c.full_layers == (5, 11, 17)
     assert c.swa_layers == tuple(i for i in range(18) if i not in (5, 11, 17))
     assert (c.rope_full.theta, c.rope_sliding.theta) == (1_000_000.0, 10_000.0)
     assert c.sliding_window == 512 and c.tie_word_embeddings and c.attention_scale == 256**-0.5
     assert c.bos_token_id == 2 and c.eos_token_ids == (1,)
-    assert ModelConfig.from_hf(via_transformers(GEMMA3_270M)) == c
+    assert config_from_hf(via_transformers(GEMMA3_270M)) == c
 
 
 def test_gemma3_multimodal_nested_text_config() -> None:
-    c = ModelConfig.from_hf(GEMMA3_4B)
+    c = config_from_hf(GEMMA3_4B)
     assert (c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size) == (8, 4, 256, 262_208)
     assert c.rope_full.rope_type == "linear" and c.rope_full.factor == 8.0
     assert c.rope_sliding.rope_type == "default" and c.rope_sliding.theta == 10_000.0
     assert c.layer_types[:6] == (SLIDING_ATTENTION,) * 5 + (FULL_ATTENTION,)
-    assert ModelConfig.from_hf(transformers.Gemma3Config(text_config=GEMMA3_4B["text_config"]).to_dict()) == c
+    assert config_from_hf(transformers.Gemma3Config(text_config=GEMMA3_4B["text_config"]).to_dict()) == c
 
 
 def test_gpt_oss_20b() -> None:
-    c = ModelConfig.from_hf(GPT_OSS_20B)
+    c = config_from_hf(GPT_OSS_20B)
     assert c.architecture == "gpt_oss" and c.layer_types[:2] == (SLIDING_ATTENTION, FULL_ATTENTION)
     assert (c.num_experts, c.num_experts_per_tok, c.sliding_window) == (32, 4, 128)
     r = c.rope_full
     assert (r.rope_type, r.factor, r.theta, r.original_max_position_embeddings, r.truncate) == (
         "yarn", 32.0, 150000.0, 4096, False)
     assert c.attention_bias and not c.tie_word_embeddings and c.eos_token_ids == (200002,)
-    assert ModelConfig.from_hf(via_transformers(GPT_OSS_20B)) == c
+    assert config_from_hf(via_transformers(GPT_OSS_20B)) == c
 
 
 def test_smollm2() -> None:
-    c = ModelConfig.from_hf(SMOLLM2)
+    c = config_from_hf(SMOLLM2)
     assert c.architecture == "llama" and not c.has_swa and c.swa_layers == ()
     assert c.full_layers == tuple(range(30)) and c.head_dim == 64 and c.rope_full.theta == 100000.0
-    assert ModelConfig.from_hf(via_transformers(SMOLLM2)) == c
+    assert config_from_hf(via_transformers(SMOLLM2)) == c
 
 
 def test_unsupported_model_type() -> None:
     with pytest.raises(ModelLoadError, match="unsupported model_type 'mamba'"):
-        ModelConfig.from_hf({"model_type": "mamba"})
+        config_from_hf({"model_type": "mamba"})
     with pytest.raises(ModelLoadError, match="text_config"):
-        ModelConfig.from_hf({"model_type": "gemma3"})
+        config_from_hf({"model_type": "gemma3"})
 
 
 def test_kv_tensors_pools_and_null_page() -> None:
-    c = ModelConfig.from_hf({**GEMMA3_270M, "num_hidden_layers": 3, "sliding_window_pattern": 3})
+    c = config_from_hf({**GEMMA3_270M, "num_hidden_layers": 3, "sliding_window_pattern": 3})
     kv = KVTensors(c.kv_layout(), full_pages=5, swa_pages=2, page_size=4, dtype=torch.float32, device="cpu")
     assert kv.k[0].shape == (3, 4, 1, 256) and kv.k[2].shape == (6, 4, 1, 256)
     k = torch.randn(3, 1, 256)
@@ -114,7 +115,7 @@ def test_kv_tensors_pools_and_null_page() -> None:
 def test_load_weights_names_missing_unexpected_and_misshaped() -> None:
     from freetoken.models.registry import build_model
 
-    c = ModelConfig.from_hf({**SMOLLM2, "hidden_size": 32, "intermediate_size": 16, "num_hidden_layers": 1,
+    c = config_from_hf({**SMOLLM2, "hidden_size": 32, "intermediate_size": 16, "num_hidden_layers": 1,
                              "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 10})
     model = build_model(c, torch.float32, "cpu")
     good = {f"model.{n}": torch.zeros_like(p) for n, p in model.named_parameters()}

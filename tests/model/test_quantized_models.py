@@ -18,10 +18,9 @@ import pytest
 import torch
 
 from freetoken.errors import ModelLoadError
-from freetoken.models.config import ModelConfig
 from freetoken.models.experts import experts_of
 from freetoken.models.linear import Linear, QuantizableWeight, apply_policy
-from freetoken.models.registry import CausalLM, build_model
+from freetoken.models.registry import CausalLM, build_model, config_from_hf
 from freetoken.ops.quantized import QuantizedWeight, dequantize, quantize_int4, quantize_int8
 from freetoken.weights.safetensors import load_safetensors_dir
 from model_harness import FAMILIES, PagedRunner, Seq, make_reference
@@ -41,7 +40,7 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 
 def load(directory: Path, weights: str, dtype: torch.dtype = torch.float32) -> CausalLM:
-    config = ModelConfig.from_hf(json.loads((directory / "config.json").read_text()))
+    config = config_from_hf(json.loads((directory / "config.json").read_text()))
     model = build_model(config, dtype, "cpu")
     model.load_weights(load_safetensors_dir(directory, dtype=dtype), weights)
     return model
@@ -151,7 +150,7 @@ def test_prefill_dense_copy_runs_prefill_sized_batches(checkpoint: tuple[str, Pa
     from freetoken.ops.qlinear import PREFILL_ROWS
 
     family, directory = checkpoint
-    config = ModelConfig.from_hf(json.loads((directory / "config.json").read_text()))
+    config = config_from_hf(json.loads((directory / "config.json").read_text()))
     dense = build_model(config, torch.float32, "cpu")
     dense.load_weights(load_safetensors_dir(directory, dtype=torch.float32), "int8", prefill_weights="bf16")
     plain = load(directory, "int8")

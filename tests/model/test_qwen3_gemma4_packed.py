@@ -16,10 +16,9 @@ import gguf
 import pytest
 import torch
 
-from freetoken.models.config import ModelConfig
 from freetoken.models.experts import experts_of, offload_experts
 from freetoken.models.experts_cache import ExpertCache
-from freetoken.models.registry import CausalLM, build_model
+from freetoken.models.registry import CausalLM, build_model, config_from_hf
 from freetoken.weights.gguf import load_gguf
 from model_harness import chunked_last_logits, paged_greedy
 from test_qwen3_gemma4_parity import ARCH, gguf_metadata, gguf_tensors, make_reference
@@ -51,7 +50,7 @@ def q8_file(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
 
 def load(path: Path, keep_quantized: bool, cache: ExpertCache | None = None) -> CausalLM:
     ck = load_gguf(path, keep_quantized=keep_quantized)
-    model = build_model(ModelConfig.from_hf(ck.hf_config), torch.float32, "cpu")
+    model = build_model(config_from_hf(ck.hf_config), torch.float32, "cpu")
     if cache is not None:
         offload_experts(model, cache)
     model.load_weights(ck.tensors)

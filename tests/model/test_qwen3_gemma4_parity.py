@@ -23,8 +23,7 @@ import pytest
 import torch
 import transformers
 
-from freetoken.models.config import ModelConfig
-from freetoken.models.registry import build_model
+from freetoken.models.registry import build_model, config_from_hf
 from freetoken.weights.gguf import load_gguf
 from model_harness import PagedRunner, Seq, load_freetoken, reference_logits
 
@@ -289,7 +288,7 @@ def test_gguf_model_matches_transformers(family: dict[str, Any]) -> None:
         pytest.skip("llama.cpp's qwen3 has no sliding-window layers, so its GGUF keys carry none")
     dtype = torch.float64
     ck = load_gguf(family["gguf"], dtype=dtype)
-    model = build_model(ModelConfig.from_hf(ck.hf_config), dtype, "cpu")
+    model = build_model(config_from_hf(ck.hf_config), dtype, "cpu")
     model.load_weights(ck.tensors)
     (logits,) = PagedRunner(model, 4, dtype).step([(Seq(), family["ids"])], all_logits=True)
     assert_close(logits, family["ref"][dtype], dtype, family)
@@ -322,7 +321,7 @@ def test_int8_weights_stay_close_and_quantize_the_experts(family: dict[str, Any]
     from freetoken.weights.safetensors import load_safetensors_dir
 
     directory = family["dir"]
-    config = ModelConfig.from_hf(json.loads((directory / "config.json").read_text()))
+    config = config_from_hf(json.loads((directory / "config.json").read_text()))
     tensors = load_safetensors_dir(directory, dtype=torch.float32)
 
     def gridded(name: str, w: torch.Tensor) -> torch.Tensor:
@@ -357,7 +356,7 @@ def test_tensor_parallel_is_refused_where_no_shard_plan_exists(name: str) -> Non
     from freetoken.models.shard import check_shardable
 
     config_cls, _, kwargs = CONFIGS[name]
-    config = ModelConfig.from_hf(config_cls(**kwargs).to_dict())
+    config = config_from_hf(config_cls(**kwargs).to_dict())
     check_shardable(config, 1)
     with pytest.raises(ConfigError, match="--tensor-parallel-size 2 is not supported"):
         check_shardable(config, 2)
@@ -375,7 +374,7 @@ def test_gemma4_26b_a4b_shaped_config_and_kv_layout() -> None:
         hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=128, top_k_experts=8,
         moe_intermediate_size=704, intermediate_size=2112, vocab_size=262_144,
     )
-    config = ModelConfig.from_hf({"model_type": "gemma4", "text_config": text, "vision_config": {}})
+    config = config_from_hf({"model_type": "gemma4", "text_config": text, "vision_config": {}})
     assert config.architecture == "gemma4" and len(config.swa_layers) == 25 and config.full_layers == (5, 11, 17, 23, 29)
     layout = config.kv_layout()
     assert layout.head_shape(True) == (8, 256) and layout.head_shape(False) == (2, 512)
@@ -391,7 +390,7 @@ def test_gemma4_features_not_modelled_are_refused(key: str, value: object) -> No
 
     base = dict(num_hidden_layers=6, hidden_size_per_layer_input=0, model_type="gemma4_text")
     with pytest.raises(ModelLoadError, match="not supported"):
-        ModelConfig.from_hf({**base, key: value})
+        config_from_hf({**base, key: value})
 
 
 def test_gemma4_multimodal_checkpoint_names_load(family: dict[str, Any]) -> None:
@@ -404,7 +403,7 @@ def test_gemma4_multimodal_checkpoint_names_load(family: dict[str, Any]) -> None
     tensors = load_safetensors_dir(family["dir"], dtype=torch.float64)
     renamed = {name.replace("model.", "model.language_model.", 1): t for name, t in tensors.items()}
     renamed["model.vision_tower.encoder.layers.0.mlp.up_proj.weight"] = torch.zeros(2, 2)
-    model = build_model(ModelConfig.from_hf(family["cfg"].to_dict()), torch.float64, "cpu")
+    model = build_model(config_from_hf(family["cfg"].to_dict()), torch.float64, "cpu")
     model.load_weights(renamed)
     (logits,) = PagedRunner(model, 4, torch.float64).step([(Seq(), family["ids"])], all_logits=True)
     assert_close(logits, family["ref"][torch.float64], torch.float64, family)

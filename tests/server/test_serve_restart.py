@@ -121,7 +121,7 @@ def test_app_import_keeps_torch_out() -> None:
 
 
 def test_model_without_chat_template_is_a_400(tmp_path: Path) -> None:
-    from freetoken.server.core.errors import APIError
+    from freetoken.server.errors import APIError
     from freetoken.server.core.chat_prompt import render_chat
     from freetoken.tokenizer import Tokenizer
     from freetoken.tokenizer.testing import write_tiny_tokenizer

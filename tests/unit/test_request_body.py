@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from freetoken.server.core.errors import APIError
 from freetoken.server.core.grammar_check import grammar_problem, unsatisfiable_ref
+from freetoken.server.errors import APIError
 from freetoken.server.request_body import decode_json_object, json_depth_exceeds, lone_surrogate_at
 
 

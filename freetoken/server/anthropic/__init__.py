@@ -6,5 +6,5 @@ tools and parsed output in Anthropic's shapes (`tool_use`, `thinking`, `input_js
 `errors` Anthropic's error bodies and `event: error`, `threads` the SDK tool runner's `thread`
 store, and `pins` the `cache_control` breakpoints as retention pins. Conversations are rendered
 by the core's `render_chat`, the same as chat completions, without importing that route: nothing
-here imports `server.openai` or `server.responses` (tests/unit/test_server_layers.py).
+here imports `server.openai` or `server.responses` (tests/unit/test_layers.py).
 """

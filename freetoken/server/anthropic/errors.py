@@ -13,7 +13,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from freetoken.server.core.errors import APIError
+from freetoken.server.errors import APIError
 
 # Anthropic's documented error types by status (503 and 504 keep their status: the anthropic
 # client maps them to ServiceUnavailableError and GatewayTimeoutError).

@@ -32,11 +32,11 @@ from freetoken.server.anthropic.threads import KeptThread, ThreadStore
 from freetoken.server.anthropic.tool_blocks import AnthropicBlockStream, anthropic_content, tool_stop_reason
 from freetoken.server.context import ServingContext
 from freetoken.server.core.chat_prompt import render_chat
-from freetoken.server.core.errors import bad_request
 from freetoken.server.core.generation import ChoiceSpec, Clock, Piece, _close, collect, engine_error, failed_choice, first_piece, merge, run_choice
 from freetoken.server.core.limits import check_context
 from freetoken.server.core.streaming import CLIENT_CLOSED, Tally, record, sse_response
 from freetoken.server.core.tool_calling import ToolCalling
+from freetoken.server.errors import bad_request
 from freetoken.server.request_hygiene import engine_rid
 from freetoken.tokenizer.tool_parsers import StreamDelta
 from freetoken.tokenizer.tool_parsers.base import merge_deltas

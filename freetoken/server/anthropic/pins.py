@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from freetoken.server.anthropic.protocol import CacheControl, Conversation, convert_message
-from freetoken.server.core.errors import bad_request
 from freetoken.server.core.pins import Pins, at_boundaries
+from freetoken.server.errors import bad_request
 
 ANTHROPIC_TTL_S = {None: 300.0, "5m": 300.0, "1h": 3600.0}
 

@@ -24,9 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from freetoken.request import SamplingParams
 from freetoken.server.anthropic.tool_blocks import anthropic_tool_options
-from freetoken.server.core.errors import bad_request
 from freetoken.server.core.grammar_check import check_grammar
 from freetoken.server.core.tool_calling import ToolOptions
+from freetoken.server.errors import bad_request
 
 MAX_STOP_SEQUENCES = 16
 BILLING_HEADER = "x-anthropic-billing-header:"  # Claude Code's first system block: for Anthropic's billing, not the model

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from freetoken.server.anthropic.protocol import AnthropicMessage, TextBlock
-from freetoken.server.core.errors import APIError
+from freetoken.server.errors import APIError
 
 DEFAULT_MAX_ENTRIES = 256
 DEFAULT_TTL_S = 3600.0

@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from freetoken.server.core.errors import APIError, bad_request
 from freetoken.server.core.tool_calling import ToolOptions, openai_tool_options
+from freetoken.server.errors import APIError, bad_request
 from freetoken.tokenizer.tool_parsers import ParsedOutput, StreamDelta, ToolCall
 
 Event = tuple[str, dict[str, Any]]  # (event name, data)

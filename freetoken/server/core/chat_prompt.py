@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from freetoken.server.core.errors import bad_request
 from freetoken.server.core.system_messages import fold_system_messages
+from freetoken.server.errors import bad_request
 from freetoken.tokenizer import ChatTemplateError, NoChatTemplate, Tokenizer
 
 MAX_BOUNDARY_MESSAGES = 256  # past this many messages, boundaries are not computed (quadratic renders)

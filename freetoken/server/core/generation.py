@@ -21,7 +21,7 @@ import anyio
 
 from freetoken.errors import FreeTokenError
 from freetoken.request import SamplingParams
-from freetoken.server.core.errors import APIError, bad_request
+from freetoken.server.errors import APIError, bad_request
 from freetoken.tokenizer import IncrementalDetokenizer, Tokenizer
 
 if TYPE_CHECKING:

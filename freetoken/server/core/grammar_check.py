@@ -18,7 +18,7 @@ from typing import Any
 import llguidance
 
 from freetoken.grammar_text import grammar_text
-from freetoken.server.core.errors import bad_request
+from freetoken.server.errors import bad_request
 
 _EOS = 256
 

@@ -7,7 +7,7 @@ naming the field to lower, never clamped). Each route passes its own field names
 
 from __future__ import annotations
 
-from freetoken.server.core.errors import APIError, bad_request
+from freetoken.server.errors import APIError, bad_request
 
 
 def check_max_tokens(max_tokens: int | None, param: str = "max_tokens") -> None:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from freetoken.server.core.errors import bad_request
 from freetoken.server.core.grammar_check import check_grammar
+from freetoken.server.errors import bad_request
 
 PARAM = "response_format"
 _SCHEMA_KEYS = {"name", "schema", "strict", "description"}

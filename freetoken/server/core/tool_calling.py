@@ -21,9 +21,9 @@ from typing import Any
 from freetoken.reasoning_budget import ReasoningBudget
 from freetoken.request import SamplingParams
 from freetoken.server.context import ServingContext
-from freetoken.server.core.errors import bad_request
 from freetoken.server.core.grammar_check import check_tool_schemas
 from freetoken.server.core.tool_messages import prepare_messages
+from freetoken.server.errors import bad_request
 from freetoken.tokenizer import ChatTemplateError, NoChatTemplate
 from freetoken.tokenizer.reasoning import MARKERS, ThinkStream, detect_reasoning_parser, reasoning_stream
 from freetoken.tokenizer.tool_parsers import (

@@ -5,5 +5,5 @@
 `finish_reason` of parsed tool calls and reasoning, `pins` `prompt_cache_key`, and `render` /
 `tokenize` vLLM's render routes and `/v1/tokenize` / `/v1/detokenize` (they take these same
 request shapes). The Responses API is its own package (`server.responses`): it shares the core,
-not this package. Nothing here imports another protocol package (tests/unit/test_server_layers.py).
+not this package. Nothing here imports another protocol package (tests/unit/test_layers.py).
 """

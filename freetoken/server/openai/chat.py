@@ -19,12 +19,12 @@ from fastapi.responses import JSONResponse, Response
 
 from freetoken.server.context import ServingContext
 from freetoken.server.core.chat_prompt import render_chat
-from freetoken.server.core.errors import bad_request
 from freetoken.server.core.generation import ChoiceSpec, Clock, Piece, collect, first_piece, merge, run_choice
 from freetoken.server.core.limits import check_context, check_max_tokens
 from freetoken.server.core.logprobs import chat_logprobs
 from freetoken.server.core.streaming import Tally, record, sse_response, sse_stream
 from freetoken.server.core.tool_calling import ToolCalling, openai_tool_options
+from freetoken.server.errors import bad_request
 from freetoken.server.openai.pins import openai_pins
 from freetoken.server.openai.protocol import ChatCompletionRequest
 from freetoken.server.openai.tool_shapes import finish_reason, openai_delta, openai_message

@@ -16,11 +16,11 @@ import anyio.to_thread
 from fastapi.responses import JSONResponse, Response
 
 from freetoken.server.context import ServingContext
-from freetoken.server.core.errors import bad_request
 from freetoken.server.core.generation import ChoiceSpec, Clock, Piece, collect, first_piece, merge, run_choice
 from freetoken.server.core.limits import check_context, check_max_tokens
 from freetoken.server.core.logprobs import wire_logprob
 from freetoken.server.core.streaming import Tally, record, sse_response, sse_stream
+from freetoken.server.errors import bad_request
 from freetoken.server.openai.protocol import CompletionRequest
 from freetoken.server.request_hygiene import engine_rid
 from freetoken.tokenizer import Tokenizer

@@ -19,8 +19,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from freetoken.request import SamplingParams
-from freetoken.server.core.errors import bad_request
 from freetoken.server.core.response_format import grammar_of
+from freetoken.server.errors import bad_request
 
 MAX_N = 16
 MAX_STOP_STRINGS = 16

@@ -16,8 +16,8 @@ from typing import Any
 
 from freetoken.server.context import ServingContext
 from freetoken.server.core.chat_prompt import render_chat
-from freetoken.server.core.errors import bad_request
 from freetoken.server.core.tool_calling import ToolCalling, openai_tool_options
+from freetoken.server.errors import bad_request
 from freetoken.server.openai.completions import prompt_ids
 from freetoken.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 

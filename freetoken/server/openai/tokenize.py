@@ -18,8 +18,8 @@ from pydantic import BaseModel, ConfigDict
 
 from freetoken.server.context import ServingContext
 from freetoken.server.core.chat_prompt import render_chat
-from freetoken.server.core.errors import bad_request
 from freetoken.server.core.tool_calling import ToolCalling, openai_tool_options
+from freetoken.server.errors import bad_request
 from freetoken.server.openai.protocol import ChatMessage
 from freetoken.tokenizer import ChatTemplateError, NoChatTemplate
 

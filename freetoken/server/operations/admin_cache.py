@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from freetoken.server.context import ServingContext
-from freetoken.server.core.errors import APIError, bad_request
+from freetoken.server.errors import APIError, bad_request
 
 
 class ResizeRequest(BaseModel):

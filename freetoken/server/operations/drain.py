@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from freetoken.server.core.errors import APIError
+from freetoken.server.errors import APIError
 
 if TYPE_CHECKING:
     from freetoken.server.process.client import EngineClient

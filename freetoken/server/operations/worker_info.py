@@ -29,7 +29,7 @@ from freetoken import __version__
 from freetoken.errors import FreeTokenError
 from freetoken.request import SamplingParams
 from freetoken.server.context import ServingContext
-from freetoken.server.core.errors import APIError
+from freetoken.server.errors import APIError
 from freetoken.server.middleware import ResponseHeader
 from freetoken.weights.source import resolve_model
 

@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from freetoken.config import EngineConfig
-from freetoken.server.process.exit_codes import EXIT_STARTUP
+from freetoken.errors import EXIT_STARTUP
 
 log = logging.getLogger("freetoken.server")
 

@@ -26,10 +26,9 @@ from freetoken.config import EngineConfig
 from freetoken.engine.build import build_engine
 from freetoken.engine.engine import Engine, RequestRefused, RequestUpdate
 from freetoken.engine.resize import ResizeRefused
-from freetoken.errors import FreeTokenError
+from freetoken.errors import EXIT_FAILED, EXIT_OK, EXIT_STARTUP, FreeTokenError
 from freetoken.kv.errors import KVIntegrityError
 from freetoken.request import FinishReason, Request, SamplingParams, TokenLogprob
-from freetoken.server.process.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_STARTUP
 from freetoken.server.process.heartbeat import HeartbeatSender, Progress
 from freetoken.server.process.messages import (
     AbortRequest, AddRequest, EngineError, FinishRequest, Ready, Refused, ResizeCache, Shutdown, StatusQuery, StatusReply,

@@ -6,5 +6,5 @@ earlier turn's exact tokens spliced in (`previous_response_id`), `output` the `o
 their events, `stream` the event stream, `reasoning` the `encrypted_content` token, `store` the
 bounded response store, and `routes` the routes that tie them together. It shares the core with
 the chat route, not the chat route itself: nothing here imports `server.openai` or
-`server.anthropic` (tests/unit/test_server_layers.py).
+`server.anthropic` (tests/unit/test_layers.py).
 """

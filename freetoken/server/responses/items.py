@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from freetoken.server.core.errors import bad_request
+from freetoken.server.errors import bad_request
 from freetoken.server.responses.reasoning import unseal
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}

@@ -21,7 +21,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from freetoken.request import SamplingParams
-from freetoken.server.core.errors import bad_request
+from freetoken.server.errors import bad_request
 
 
 class ResponsesRequest(BaseModel):

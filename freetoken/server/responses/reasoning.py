@@ -13,7 +13,7 @@ from __future__ import annotations
 import base64
 import binascii
 
-from freetoken.server.core.errors import bad_request
+from freetoken.server.errors import bad_request
 
 PREFIX = "ft1."
 

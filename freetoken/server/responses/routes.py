@@ -20,12 +20,12 @@ import anyio.to_thread
 from fastapi.responses import JSONResponse, Response
 
 from freetoken.server.context import ServingContext
-from freetoken.server.core.errors import APIError, bad_request
 from freetoken.server.core.generation import ChoiceSpec, Clock, Piece, collect, first_piece, merge, run_choice
 from freetoken.server.core.limits import check_context
 from freetoken.server.core.logprobs import chat_logprobs
 from freetoken.server.core.streaming import Tally, record, sse_response
 from freetoken.server.core.tool_calling import ToolCalling
+from freetoken.server.errors import APIError, bad_request
 from freetoken.server.request_hygiene import engine_rid
 from freetoken.server.responses.items import call_names, items_to_messages, listed_items
 from freetoken.server.responses.output import new_id, response_body, usage

@@ -21,10 +21,10 @@ from typing import Any
 
 from freetoken.errors import FreeTokenError
 from freetoken.server.context import ServingContext
-from freetoken.server.core.errors import APIError
 from freetoken.server.core.generation import Clock, Piece, closing, engine_error, failed_choice
 from freetoken.server.core.streaming import CLIENT_CLOSED, Tally, record
 from freetoken.server.core.tool_calling import ToolStream
+from freetoken.server.errors import APIError
 from freetoken.server.responses.output import OutputItems
 
 # (status, output items, usage or None) -> the `response` object

@@ -15,9 +15,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from freetoken.server.core.errors import bad_request
 from freetoken.server.core.response_format import grammar_of
 from freetoken.server.core.tool_calling import CHOICES, ToolOptions, openai_tool_options
+from freetoken.server.errors import bad_request
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _FUNCTION_KEYS = {"type", "name", "description", "parameters", "strict", "defer_loading", "allowed_callers", "output_schema", "async"}

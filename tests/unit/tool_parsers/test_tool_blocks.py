@@ -7,7 +7,7 @@ import json
 import pytest
 
 from freetoken.server.anthropic.tool_blocks import AnthropicBlockStream, anthropic_content, anthropic_tool_options, tool_stop_reason
-from freetoken.server.core.errors import APIError
+from freetoken.server.errors import APIError
 from freetoken.tokenizer.tool_parsers import make_tool_parser
 
 TOOLS = [{"name": "get_weather", "description": "Weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]

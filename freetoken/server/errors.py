@@ -3,7 +3,8 @@
 Owns `APIError` (a status plus the `{"error": {message, type, param, code}}` body of DESIGN.md §4),
 the conversion of pydantic validation errors into a 400 `invalid_request_error` that names the
 offending field (never FastAPI's 422), and the exception handlers installed on the app. It knows
-nothing of the engine or the routes.
+nothing of the engine or the routes and imports nothing of the server: it is plumbing, so the
+middlewares, the context and the drain raise it as the core and the protocols do.
 """
 
 from __future__ import annotations
