@@ -6,11 +6,12 @@ the prefix-cache hit, `stop_reason` from the engine's finish and the matched sto
 the event stream in Anthropic's order: `message_start`, then per content block
 `content_block_start`, `content_block_delta`..., `content_block_stop` (one `ping` right after the
 first start), `message_delta`, `message_stop`; a failure after the stream started is one
-`event: error` and the stream ends. Conversations, tools included, are rendered through the same
-chat-template path as `/v1/chat/completions`, so `count_tokens` counts exactly the prompt
-`/v1/messages` would run. Tool calling (prompt, forced-call grammar, parsing) is
+`event: error` and the stream ends. Also `message_input`, the request as the core recipe's
+`ChatInput`, and the `thread` continuation (threads.py). Conversations, tools included, are
+rendered through the same recipe as `/v1/chat/completions`, so `count_tokens` counts exactly the
+prompt `/v1/messages` would run. Tool calling (prompt, forced-call grammar, parsing) is
 `core.tool_calling`'s and its Anthropic shapes `tool_blocks.py`'s; here they are placed in the body
-and the stream. Request-level errors are raised as `APIError`; the app renders them in
+and the stream. Request-level errors are raised as `APIError`; the router answers them in
 Anthropic's shape. It never imports torch.
 """
 
@@ -26,32 +27,38 @@ from fastapi.responses import JSONResponse, Response
 
 from freetoken.errors import FreeTokenError
 from freetoken.server.anthropic.errors import error_event, event
-from freetoken.server.anthropic.pins import anthropic_pins
+from freetoken.server.anthropic.pins import anthropic_pin_marks
 from freetoken.server.anthropic.protocol import AnthropicMessage, Conversation, CountTokensRequest, MessagesRequest
 from freetoken.server.anthropic.threads import KeptThread, ThreadStore
 from freetoken.server.anthropic.tool_blocks import AnthropicBlockStream, anthropic_content, tool_stop_reason
 from freetoken.server.context import ServingContext
-from freetoken.server.core.chat_prompt import render_chat
+from freetoken.server.core.chat_prompt import Prompt
 from freetoken.server.core.errors import bad_request
-from freetoken.server.core.generation import ChoiceSpec, Clock, Piece, _close, collect, engine_error, failed_choice, first_piece, merge, run_choice
-from freetoken.server.core.limits import check_context
+from freetoken.server.core.generation import ChoiceResult, Clock, Piece, _close, engine_error, failed_choice
+from freetoken.server.core.recipe import ChatInput, PreparedChat, prepare_chat
+from freetoken.server.core.run import start
 from freetoken.server.core.streaming import CLIENT_CLOSED, Tally, record, sse_response
-from freetoken.server.core.tool_calling import ToolCalling
-from freetoken.server.request_hygiene import engine_rid
+from freetoken.server.core.tool_calling import ToolCalling, ToolOptions, with_tools
 from freetoken.tokenizer.tool_parsers import StreamDelta
 from freetoken.tokenizer.tool_parsers.base import merge_deltas
 
 ENDPOINT = "messages"
-MAX_TEMPERATURE = 1.0  # Anthropic's range is [0, 1]
 
 
-def render_conversation(ctx: ServingContext, req: Conversation) -> tuple[list[int], tuple[int, ...], ToolCalling]:
-    """Prompt ids and message boundaries of an Anthropic conversation with its tools, and the
-    request's tool handling (sampling changes, parsing)."""
-    messages = req.chat_messages()
-    tooling = ToolCalling(ctx, req.tool_options(), thinking=bool(req.wants_thinking()))
-    ids, boundaries = render_chat(ctx.tokenizer, *tooling.template_inputs(messages), tooling.template_context())
-    return ids, boundaries, tooling
+def conversation(req: Conversation) -> tuple[list[dict[str, Any]], ToolOptions, bool]:
+    """The conversation's chat-template messages, its tools and whether to think (400s naming the
+    field). Not asked is no: Anthropic's default, so templates that think by default are told not to."""
+    return req.chat_messages(), req.tool_options(), bool(req.wants_thinking())
+
+
+def message_input(req: MessagesRequest) -> ChatInput:
+    """The request in the core's terms; a 400 naming the field for a value it cannot take."""
+    params = req.sampling_params(req.max_tokens)  # range checks before anything else
+    messages, tools, thinking = conversation(req)
+    return ChatInput(
+        messages=messages, params=params, max_tokens=req.max_tokens, tools=tools, thinking=thinking,
+        reasoning_budget=req.thinking_budget(), pins=anthropic_pin_marks(req),
+    )
 
 
 def stop_reason(finish_reason: str | None, stop_string: str | None) -> tuple[str, str | None]:
@@ -76,73 +83,71 @@ def usage(prompt_tokens: int, cached_tokens: int, output_tokens: int, created_to
 
 
 async def count_message_tokens(ctx: ServingContext, req: CountTokensRequest, request_id: str) -> Response:
-    ctx.check_model(req.model)
-    ids, _, _ = await anyio.to_thread.run_sync(render_conversation, ctx, req)
-    return JSONResponse({"input_tokens": len(ids)})
+    def render() -> Prompt:
+        messages, tools, thinking = conversation(req)
+        return with_tools(ctx, tools, messages, thinking=thinking)[1]
+
+    prompt = await anyio.to_thread.run_sync(render)  # template + tokenizer: off the event loop
+    return JSONResponse({"input_tokens": len(prompt.ids)})
+
+
+def continued(req: MessagesRequest, threads: ThreadStore | None) -> MessagesRequest:
+    """A `continue` thread request with the conversation kept under its previous message id
+    before its own turn (a 400 when this server keeps no threads)."""
+    previous = req.continued_from()
+    if previous is None:
+        return req
+    if threads is None:
+        raise bad_request("this server keeps no threads; send the whole conversation", param="thread")
+    kept = threads.get(previous)
+    return req.model_copy(update={
+        "messages": [*kept.messages, *req.messages],
+        "system": kept.system if req.system is None else req.system,
+        "tools": kept.tools if req.tools is None else req.tools,
+    })
 
 
 async def create_message(ctx: ServingContext, req: MessagesRequest, request_id: str, threads: ThreadStore | None = None) -> Response:
     """One message. With `threads`, a `thread` request keeps its conversation there and a
     `continue` one is rendered after the conversation kept under its previous message id."""
     clock = Clock()
-    ctx.check_model(req.model)
-    previous = req.continued_from()
-    if previous is not None:
-        if threads is None:
-            raise bad_request("this server keeps no threads; send the whole conversation", param="thread")
-        kept = threads.get(previous)
-        req = req.model_copy(update={
-            "messages": [*kept.messages, *req.messages],
-            "system": kept.system if req.system is None else req.system,
-            "tools": kept.tools if req.tools is None else req.tools,
-        })
+    req = continued(req, threads)
+    prepared = await prepare_chat(ctx, await anyio.to_thread.run_sync(message_input, req))  # block conversion: off the event loop
+    message_id = f"msg_{uuid.uuid4().hex}"
+    run = start(ctx, ENDPOINT, prepared, request_id, message_id, clock)
+    head = {"id": message_id, "type": "message", "role": "assistant", "model": ctx.served_name}
 
     def keep(content: list[dict[str, Any]]) -> None:
         if threads is not None and req.thread is not None:
             reply = AnthropicMessage.model_validate({"role": "assistant", "content": content})
             threads.put(message_id, KeptThread((*req.messages, reply), req.system, req.tools))
 
-    if req.temperature is not None and not 0.0 <= req.temperature <= MAX_TEMPERATURE:
-        raise bad_request(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {req.temperature}", param="temperature")
-    params = req.sampling_params(req.max_tokens)  # range checks before anything else
-    info = ctx.ready_info()
-    ids, boundaries, tooling = await anyio.to_thread.run_sync(render_conversation, ctx, req)  # off the event loop
-    params = tooling.sampling(params, reasoning_budget=req.thinking_budget())
-    check_context(len(ids), req.max_tokens, info.context_length, prompt_param="messages", max_param="max_tokens")
-    ctx.check_capacity(1)
-    message_id = f"msg_{uuid.uuid4().hex}"
-    spec = ChoiceSpec(
-        0, engine_rid(request_id, message_id, 0), ids, params, frozenset(ctx.tokenizer.stop_ids), boundaries,
-        pins=anthropic_pins(req, boundaries),
-    )
-    tally = Tally([len(ids)], [0])
-    pieces = merge([run_choice(ctx.client, spec, ctx.tokenizer)])
-    head = {"id": message_id, "type": "message", "role": "assistant", "model": ctx.served_name}
-
     if not req.stream:
-        result = (await collect(ctx.client, pieces, 1, clock))[0]
-        tally.add_results([result])
-        parsed = tooling.parse(result.text)
-        reason, sequence = stop_reason(result.finish_reason, result.stop_string)
-        record(ctx, ENDPOINT, 200, tally, clock)
-        content = anthropic_content(parsed, thinking=tooling.thinking, omit_thinking=req.omits_thinking())
-        keep(content)
-        return JSONResponse(
-            {
-                **head,
-                "content": content,
-                "stop_reason": tool_stop_reason(reason, len(parsed.tool_calls)),
-                "stop_sequence": sequence,
-                "usage": usage(len(ids), result.cached_tokens, len(result.token_ids), result.cache_creation_tokens),
-            }
-        )
-
-    first = await first_piece(ctx.client, pieces)
+        result = (await run.collect())[0]
+        return JSONResponse(message_body(head, result, prepared, req.omits_thinking(), keep))
+    first = await run.first()
     events = message_events(
-        ctx, pieces, first, tooling=tooling, head=head, tally=tally, clock=clock, request_id=request_id, on_done=keep,
-        omit_thinking=req.omits_thinking(),
+        ctx, run.pieces, first, tooling=prepared.tooling, head=head, tally=run.tally, clock=clock, request_id=request_id,
+        on_done=keep, omit_thinking=req.omits_thinking(),
     )
     return sse_response(events)
+
+
+def message_body(
+    head: dict[str, Any], result: ChoiceResult, prepared: PreparedChat, omit_thinking: bool, keep: Callable[[list[dict[str, Any]]], None]
+) -> dict[str, Any]:
+    """The `message` object of a whole reply (its content kept for the thread first)."""
+    parsed = prepared.tooling.parse(result.text)
+    reason, sequence = stop_reason(result.finish_reason, result.stop_string)
+    content = anthropic_content(parsed, thinking=prepared.tooling.thinking, omit_thinking=omit_thinking)
+    keep(content)
+    return {
+        **head,
+        "content": content,
+        "stop_reason": tool_stop_reason(reason, len(parsed.tool_calls)),
+        "stop_sequence": sequence,
+        "usage": usage(len(prepared.prompt.ids), result.cached_tokens, len(result.token_ids), result.cache_creation_tokens),
+    }
 
 
 class _Framer:

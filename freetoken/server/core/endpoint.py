@@ -4,7 +4,8 @@ Owns `Dialect` (how a protocol answers a failure: its error body, the event that
 that fails after it started, and whether it answers an unexpected exception itself or leaves it
 to the app's handler), `DEFAULT_DIALECT` (the server's own OpenAI-shaped body, which the OpenAI
 and Responses routes use) and `run_endpoint`: the drain gate (503 while shutting down), the body
-parsed into the route's model off the event loop (request_body.py), the route's handler run
+parsed into the route's model off the event loop (request_body.py; the model's own checks run
+there), the model name checked (404 `model_not_found`), the route's handler run
 under `--request-timeout` and cancelled when its client disconnects, a failure counted in the
 metrics and answered in the route's dialect, and a started stream bounded by the deadline.
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Protocol, TypeVar, cast
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -33,6 +34,13 @@ from freetoken.server.request_hygiene import CLIENT_CLOSED, Deadline, cancel_on_
 log = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=BaseModel)
+
+
+class NamesModel(Protocol):
+    """Every generation request names the model it asks for."""
+
+    @property
+    def model(self) -> str: ...
 
 
 Handler = Callable[[ServingContext, M, str], Awaitable[Response]]  # (context, parsed body, request id)
@@ -62,6 +70,7 @@ async def run_endpoint(
     try:
         with ctx.drain.admitted():
             body = await parse_body(request, model)
+            ctx.check_model(cast(NamesModel, body).model)
             response = await deadline.run(cancel_on_disconnect(request, handler(ctx, body, request_id)))
     except APIError as err:
         ctx.metrics.record_request(endpoint, err.status)
