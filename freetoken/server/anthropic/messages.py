@@ -17,15 +17,13 @@ Anthropic's shape. It never imports torch.
 
 from __future__ import annotations
 
-import asyncio
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import anyio.to_thread
 from fastapi.responses import JSONResponse, Response
 
-from freetoken.errors import FreeTokenError
 from freetoken.server.anthropic.errors import error_event, event
 from freetoken.server.anthropic.pins import anthropic_pin_marks
 from freetoken.server.anthropic.protocol import AnthropicMessage, Conversation, CountTokensRequest, MessagesRequest
@@ -33,11 +31,11 @@ from freetoken.server.anthropic.threads import KeptThread, ThreadStore
 from freetoken.server.anthropic.tool_blocks import AnthropicBlockStream, anthropic_content, tool_stop_reason
 from freetoken.server.context import ServingContext
 from freetoken.server.core.chat_prompt import Prompt
-from freetoken.server.core.errors import bad_request
-from freetoken.server.core.generation import ChoiceResult, Clock, Piece, _close, engine_error, failed_choice
+from freetoken.server.core.errors import APIError, bad_request
+from freetoken.server.core.generation import ChoiceResult, Clock, Piece
 from freetoken.server.core.recipe import ChatInput, PreparedChat, prepare_chat
 from freetoken.server.core.run import start
-from freetoken.server.core.streaming import CLIENT_CLOSED, Tally, record, sse_response
+from freetoken.server.core.streaming import Tally, sse_response
 from freetoken.server.core.tool_calling import ToolCalling, ToolOptions, with_tools
 from freetoken.tokenizer.tool_parsers import StreamDelta
 from freetoken.tokenizer.tool_parsers.base import merge_deltas
@@ -126,11 +124,11 @@ async def create_message(ctx: ServingContext, req: MessagesRequest, request_id: 
         result = (await run.collect())[0]
         return JSONResponse(message_body(head, result, prepared, req.omits_thinking(), keep))
     first = await run.first()
-    events = message_events(
-        ctx, run.pieces, first, tooling=prepared.tooling, head=head, tally=run.tally, clock=clock, request_id=request_id,
-        on_done=keep, omit_thinking=req.omits_thinking(),
+    framing = MessageFraming(
+        tooling=prepared.tooling, head=head, prompt_tokens=len(prepared.prompt.ids), request_id=request_id, on_done=keep,
+        omit_thinking=req.omits_thinking(),
     )
-    return sse_response(events)
+    return sse_response(run.events(first, framing))
 
 
 def message_body(
@@ -167,71 +165,57 @@ class _Framer:
         return out
 
 
-async def message_events(
-    ctx: ServingContext,
-    pieces: AsyncIterator[Piece],
-    first: Piece | None,
-    *,
-    tooling: ToolCalling,
-    head: dict[str, Any],
-    tally: Tally,
-    clock: Clock,
-    request_id: str,
-    on_done: Callable[[list[dict[str, Any]]], None],
-    omit_thinking: bool = False,
-) -> AsyncIterator[str]:
-    """Anthropic's event stream for one message (its first piece already taken); `on_done` gets
-    the message's content blocks once it ended well."""
-    status = CLIENT_CLOSED
-    prompt_tokens = tally.prompt_tokens
-    cached = 0 if first is None else first.cached_tokens
-    created = 0 if first is None else first.cache_creation_tokens  # pins are applied before the first token
-    try:
-        start = {**head, "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage(prompt_tokens, cached, 0, created)}
-        yield event("message_start", {"type": "message_start", "message": start})
-        parser, blocks, frame = tooling.stream(incremental=True), AnthropicBlockStream(
-            thinking=bool(tooling.thinking), omit_thinking=omit_thinking
-        ), _Framer()
-        finish: str | None = None
-        stop_string: str | None = None
-        written: list[StreamDelta] = []
-        piece = first
-        while piece is not None:
-            clock.saw(piece)
-            tally.add(piece)
-            if piece.error is not None:
-                err = failed_choice(ctx.client, piece.error)
-                status = err.status
-                yield error_event(err, request_id)
-                return
-            delta = parser.feed(piece.text)
-            written.append(delta)
-            for text in frame(blocks.events(delta)):
-                yield text
-            if piece.finish_reason is not None:
-                finish, stop_string = piece.finish_reason, piece.stop_string
-            try:
-                piece = await anext(pieces)
-            except StopAsyncIteration:
-                piece = None
-        last = parser.finish()
-        written.append(last)
-        for text in frame(blocks.events(last) + blocks.close()):
-            yield text
-        on_done(anthropic_content(merge_deltas(written), thinking=tooling.thinking, omit_thinking=omit_thinking))
-        reason, sequence = stop_reason(finish, stop_string)
-        final_usage = usage(prompt_tokens, tally.cached_tokens, tally.completion_tokens, created)
-        delta = {"stop_reason": tool_stop_reason(reason, blocks.num_calls), "stop_sequence": sequence}
+class MessageFraming:
+    """Anthropic's events for one streamed message (core/streaming.py's `Framing`): `message_start`
+    with the usage known at the first piece, the content blocks as the parser splits the text,
+    `message_delta` with the stop reason and the final usage, `message_stop`; a failure is one
+    `event: error`. `on_done` gets the message's content blocks once it ended well."""
+
+    def __init__(
+        self, *, tooling: ToolCalling, head: dict[str, Any], prompt_tokens: int, request_id: str,
+        on_done: Callable[[list[dict[str, Any]]], None], omit_thinking: bool = False,
+    ) -> None:
+        self._tooling = tooling
+        self._head = head
+        self._prompt_tokens = prompt_tokens
+        self._request_id = request_id
+        self._on_done = on_done
+        self._omit_thinking = omit_thinking
+        self._created = 0  # prompt tokens the request's pins keep: known at the first piece
+        self._parser = tooling.stream(incremental=True)
+        self._blocks = AnthropicBlockStream(thinking=bool(tooling.thinking), omit_thinking=omit_thinking)
+        self._frame = _Framer()
+        self._written: list[StreamDelta] = []
+        self._finish: str | None = None
+        self._stop_string: str | None = None
+
+    def opening(self, first: Piece | None) -> list[str]:
+        cached = 0 if first is None else first.cached_tokens
+        self._created = 0 if first is None else first.cache_creation_tokens  # pins are applied before the first token
+        start_usage = usage(self._prompt_tokens, cached, 0, self._created)
+        start = {**self._head, "content": [], "stop_reason": None, "stop_sequence": None, "usage": start_usage}
+        return [event("message_start", {"type": "message_start", "message": start})]
+
+    def piece(self, piece: Piece) -> list[str]:
+        delta = self._parser.feed(piece.text)
+        self._written.append(delta)
+        out = self._frame(self._blocks.events(delta))
+        if piece.finish_reason is not None:
+            self._finish, self._stop_string = piece.finish_reason, piece.stop_string
+        return out
+
+    def closing(self, tally: Tally) -> Iterator[str]:
+        last = self._parser.finish()
+        self._written.append(last)
+        yield from self._frame(self._blocks.events(last) + self._blocks.close())
+        self._on_done(anthropic_content(merge_deltas(self._written), thinking=self._tooling.thinking, omit_thinking=self._omit_thinking))
+        reason, sequence = stop_reason(self._finish, self._stop_string)
+        final_usage = usage(self._prompt_tokens, tally.cached_tokens, tally.completion_tokens, self._created)
+        delta = {"stop_reason": tool_stop_reason(reason, self._blocks.num_calls), "stop_sequence": sequence}
         yield event("message_delta", {"type": "message_delta", "delta": delta, "usage": final_usage})
-        status = 200
-        yield event("message_stop", {"type": "message_stop"})
-    except FreeTokenError as exc:
-        err = engine_error(ctx.client, exc)
-        status = err.status
-        yield error_event(err, request_id)
-    except asyncio.CancelledError:
-        status = CLIENT_CLOSED
-        raise
-    finally:
-        await _close(pieces)
-        record(ctx, ENDPOINT, status, tally, clock)
+
+    def final(self, tally: Tally) -> str:
+        return event("message_stop", {"type": "message_stop"})
+
+    def failure(self, err: APIError) -> list[str]:
+        return [error_event(err, self._request_id)]

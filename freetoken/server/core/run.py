@@ -3,8 +3,8 @@
 Owns `Run` and `start`: one engine choice per prompt and `n` (choice `p * n + j`, its engine id
 holding the request id, its seed `seed + j`), their pieces merged as they come, and the request's
 tally and clock; `Run.collect` for a whole response (the request's metrics recorded as it ends),
-`Run.first` for a stream (the first piece before the headers go out, so that a refusal is still
-an HTTP error). Starting a run sends nothing: the engine sees the request when its pieces are
+`Run.first` then `Run.events` for a stream (the first piece before the headers go out, so that a
+refusal is still an HTTP error; then the protocol's framing of the pieces, core/streaming.py). Starting a run sends nothing: the engine sees the request when its pieces are
 first read. Response bodies and stream events are the protocols'; this module builds none.
 """
 
@@ -17,7 +17,7 @@ from freetoken.request import SamplingParams
 from freetoken.server.context import ServingContext
 from freetoken.server.core.generation import ChoiceResult, ChoiceSpec, Clock, Piece, collect, first_piece, merge, run_choice
 from freetoken.server.core.recipe import Prepared
-from freetoken.server.core.streaming import Tally, record
+from freetoken.server.core.streaming import Framing, Tally, event_stream, record
 from freetoken.server.request_hygiene import engine_rid
 
 
@@ -40,6 +40,10 @@ class Run:
 
     async def first(self) -> Piece | None:
         return await first_piece(self.ctx.client, self.pieces)
+
+    def events(self, first: Piece | None, framing: Framing) -> AsyncIterator[str]:
+        """The request's stream in `framing`'s events (its metrics recorded as it ends)."""
+        return event_stream(self.ctx, self.endpoint, self.pieces, first, tally=self.tally, clock=self.clock, framing=framing)
 
 
 def seeded(params: SamplingParams, choice: int) -> SamplingParams:

@@ -23,7 +23,7 @@ from freetoken.server.core.generation import ChoiceResult, Clock, Piece
 from freetoken.server.core.logprobs import chat_logprobs
 from freetoken.server.core.recipe import ChatInput, prepare_chat
 from freetoken.server.core.run import start
-from freetoken.server.core.streaming import Tally, sse_response, sse_stream
+from freetoken.server.core.streaming import DataFraming, Tally, sse_response
 from freetoken.server.core.tool_calling import ToolCalling, openai_tool_options
 from freetoken.server.openai.pins import openai_pin_marks
 from freetoken.server.openai.protocol import ChatCompletionRequest, logit_bias_pairs
@@ -59,11 +59,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         return JSONResponse({**head, "choices": choices, "usage": run.tally.usage(ctx.config.enable_cache_report)})
     first = await run.first()
     stream = ChatChunks(ctx, head, prepared.tooling, prepared.num_choices, with_logprobs, req.include_usage)
-    events = sse_stream(
-        ctx, ENDPOINT, run.pieces, first, tally=run.tally, clock=clock, preamble=stream.preamble(), chunks=stream.chunks,
-        usage_chunk=stream.usage_chunk if req.include_usage else None,
-    )
-    return sse_response(events)
+    framing = DataFraming(stream.preamble(), stream.chunks, stream.usage_chunk if req.include_usage else None)
+    return sse_response(run.events(first, framing))
 
 
 def chat_choice(ctx: ServingContext, index: int, res: ChoiceResult, tooling: ToolCalling, with_logprobs: bool) -> dict[str, Any]:

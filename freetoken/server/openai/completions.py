@@ -22,7 +22,7 @@ from freetoken.server.core.generation import ChoiceResult, ChoiceSpec, Clock, Pi
 from freetoken.server.core.logprobs import wire_logprob
 from freetoken.server.core.recipe import PromptInput, prepare_prompts
 from freetoken.server.core.run import start
-from freetoken.server.core.streaming import Tally, sse_response, sse_stream
+from freetoken.server.core.streaming import DataFraming, Tally, sse_response
 from freetoken.server.openai.protocol import CompletionRequest, logit_bias_pairs
 from freetoken.tokenizer import Tokenizer
 
@@ -126,11 +126,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
         choices = [shapes.choice(spec, res) for spec, res in zip(run.specs, results)]
         return JSONResponse({**head, "choices": choices, "usage": run.tally.usage(ctx.config.enable_cache_report)})
     first = await run.first()
-    events = sse_stream(
-        ctx, ENDPOINT, run.pieces, first, tally=run.tally, clock=clock, preamble=[], chunks=shapes.chunks,
-        usage_chunk=shapes.usage_chunk if req.include_usage else None,
-    )
-    return sse_response(events)
+    return sse_response(run.events(first, DataFraming([], shapes.chunks, shapes.usage_chunk if req.include_usage else None)))
 
 
 class CompletionShapes:
