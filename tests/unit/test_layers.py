@@ -50,16 +50,15 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 )
 
 # Inside freetoken.server, bottom to top, entries as above but under `freetoken.server`.
-# operations/ holds plumbing and routes, so each of its modules is named.
+# operations/ is what the operator routes do (drain, metrics, resize, the probes' answers);
+# admin/ is their router.
 SERVER_LAYERS: tuple[tuple[str, ...], ...] = (
     ("process", "__init__"),
     (  # plumbing: what every route is handed or passes through
-        "settings", "errors", "context", "preflight", "middleware", "request_body", "request_hygiene",
-        "operations.__init__", "operations.drain", "operations.metrics", "operations.metrics_experts",
-        "operations.metrics_speculative",
+        "settings", "errors", "context", "preflight", "middleware", "request_body", "request_hygiene", "operations",
     ),
     ("core",),
-    ("openai", "responses", "anthropic", "operations.admin_cache", "operations.worker_info"),
+    ("openai", "responses", "anthropic", "admin"),
     ("app", "serve"),
 )
 SERVER_LAYER_NAMES = ("process", "plumbing", "core", "routes", "app")
@@ -370,12 +369,11 @@ def test_a_cycle_is_found_and_named() -> None:
 
 def test_a_module_without_a_layer_is_found() -> None:
     modules = synthetic(
-        freetoken__scratch="", freetoken__server__operations__extra="", freetoken__server__core__extra="",
+        freetoken__scratch="", freetoken__server__extra="", freetoken__server__core__extra="",
     )
     assert unplaced(modules) == [
         "freetoken/scratch.py: no layer places freetoken.scratch (add it to LAYERS or SERVER_LAYERS)",
-        "freetoken/server/operations/extra.py: no layer places freetoken.server.operations.extra"
-        " (add it to LAYERS or SERVER_LAYERS)",
+        "freetoken/server/extra.py: no layer places freetoken.server.extra (add it to LAYERS or SERVER_LAYERS)",
     ]  # a new module of core/ is core's
 
 
@@ -394,6 +392,7 @@ def test_a_module_without_a_layer_is_found() -> None:
         ("freetoken.server.anthropic.messages", "from ..openai import chat", True),
         ("freetoken.server.responses.routes", "from freetoken.server.anthropic import messages", True),
         ("freetoken.server.operations.worker_info", "from freetoken.server.openai import chat", True),
+        ("freetoken.server.admin.routes", "from freetoken.server.openai import chat", True),
         ("freetoken.server.context", "from freetoken.engine import engine", True),
         ("freetoken.server.process.worker", "from freetoken.engine import engine", False),
         ("freetoken.server.anthropic.messages", "from freetoken.server.core.chat_prompt import render_chat", False),

@@ -2,8 +2,10 @@
 
 Owns the mapping from an `APIError` (the server's one error type, OpenAI-shaped) to Anthropic's
 body `{"type": "error", "error": {"type", "message"}, "request_id"}` with the same status and
-headers, the SSE `event: error` of a stream that fails after it started, and the SSE framing of
-Anthropic's named events. The OpenAI routes keep their own bodies; this module is never used there.
+headers, the SSE `event: error` of a stream that fails after it started, the SSE framing of
+Anthropic's named events, and `ANTHROPIC_DIALECT`, which hands all three to the core's
+`run_endpoint` (Anthropic's routes answer unexpected failures in their own body too). The OpenAI
+routes keep their own bodies; this module is never used there.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from freetoken.server.core.endpoint import Dialect
 from freetoken.server.errors import APIError
 
 # Anthropic's documented error types by status (503 and 504 keep their status: the anthropic
@@ -59,3 +62,6 @@ def event(name: str, data: dict[str, Any]) -> str:
 def error_event(err: APIError, request_id: str | None) -> str:
     """The `event: error` that ends a stream failing after it started."""
     return event("error", anthropic_error_body(err, request_id))
+
+
+ANTHROPIC_DIALECT = Dialect(anthropic_error_response, error_event, answers_unexpected=True)

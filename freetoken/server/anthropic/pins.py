@@ -1,20 +1,19 @@
 """Where an Anthropic request's retention pins go (kv/pins.py): its `cache_control` breakpoints.
 
-Owns `anthropic_pins`: a breakpoint pins the prefix up to the end of the chat message that holds
-the marked block (a block of `system` or a marked tool definition: the end of the system message;
-the top-level `cache_control`, Anthropic's automatic caching: the end of the last message), placed
-at the message boundaries by `core.pins.at_boundaries`. TTLs: `"5m"` (the default) 300 s, `"1h"`
+Owns `anthropic_pin_marks`: a breakpoint marks the prefix up to the end of the chat message that
+holds the marked block (a block of `system` or a marked tool definition: the end of the system
+message; the top-level `cache_control`, Anthropic's automatic caching: the end of the last
+message); the recipe places the marks at the message boundaries (core/pins.py). TTLs: `"5m"` (the default) 300 s, `"1h"`
 3600 s; another `ttl` is a 400 naming the key.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from freetoken.server.anthropic.protocol import CacheControl, Conversation, convert_message
-from freetoken.server.core.pins import Pins, at_boundaries
 from freetoken.server.errors import bad_request
+from freetoken.server.core.pins import PinMarks
 
 ANTHROPIC_TTL_S = {None: 300.0, "5m": 300.0, "1h": 3600.0}
 
@@ -29,8 +28,8 @@ def _blocks(content: Any) -> list[Any]:
     return content if isinstance(content, list) else []
 
 
-def anthropic_pins(req: Conversation, boundaries: Sequence[int]) -> Pins:
-    """Pins of the request's `cache_control` breakpoints, as (message-end position, TTL)."""
+def anthropic_pin_marks(req: Conversation) -> PinMarks:
+    """The request's `cache_control` breakpoints, as marks on its chat messages."""
     marks: dict[int, float] = {}  # chat-message count up to the breakpoint -> TTL
     has_system = bool(req.system)
     count = 1 if has_system else 0
@@ -50,4 +49,4 @@ def anthropic_pins(req: Conversation, boundaries: Sequence[int]) -> Pins:
                 marks[count] = max(marks.get(count, 0.0), _ttl(control, f"messages[{i}].content[{j}]"))
     if req.cache_control is not None:
         marks[count] = max(marks.get(count, 0.0), _ttl(req.cache_control, "request"))
-    return at_boundaries(marks, boundaries, count)
+    return PinMarks(marks, count)

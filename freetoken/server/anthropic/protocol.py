@@ -29,6 +29,7 @@ from freetoken.server.core.tool_calling import ToolOptions
 from freetoken.server.errors import bad_request
 
 MAX_STOP_SEQUENCES = 16
+MAX_TEMPERATURE = 1.0  # Anthropic's range is [0, 1]
 BILLING_HEADER = "x-anthropic-billing-header:"  # Claude Code's first system block: for Anthropic's billing, not the model
 
 
@@ -262,7 +263,10 @@ class MessagesRequest(Conversation):
         return tuple(s for s in stops if s)
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """Range-checked SamplingParams (a 400 naming the field when one is out of range)."""
+        """Range-checked SamplingParams (a 400 naming the field when one is out of range:
+        `temperature` in Anthropic's [0, 1] first, then the engine's ranges)."""
+        if self.temperature is not None and not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise bad_request(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}", param="temperature")
         if self.max_tokens < 1:
             raise bad_request(f"max_tokens must be at least 1, got {self.max_tokens}", param="max_tokens")
         params = SamplingParams(

@@ -6,11 +6,12 @@ model's template, the built-in one for its architecture, or `--chat-template`; a
 is a 400 that says so. The message boundaries handed to the engine are the token offsets where
 each message ends, so the prefix cache keeps their windows. Messages come in the chat-template
 form (OpenAI-style dicts, tools already fitted by `ToolCalling.template_inputs`); no wire shape is
-known here.
+known here. Also `Prompt`, a rendered prompt as the request recipe carries it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from freetoken.server.core.system_messages import fold_system_messages
@@ -19,6 +20,16 @@ from freetoken.tokenizer import ChatTemplateError, NoChatTemplate, Tokenizer
 
 MAX_BOUNDARY_MESSAGES = 256  # past this many messages, boundaries are not computed (quadratic renders)
 MAX_BOUNDARY_CHARS = 1 << 27  # nor past this many characters rendered in all (messages x prompt length)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt ready for the engine: its ids, the token offsets where its messages end (none for
+    a raw prompt), and the rendered text where a route keeps it (Responses, for the next turn)."""
+
+    ids: list[int]
+    boundaries: tuple[int, ...] = ()
+    text: str = ""
 
 
 def render_chat(

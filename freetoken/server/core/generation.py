@@ -13,7 +13,6 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -249,11 +248,3 @@ async def first_piece(client: EngineClient, pieces: AsyncIterator[Piece]) -> Pie
 
 def sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-@asynccontextmanager
-async def closing(pieces: AsyncIterator[Piece]) -> AsyncIterator[AsyncIterator[Piece]]:
-    try:
-        yield pieces
-    finally:
-        await _close(pieces)

@@ -133,51 +133,66 @@ def unsatisfiable_ref(schema: Any) -> str | None:
     ones are the compiler's; a node this does not understand counts as productive."""
     if not isinstance(schema, dict):
         return None
+    nodes = _schema_nodes(schema)
+    if not any("$ref" in n for n, _ in nodes.values()):
+        return None
+    known = _productive(nodes, {key: _needs(schema, node) for key, (node, _) in nodes.items()})
+    if id(schema) in known:
+        return None
+    refs = [where for key, (node, where) in nodes.items() if key not in known and "$ref" in node]
+    return min(refs, key=lambda w: (len(w), w)) if refs else "#"
+
+
+def _schema_nodes(schema: dict[str, Any]) -> dict[int, tuple[dict[str, Any], str]]:
+    """Every dict node reachable through the schema keywords, by identity, with its JSON pointer."""
     nodes: dict[int, tuple[dict[str, Any], str]] = {}
     stack: list[tuple[Any, str]] = [(schema, "#")]
-    while stack:  # every dict node reachable through the schema keywords, by identity
+    while stack:
         node, where = stack.pop()
         if not isinstance(node, dict) or id(node) in nodes:
             continue
         nodes[id(node)] = (node, where)
         stack.extend(_children(node, where))
-    if not any("$ref" in n for n, _ in nodes.values()):
-        return None
+    return nodes
 
-    def needs(node: dict[str, Any]) -> tuple[list[Any], list[list[Any]]]:
-        """(every one of these, and one of each of these groups) must be productive."""
-        every: list[Any] = []
-        groups: list[list[Any]] = []
-        if isinstance(node.get("$ref"), str):
-            target = _resolve(schema, node["$ref"])
-            if target is not None:
-                every.append(target)
-        if isinstance(node.get("allOf"), list):
-            every.extend(node["allOf"])
-        for key in ("anyOf", "oneOf"):
-            if isinstance(node.get(key), list) and node[key]:
-                groups.append(list(node[key]))
-        props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
-        required = node.get("required") if isinstance(node.get("required"), list) else []
-        for name in required:
-            if isinstance(name, str) and name in props:
-                every.append(props[name])
-        min_items = node.get("minItems")
-        if isinstance(min_items, int) and min_items > 0:
-            prefix = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else []
-            every.extend(prefix[:min_items])
-            if len(prefix) < min_items and isinstance(node.get("items"), dict):
-                every.append(node["items"])
-        return every, groups
 
-    # Horn-clause propagation (linear): each node waits for its `every` dependencies and for one
-    # member of each group; a dependency that is not a dict node is settled at once.
+def _needs(schema: dict[str, Any], node: dict[str, Any]) -> tuple[list[Any], list[list[Any]]]:
+    """What makes `node` productive: (every one of these, and one of each of these groups)."""
+    every: list[Any] = []
+    groups: list[list[Any]] = []
+    if isinstance(node.get("$ref"), str):
+        target = _resolve(schema, node["$ref"])
+        if target is not None:
+            every.append(target)
+    if isinstance(node.get("allOf"), list):
+        every.extend(node["allOf"])
+    for key in ("anyOf", "oneOf"):
+        if isinstance(node.get(key), list) and node[key]:
+            groups.append(list(node[key]))
+    props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+    required = node.get("required") if isinstance(node.get("required"), list) else []
+    for name in required:
+        if isinstance(name, str) and name in props:
+            every.append(props[name])
+    min_items = node.get("minItems")
+    if isinstance(min_items, int) and min_items > 0:
+        prefix = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else []
+        every.extend(prefix[:min_items])
+        if len(prefix) < min_items and isinstance(node.get("items"), dict):
+            every.append(node["items"])
+    return every, groups
+
+
+def _productive(nodes: dict[int, tuple[dict[str, Any], str]], needs: dict[int, tuple[list[Any], list[list[Any]]]]) -> set[int]:
+    """The ids of the productive nodes. Horn-clause propagation (linear): each node waits for its
+    `every` dependencies and for one member of each group; a dependency that is not a dict node
+    is settled at once."""
     waiting_every: dict[int, int] = {}
     waiting_groups: dict[int, int] = {}
     parents: dict[int, list[tuple[int, int]]] = {}  # dependency -> (node, group index or -1)
     ready: list[int] = []
-    for key, (node, _) in nodes.items():
-        every, groups = needs(node)
+    for key in nodes:
+        every, groups = needs[key]
         blocked = False
         count = 0
         for dep in every:
@@ -218,7 +233,4 @@ def unsatisfiable_ref(schema: Any) -> str | None:
                 continue
             if waiting_every[parent] == 0 and waiting_groups[parent] == 0:
                 ready.append(parent)
-    if id(schema) in known:
-        return None
-    refs = [where for key, (node, where) in nodes.items() if key not in known and "$ref" in node]
-    return min(refs, key=lambda w: (len(w), w)) if refs else "#"
+    return known

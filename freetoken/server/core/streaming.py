@@ -1,26 +1,29 @@
-"""Server-sent events and usage accounting shared by the routes.
+"""Server-sent event streams and usage accounting shared by the routes.
 
 Owns `Tally` (prompt, completion and cache-hit tokens of one HTTP request, its speculative
-drafts, and its `usage` object), `sse_stream` (pieces -> `data: {...}` events, `data: [DONE]` at the end; an engine
-failure after the stream started becomes one `data: {"error": {...}}` event and the stream closes
-without `[DONE]`), and the metrics each request records when it ends. Response bodies are built by
-the callbacks the routes pass in. Every route counts with `Tally` and records with `record`;
-`Tally.usage` and `sse_stream` are the `data:` stream and `usage` object that chat completions and
-completions share (Responses and Messages frame their own events and usage from the same tally).
+drafts, and its `usage` object), the metrics each request records when it ends (`record`), and
+`event_stream`: the one loop every streamed response runs -- pieces counted as they come, a
+failed choice or an engine failure after the stream started ending it with the protocol's error
+event, a client that goes away aborting the request, the metrics recorded at the end -- with a
+`Framing` that says how its protocol writes the events. `DataFraming` is the
+`data: {...}` stream with `data: [DONE]` at the end that chat completions and completions share
+(an engine failure: one `data: {"error": {...}}` event, and no `[DONE]`); Responses and Messages
+bring framings of their own. Response bodies are built by the protocols.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi.responses import StreamingResponse
 
 from freetoken.errors import FreeTokenError
 from freetoken.server.context import ServingContext
+from freetoken.server.errors import APIError
 from freetoken.server.core.generation import DONE_EVENT, ChoiceResult, Clock, Piece, _close, engine_error, failed_choice, sse
 
 CLIENT_CLOSED = 499  # the status recorded for a client that went away mid-stream
@@ -126,23 +129,31 @@ def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
     )
 
 
-async def sse_stream(
-    ctx: ServingContext,
-    endpoint: str,
-    pieces: AsyncIterator[Piece],
-    first: Piece | None,
-    *,
-    tally: Tally,
-    clock: Clock,
-    preamble: list[dict[str, Any]],
-    chunks: Callable[[Piece], list[dict[str, Any]]],
-    usage_chunk: Callable[[Tally], dict[str, Any]] | None,
+class Framing(Protocol):
+    """How one protocol writes a stream: each method gives whole SSE texts. `closing` comes after
+    the last piece, `final` is the last event of a stream that ended well (the request counts as
+    answered once it is being sent), `failure` ends a stream whose choice or engine failed."""
+
+    def opening(self, first: Piece | None) -> Iterable[str]: ...
+
+    def piece(self, piece: Piece) -> Iterable[str]: ...
+
+    def closing(self, tally: Tally) -> Iterable[str]: ...
+
+    def final(self, tally: Tally) -> str: ...
+
+    def failure(self, err: APIError) -> Iterable[str]: ...
+
+
+async def event_stream(
+    ctx: ServingContext, endpoint: str, pieces: AsyncIterator[Piece], first: Piece | None, *, tally: Tally, clock: Clock,
+    framing: Framing,
 ) -> AsyncIterator[str]:
-    """The event stream of one request (its first piece already taken, see `first_piece`)."""
+    """The events of one request (its first piece already taken, see `generation.first_piece`)."""
     status = CLIENT_CLOSED
     try:
-        for obj in preamble:
-            yield sse(obj)
+        for text in framing.opening(first):
+            yield text
         piece = first
         while piece is not None:
             clock.saw(piece)
@@ -150,25 +161,53 @@ async def sse_stream(
             if piece.error is not None:
                 err = failed_choice(ctx.client, piece.error)
                 status = err.status
-                yield sse(err.body())
+                for text in framing.failure(err):
+                    yield text
                 return
-            for obj in chunks(piece):
-                yield sse(obj)
+            for text in framing.piece(piece):
+                yield text
             try:
                 piece = await anext(pieces)
             except StopAsyncIteration:
                 piece = None
-        if usage_chunk is not None:
-            yield sse(usage_chunk(tally))
+        for text in framing.closing(tally):
+            yield text
+        last = framing.final(tally)
         status = 200
-        yield DONE_EVENT
+        yield last
     except FreeTokenError as exc:
         err = engine_error(ctx.client, exc)
         status = err.status
-        yield sse(err.body())
+        for text in framing.failure(err):
+            yield text
     except asyncio.CancelledError:
         status = CLIENT_CLOSED
         raise
     finally:
         await _close(pieces)
         record(ctx, endpoint, status, tally, clock)
+
+
+@dataclass
+class DataFraming:
+    """OpenAI's `data: {...}` stream: the `preamble` objects, each piece's `chunks`, the
+    `usage_chunk` when asked for, then `data: [DONE]`; a failure is one `data: {"error": ...}`."""
+
+    preamble: list[dict[str, Any]]
+    chunks: Callable[[Piece], list[dict[str, Any]]]
+    usage_chunk: Callable[[Tally], dict[str, Any]] | None
+
+    def opening(self, first: Piece | None) -> list[str]:
+        return [sse(obj) for obj in self.preamble]
+
+    def piece(self, piece: Piece) -> list[str]:
+        return [sse(obj) for obj in self.chunks(piece)]
+
+    def closing(self, tally: Tally) -> list[str]:
+        return [] if self.usage_chunk is None else [sse(self.usage_chunk(tally))]
+
+    def final(self, tally: Tally) -> str:
+        return DONE_EVENT
+
+    def failure(self, err: APIError) -> list[str]:
+        return [sse(err.body())]

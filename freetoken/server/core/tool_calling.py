@@ -7,24 +7,27 @@ changes — a forced-call grammar for `required` or a named function, special to
 Harmony —, and the parsed result: reasoning split off by the `<think>` parser where the model has
 one, then tool calls, with `parallel_tool_calls: false` applied), `tool_parser_name`
 (`--tool-call-parser` or the model's own) and `reasoning_parser_name` (`--reasoning-parser` or the
-model's own). Message conversion for templates that cannot render tools is in
-`tool_messages.py`; wire shapes are built by the protocol packages.
+model's own), and `with_tools`, the request recipe's one step into this module before generation:
+the request's `ToolCalling` and its prompt rendered with it (`render_prompt`: `render_chat` with the
+tools and template variables, or a protocol's own renderer). Message conversion for templates
+that cannot render tools is in `tool_messages.py`; wire shapes are built by the protocol packages.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from freetoken.reasoning_budget import ReasoningBudget
 from freetoken.request import SamplingParams
 from freetoken.server.context import ServingContext
+from freetoken.server.core.chat_prompt import Prompt, render_chat
+from freetoken.server.errors import bad_request
 from freetoken.server.core.grammar_check import check_tool_schemas
 from freetoken.server.core.tool_messages import prepare_messages
-from freetoken.server.errors import bad_request
-from freetoken.tokenizer import ChatTemplateError, NoChatTemplate
+from freetoken.tokenizer import ChatTemplateError, NoChatTemplate, Tokenizer
 from freetoken.tokenizer.reasoning import MARKERS, ThinkStream, detect_reasoning_parser, reasoning_stream
 from freetoken.tokenizer.tool_parsers import (
     ParsedOutput,
@@ -226,6 +229,29 @@ class ToolCalling:
             self.parser.stream() if self.parses else None, self.options.parallel, think, incremental=incremental, forced=forced,
             forced_name=tools[0]["function"]["name"] if len(tools) == 1 else None,
         )
+
+
+Renderer = Callable[[Tokenizer, ToolCalling, list[dict[str, Any]]], Prompt]  # (tokenizer, tooling, messages) -> prompt
+
+
+def render_prompt(tokenizer: Tokenizer, tooling: ToolCalling, messages: list[dict[str, Any]]) -> Prompt:
+    """The conversation through `render_chat`, with the request's tools and template variables."""
+    ids, boundaries = render_chat(tokenizer, *tooling.template_inputs(messages), tooling.template_context())
+    return Prompt(ids, boundaries)
+
+
+def with_tools(
+    ctx: ServingContext,
+    options: ToolOptions,
+    messages: list[dict[str, Any]],
+    *,
+    thinking: bool | None = None,
+    render: Renderer = render_prompt,
+) -> tuple[ToolCalling, Prompt]:
+    """A chat request's tool handling and its prompt rendered with it (template and tokenizer:
+    callers run this off the event loop)."""
+    tooling = ToolCalling(ctx, options, thinking)
+    return tooling, render(ctx.tokenizer, tooling, messages)
 
 
 class ToolStream:

@@ -1,28 +1,29 @@
 """`POST /v1/completions`: raw prompts (a string, strings, token ids, lists of token ids).
 
-Owns turning a CompletionRequest into engine choices (tokenization, the vocabulary and context
-checks, `n` and per-choice seeds, echo) and the OpenAI `text_completion` bodies and stream chunks,
-legacy logprobs included. Generation itself is `generation.run_choice`.
+Owns `completion_input` (a CompletionRequest as the recipe's `PromptInput`: `prompt_ids`, the
+tokenization with its vocabulary checks, and the range-checked sampling parameters) and the
+OpenAI `text_completion` bodies and stream chunks, echo and legacy logprobs included. The context
+checks, `n` with its per-choice seeds and the admission limit are the recipe's (core/recipe.py,
+core/run.py).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import replace
+from functools import partial
 from typing import Any
 
-import anyio.to_thread
 from fastapi.responses import JSONResponse, Response
 
 from freetoken.server.context import ServingContext
-from freetoken.server.core.generation import ChoiceSpec, Clock, Piece, collect, first_piece, merge, run_choice
-from freetoken.server.core.limits import check_context, check_max_tokens
-from freetoken.server.core.logprobs import wire_logprob
-from freetoken.server.core.streaming import Tally, record, sse_response, sse_stream
 from freetoken.server.errors import bad_request
-from freetoken.server.openai.protocol import CompletionRequest
-from freetoken.server.request_hygiene import engine_rid
+from freetoken.server.core.generation import ChoiceResult, ChoiceSpec, Clock, Piece
+from freetoken.server.core.logprobs import wire_logprob
+from freetoken.server.core.recipe import PromptInput, prepare_prompts
+from freetoken.server.core.run import start
+from freetoken.server.core.streaming import DataFraming, Tally, sse_response
+from freetoken.server.openai.protocol import CompletionRequest, logit_bias_pairs
 from freetoken.tokenizer import Tokenizer
 
 ENDPOINT = "completions"
@@ -90,91 +91,89 @@ def _merge_logprobs(head: dict[str, Any], tail: dict[str, Any]) -> dict[str, Any
     return {key: head[key] + tail[key] for key in head}
 
 
+def completion_input(req: CompletionRequest) -> PromptInput:
+    """The request in the core's terms; a 400 naming the field for a value it cannot take."""
+    max_tokens = req.requested_max_tokens()
+    logprobs = req.checked_logprobs()
+    prompt_logprobs = logprobs if req.echo and logprobs is not None else None
+    return PromptInput(
+        tokenize=lambda tokenizer, vocab_size: prompt_ids(tokenizer, req.prompt, vocab_size),
+        params=req.sampling_params(max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs), max_tokens=max_tokens,
+        num_choices=req.num_choices, include_stop=bool(req.no_stop_trim), check_vocab=partial(logit_bias_pairs, req.logit_bias),
+    )
+
+
+def echo_texts(req: CompletionRequest, tokenizer: Tokenizer, prompts: list[list[int]]) -> list[str]:
+    """What `echo` puts before each prompt's choices: the prompt as sent (text) or decoded (ids)."""
+    if not req.echo:
+        return ["" for _ in prompts]
+    if isinstance(req.prompt, str):
+        return [req.prompt]
+    if req.prompt and isinstance(req.prompt[0], str):
+        return list(req.prompt)  # type: ignore[arg-type]
+    return [tokenizer.decode(ids) for ids in prompts]
+
+
 async def create_completion(ctx: ServingContext, req: CompletionRequest, request_id: str) -> Response:
     clock = Clock()
-    req.check_common()
-    ctx.check_model(req.model)
-    check_max_tokens(req.max_tokens)
-    max_tokens = 16 if req.max_tokens is None else req.max_tokens
-    if req.logprobs is not None and not 0 <= req.logprobs <= 20:
-        raise bad_request(f"logprobs must be in [0, 20], got {req.logprobs}", param="logprobs")
-    echo = bool(req.echo)
-    prompt_logprobs = req.logprobs if echo and req.logprobs is not None else None
-    req.sampling_params(max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs)  # range checks first
-    info = ctx.ready_info()
-    base = req.sampling_params(max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs, vocab_size=info.vocab_size)
-    prompts = await anyio.to_thread.run_sync(prompt_ids, ctx.tokenizer, req.prompt, info.vocab_size)  # off the event loop
-    for ids in prompts:
-        check_context(len(ids), max_tokens, info.context_length, prompt_param="prompt", max_param="max_tokens")
-    n = req.num_choices
-    ctx.check_capacity(len(prompts) * n)
+    prepared = await prepare_prompts(ctx, completion_input(req))
     response_id = f"cmpl-{uuid.uuid4().hex}"
-    eos = frozenset(ctx.tokenizer.stop_ids)
-    specs: list[ChoiceSpec] = []
-    for p, ids in enumerate(prompts):
-        for j in range(n):
-            params = base if base.seed is None or j == 0 else replace(base, seed=base.seed + j)
-            rid = engine_rid(request_id, response_id, p * n + j)
-            specs.append(ChoiceSpec(p * n + j, rid, ids, params, eos, include_stop=bool(req.no_stop_trim)))
-    tally = Tally([len(ids) for ids in prompts], [s.index // n for s in specs])
-    pieces = merge([run_choice(ctx.client, spec, ctx.tokenizer) for spec in specs])
-    created = int(time.time())
-    head = {"id": response_id, "object": "text_completion", "created": created, "model": ctx.served_name}
-    echo_texts = [ctx.tokenizer.decode(ids) if echo else "" for ids in prompts]
-    if isinstance(req.prompt, str) and echo:
-        echo_texts = [req.prompt]
-    elif echo and req.prompt and isinstance(req.prompt[0], str):
-        echo_texts = list(req.prompt)  # type: ignore[arg-type]
-
+    run = start(ctx, ENDPOINT, prepared, request_id, response_id, clock)
+    head = {"id": response_id, "object": "text_completion", "created": int(time.time()), "model": ctx.served_name}
+    shapes = CompletionShapes(ctx, head, run.specs, echo_texts(req, ctx.tokenizer, [p.ids for p in prepared.prompts]), req)
     if not req.stream:
-        results = await collect(ctx.client, pieces, len(specs), clock)
-        tally.add_results(results)
-        choices = []
-        for spec, res in zip(specs, results):
-            prefix = echo_texts[spec.index // n]
-            logprobs = None
-            if req.logprobs is not None:
-                logprobs = legacy_logprobs(ctx.tokenizer, res.logprobs, len(prefix))
-                if echo:
-                    logprobs = _merge_logprobs(_echo_logprobs(ctx.tokenizer, spec.prompt_ids, res.prompt_logprobs), logprobs)
-            choices.append({"index": spec.index, "text": prefix + res.text, "logprobs": logprobs, "finish_reason": res.finish_reason})
-        record(ctx, ENDPOINT, 200, tally, clock)
-        return JSONResponse({**head, "choices": choices, "usage": tally.usage(ctx.config.enable_cache_report)})
+        results = await run.collect()
+        choices = [shapes.choice(spec, res) for spec, res in zip(run.specs, results)]
+        return JSONResponse({**head, "choices": choices, "usage": run.tally.usage(ctx.config.enable_cache_report)})
+    first = await run.first()
+    return sse_response(run.events(first, DataFraming([], shapes.chunks, shapes.usage_chunk if req.include_usage else None)))
 
-    first = await first_piece(ctx.client, pieces)
-    include_usage = req.include_usage
-    offsets = [len(echo_texts[s.index // n]) for s in specs]
-    echoed: set[int] = set()
 
-    def chunk(index: int, text: str, logprobs: dict[str, Any] | None, finish: str | None) -> dict[str, Any]:
-        out = {**head, "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
-        if include_usage:
+class CompletionShapes:
+    """The `text_completion` choices and stream chunks of one request: each choice's text after
+    its prompt's echo, with legacy logprobs (the echoed prompt's first, under `echo`) when asked."""
+
+    def __init__(self, ctx: ServingContext, head: dict[str, Any], specs: list[ChoiceSpec], echoes: list[str], req: CompletionRequest) -> None:
+        self._ctx = ctx
+        self._head = head
+        self._specs = specs
+        self._n = req.num_choices
+        self._echoes = echoes
+        self._echo = bool(req.echo)
+        self._logprobs = req.logprobs is not None
+        self._include_usage = req.include_usage
+        self._offsets = [len(echoes[s.index // self._n]) for s in specs]
+        self._echoed: set[int] = set()
+
+    def choice(self, spec: ChoiceSpec, res: ChoiceResult) -> dict[str, Any]:
+        prefix = self._echoes[spec.index // self._n]
+        logprobs = None
+        if self._logprobs:
+            logprobs = legacy_logprobs(self._ctx.tokenizer, res.logprobs, len(prefix))
+            if self._echo:
+                logprobs = _merge_logprobs(_echo_logprobs(self._ctx.tokenizer, spec.prompt_ids, res.prompt_logprobs), logprobs)
+        return {"index": spec.index, "text": prefix + res.text, "logprobs": logprobs, "finish_reason": res.finish_reason}
+
+    def chunk(self, index: int, text: str, logprobs: dict[str, Any] | None, finish: str | None) -> dict[str, Any]:
+        out = {**self._head, "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+        if self._include_usage:
             out["usage"] = None
         return out
 
-    def chunks(piece: Piece) -> list[dict[str, Any]]:
-        spec = specs[piece.index]
+    def chunks(self, piece: Piece) -> list[dict[str, Any]]:
+        spec = self._specs[piece.index]
         out = []
-        if echo and piece.index not in echoed:
-            echoed.add(piece.index)
-            lps = None
-            if req.logprobs is not None:
-                lps = _echo_logprobs(ctx.tokenizer, spec.prompt_ids, piece.prompt_logprobs)
-            out.append(chunk(piece.index, echo_texts[spec.index // n], lps, None))
+        if self._echo and piece.index not in self._echoed:
+            self._echoed.add(piece.index)
+            lps = _echo_logprobs(self._ctx.tokenizer, spec.prompt_ids, piece.prompt_logprobs) if self._logprobs else None
+            out.append(self.chunk(piece.index, self._echoes[spec.index // self._n], lps, None))
         lps = None
-        if req.logprobs is not None:
-            lps = legacy_logprobs(ctx.tokenizer, piece.logprobs, offsets[piece.index])
-            offsets[piece.index] += sum(len(t) for t in lps["tokens"])
+        if self._logprobs:
+            lps = legacy_logprobs(self._ctx.tokenizer, piece.logprobs, self._offsets[piece.index])
+            self._offsets[piece.index] += sum(len(t) for t in lps["tokens"])
         if piece.text or piece.finish_reason or lps and lps["tokens"]:
-            out.append(chunk(piece.index, piece.text, lps, piece.finish_reason))
+            out.append(self.chunk(piece.index, piece.text, lps, piece.finish_reason))
         return out
 
-    def usage_chunk(t: Tally) -> dict[str, Any]:
-        return {**head, "choices": [], "usage": t.usage(ctx.config.enable_cache_report)}
-
-    events = sse_stream(
-        ctx, ENDPOINT, pieces, first, tally=tally, clock=clock, preamble=[], chunks=chunks,
-        usage_chunk=usage_chunk if include_usage else None,
-    )
-    return sse_response(events)
-
+    def usage_chunk(self, tally: Tally) -> dict[str, Any]:
+        return {**self._head, "choices": [], "usage": tally.usage(self._ctx.config.enable_cache_report)}

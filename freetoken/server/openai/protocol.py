@@ -6,21 +6,24 @@ fields current clients send that have no effect here (typed, then ignored: `stor
 `prompt_cache_options`, `safety_identifier`, `verbosity`, `stream_options.include_obfuscation`,
 `cache_control` / `prompt_cache_breakpoint` on a part; and the response-only keys a
 client re-sends on an assistant message), the fields the server knows but does not implement
-(each refused with a 400 that names it), and `sampling_params()`, which range-checks the
-sampling fields and `logit_bias`. Types are strict (a string is not a number, 0 is not a
-boolean) and unknown fields are refused. It does no tokenization and knows nothing of the
-engine; responses are built as plain dicts by the route modules.
+(each refused with a 400 that names it), and the range checks: `n`, `seed`, `stream_options`
+and the refused fields as the body is parsed (a model validator, before the model name is
+checked), `max_tokens`, `logprobs`, `messages` and `sampling_params()` (the sampling fields and
+`logit_bias`) when the route translates the request, once. Types are strict (a string is not a
+number, 0 is not a boolean) and unknown fields are refused. It does no tokenization and knows
+nothing of the engine; responses are built as plain dicts by the route modules.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from freetoken.request import SamplingParams
-from freetoken.server.core.response_format import grammar_of
 from freetoken.server.errors import bad_request
+from freetoken.server.core.limits import check_max_tokens
+from freetoken.server.core.response_format import grammar_of
 
 MAX_N = 16
 MAX_STOP_STRINGS = 16
@@ -102,7 +105,10 @@ class _Sampling(_Strict):
             raise bad_request(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", param="stop")
         return tuple(s for s in stops if s)
 
-    def check_common(self) -> None:
+    @model_validator(mode="after")
+    def check_common(self) -> _Sampling:
+        """The checks every OpenAI route makes first, as the body is parsed (an APIError, which
+        pydantic passes through)."""
         self.refuse_unimplemented()
         self.refuse_router_values()
         if not 1 <= self.num_choices <= MAX_N:
@@ -111,6 +117,7 @@ class _Sampling(_Strict):
             raise bad_request(f"seed must be in [0, 2**63), got {self.seed}", param="seed")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+        return self
 
     def sampling_params(
         self, max_tokens: int, *, logprobs: int | None, prompt_logprobs: int | None = None, vocab_size: int | None = None
@@ -155,6 +162,17 @@ class CompletionRequest(_Sampling):
 
     def unimplemented_fields(self) -> tuple[str, ...]:
         return ("suffix", "best_of")
+
+    def requested_max_tokens(self) -> int:
+        """`max_tokens` (16 when null); a 400 below 1."""
+        check_max_tokens(self.max_tokens)
+        return 16 if self.max_tokens is None else self.max_tokens
+
+    def checked_logprobs(self) -> int | None:
+        """The legacy `logprobs` (None = off, k = the chosen token and the top k); a 400 outside [0, 20]."""
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise bad_request(f"logprobs must be in [0, 20], got {self.logprobs}", param="logprobs")
+        return self.logprobs
 
 
 class CacheControl(_Strict):
@@ -298,16 +316,29 @@ class ChatCompletionRequest(_Sampling):
         }
     # -- end of the router fields --
 
+    def check_messages(self) -> None:
+        if not self.messages:
+            raise bad_request("messages must not be empty", param="messages")
+
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.for_template(f"messages[{i}]") for i, m in enumerate(self.messages)]
 
     def unimplemented_fields(self) -> tuple[str, ...]:
         return _CHAT_UNIMPLEMENTED
 
+    @property
+    def max_param(self) -> str:
+        """The name this request gave its output limit (errors name it)."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
     def requested_max_tokens(self) -> int | None:
+        """`max_completion_tokens` or `max_tokens` (None: the rest of the context); a 400 when
+        they disagree or below 1."""
         if self.max_tokens is not None and self.max_completion_tokens is not None and self.max_tokens != self.max_completion_tokens:
             raise bad_request("max_tokens and max_completion_tokens disagree; send one", param="max_completion_tokens")
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        requested = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        check_max_tokens(requested, self.max_param)
+        return requested
 
     def logprobs_k(self) -> int | None:
         """The engine's `logprobs` (None = off, k = the chosen token and the top k)."""

@@ -15,26 +15,21 @@ import uuid
 from typing import Any
 
 from freetoken.server.context import ServingContext
-from freetoken.server.core.chat_prompt import render_chat
-from freetoken.server.core.tool_calling import ToolCalling, openai_tool_options
-from freetoken.server.errors import bad_request
+from freetoken.server.core.tool_calling import openai_tool_options, with_tools
 from freetoken.server.openai.completions import prompt_ids
 from freetoken.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 
 def render_chat_request(ctx: ServingContext, req: ChatCompletionRequest) -> dict[str, Any]:
-    req.check_common()
     ctx.check_model(req.model)
-    if not req.messages:
-        raise bad_request("messages must not be empty", param="messages")
+    req.check_messages()
     ctx.ready_info()
-    tooling = ToolCalling(ctx, openai_tool_options(req.tools, req.tool_choice, req.parallel_tool_calls))
-    ids, _ = render_chat(ctx.tokenizer, *tooling.template_inputs([m.for_template() for m in req.messages]))
-    return {"request_id": f"chatcmpl-{uuid.uuid4().hex}", "model": ctx.served_name, "token_ids": ids}
+    options = openai_tool_options(req.tools, req.tool_choice, req.parallel_tool_calls)
+    _, prompt = with_tools(ctx, options, [m.for_template() for m in req.messages])
+    return {"request_id": f"chatcmpl-{uuid.uuid4().hex}", "model": ctx.served_name, "token_ids": prompt.ids}
 
 
 def render_completion_request(ctx: ServingContext, req: CompletionRequest) -> list[dict[str, Any]]:
-    req.check_common()
     ctx.check_model(req.model)
     info = ctx.ready_info()
     request_id = f"cmpl-{uuid.uuid4().hex}"

@@ -1,14 +1,14 @@
 """What a cache-aware router asks of a worker (sglang-router, vllm-router; docs/scale-out.md).
 
-Owns the worker-facing routes those routers probe, beside `/health` and `/metrics` (app.py):
+Owns the answers to the probes those routers send, beside `/health` and `/metrics`:
 `/server_info` and `/model_info` (sglang-router reads them at registration: the served model
 name becomes the worker's model id, `model_path` is where it looks for a tokenizer) with the
 older names `/get_server_info` and `/get_model_info`; `/get_load` (SGLang's shape, read by
 sglang-router's `power_of_two` policy); `/health_generate` (a one-token greedy generation: 200
-when the engine really produces a token); and the `x-freetoken-replica` header on every response,
-`host:port` of this server, so a client behind a router can tell which replica answered. Like
-`/health` and `/metrics`, these routes need no API key. It reaches the engine only through the
-serving context's client and never imports torch.
+when the engine really produces a token); and the `x-freetoken-replica` header's value,
+`host:port` of this server, so a client behind a router can tell which replica answered. The
+routes themselves are admin/probes.py's; like `/health` and `/metrics` they need no API key. It
+reaches the engine only through the serving context's client and never imports torch.
 """
 
 from __future__ import annotations
@@ -22,15 +22,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import FastAPI
-from fastapi.responses import JSONResponse, Response
-
 from freetoken import __version__
 from freetoken.errors import FreeTokenError
 from freetoken.request import SamplingParams
 from freetoken.server.context import ServingContext
-from freetoken.server.errors import APIError
-from freetoken.server.middleware import ResponseHeader
 from freetoken.weights.source import resolve_model
 
 REPLICA_HEADER = "x-freetoken-replica"
@@ -49,6 +44,11 @@ class ModelFacts:
     tokenizer_path: str | None  # a directory with tokenizer.json; None for a GGUF file
     model_type: str | None
     architectures: list[str]
+
+
+def replica_name(ctx: ServingContext) -> str:
+    """This server as `host:port`, the `x-freetoken-replica` header's value."""
+    return f"{socket.gethostname()}:{ctx.config.port}"
 
 
 def model_facts(spec: str | None, architecture: str) -> ModelFacts:
@@ -122,42 +122,3 @@ async def generate_one_token(ctx: ServingContext) -> None:
                 if update.error is not None or update.finish_reason == "error":
                     raise FreeTokenError(update.error or "the engine could not finish the health request")
                 return
-
-
-def install_worker_routes(app: FastAPI, ctx: ServingContext, status: Callable[[], Awaitable[dict[str, Any]]]) -> None:
-    """Register the routes and the replica header on `app`; `status` is app.py's engine status."""
-    replica = f"{socket.gethostname()}:{ctx.config.port}"
-    facts: list[ModelFacts] = []  # computed on first use, once the engine has reported its architecture
-
-    def the_facts() -> ModelFacts:
-        if not facts:
-            facts.append(model_facts(ctx.client.config.model, ctx.ready_info().architecture))
-        return facts[0]
-
-    app.add_middleware(ResponseHeader, name=REPLICA_HEADER, value=replica)
-
-    for path in SERVER_INFO_PATHS:
-        app.add_api_route(path, lambda: JSONResponse(server_info(ctx, the_facts())), methods=["GET"])
-    for path in MODEL_INFO_PATHS:
-        app.add_api_route(path, lambda: JSONResponse(model_info(ctx, the_facts())), methods=["GET"])
-
-    @app.get("/get_load")
-    async def get_load() -> Response:
-        ctx.ready_info()
-        try:
-            return JSONResponse(await load(ctx, status))
-        except (FreeTokenError, TimeoutError) as err:
-            raise APIError(503, f"engine unavailable: {err or 'no status reply'}", code="engine_unavailable") from None
-
-    @app.get("/health_generate")
-    async def health_generate() -> Response:
-        if ctx.drain.draining:
-            return JSONResponse({"status": "error", "message": "the server is shutting down (draining)"}, status_code=503)
-        try:
-            ctx.ready_info()
-            await generate_one_token(ctx)
-        except APIError as err:
-            return JSONResponse({"status": "error", "message": err.message}, status_code=503)
-        except (FreeTokenError, TimeoutError) as err:
-            return JSONResponse({"status": "error", "message": f"the engine did not generate: {err or 'timed out'}"}, status_code=503)
-        return JSONResponse({"status": "ok"})

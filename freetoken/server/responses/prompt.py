@@ -1,7 +1,8 @@
 """A Responses request's prompt: the conversation rendered, and for a chained request
 (`previous_response_id`) the earlier turn's exact tokens spliced in so the prefix cache hits.
 
-Owns `build_prompt`. Without an earlier turn it is the core's `render_chat` (template,
+Owns `build_prompt` (a `Prompt` whose `text` is the rendered conversation, generation prompt
+included, which the store keeps for the next turn). Without an earlier turn it is the core's `render_chat` (template,
 tools, message boundaries). With one, the earlier prompt's ids and the ids the model sampled are
 reused as they are: re-tokenizing model output need not give back the ids the model sampled (nor
 the ones the engine cached; random bytes, special tokens), and this way the whole earlier
@@ -17,23 +18,15 @@ the template by `fold_system_messages`, as on chat.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
-from freetoken.server.core.chat_prompt import render_chat
+from freetoken.server.core.chat_prompt import Prompt, render_chat
 from freetoken.server.core.system_messages import fold_system_messages
 from freetoken.server.core.tool_calling import ToolCalling
 from freetoken.server.responses.store import StoredResponse
 from freetoken.tokenizer import ChatTemplateError, NoChatTemplate, Tokenizer
 
 MARKER = "\x00ft-earlier-output\x00"  # stands for the earlier output's content in a render
-
-
-@dataclass(frozen=True)
-class Prompt:
-    text: str  # the rendered conversation, generation prompt included
-    ids: list[int]
-    boundaries: tuple[int, ...]
 
 
 def build_prompt(
@@ -52,7 +45,7 @@ def build_prompt(
             return spliced
     template_messages, tools = tooling.template_inputs(messages)
     ids, boundaries = render_chat(tokenizer, template_messages, tools, tooling.template_context())  # raises the template's 400
-    return Prompt(text or "", ids, boundaries)
+    return Prompt(ids, boundaries, text or "")
 
 
 def _render(tokenizer: Tokenizer, tooling: ToolCalling, messages: list[dict[str, Any]]) -> str | None:
@@ -98,4 +91,4 @@ def _joined(tokenizer: Tokenizer, text: str, prior: StoredResponse, head_ids: li
         return None
     ids = head_ids + list(tokenizer.backend.encode(rest, add_special_tokens=False).ids)
     marks = {*prior.boundaries, len(prior.prompt_ids), len(head_ids)}
-    return Prompt(text, ids, tuple(sorted(b for b in marks if 0 < b < len(ids))))
+    return Prompt(ids, tuple(sorted(b for b in marks if 0 < b < len(ids))), text)

@@ -9,7 +9,7 @@ Owns which top-level fields a Responses request may carry and what each means he
 `truncation`, `prompt_cache_key`, `client_metadata`, `service_tier`, `safety_identifier`,
 `stream_options`, `max_tool_calls`, `context_management`, `prompt_cache_retention`,
 `text.verbosity`, `priority`: sglang-router adds `priority: 0`), and refused with a 400 naming them (`background: true`, `conversation`,
-`prompt`). Unknown fields are refused. Input items, tools and `text` are validated by
+`prompt`; checked as the body is parsed, with the simple ranges). Unknown fields are refused. Input items, tools and `text` are validated by
 `items.py` and `tools.py`, which know their shapes; this module builds no
 response bodies and knows nothing of the engine.
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from freetoken.request import SamplingParams
 from freetoken.server.errors import bad_request
@@ -66,8 +66,10 @@ class ResponsesRequest(BaseModel):
     min_p: float | None = None
     repetition_penalty: float | None = None
 
-    def check(self) -> None:
-        """The refused fields and the simple ranges (a 400 naming the field)."""
+    @model_validator(mode="after")
+    def check(self) -> ResponsesRequest:
+        """The refused fields and the simple ranges (a 400 naming the field), as the body is
+        parsed (an APIError, which pydantic passes through)."""
         if self.background:
             raise bad_request("background responses are not supported by this server", param="background", code="unsupported_parameter")
         for name in ("conversation", "prompt"):
@@ -85,6 +87,7 @@ class ResponsesRequest(BaseModel):
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
         if self.previous_response_id is not None and not self.previous_response_id:
             raise bad_request("previous_response_id must not be empty", param="previous_response_id")
+        return self
 
     def thinking(self) -> bool | None:
         """`reasoning.effort` as the template's `enable_thinking`: "none" is off, any other effort on,

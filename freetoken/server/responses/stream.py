@@ -1,6 +1,7 @@
 """The server-sent event stream of one streamed Responses request.
 
-Owns `response_events`: `response.created`, `response.in_progress`, the item events of
+Owns `ResponseFraming` and `response_events` (core/streaming.py's `event_stream` in this
+framing): `response.created`, `response.in_progress`, the item events of
 `OutputItems` as the model writes (with each piece's token logprobs when asked), then `response.completed` (or `response.incomplete` when
 `max_output_tokens` cut it), every event framed as `event: TYPE` + `data: {...}` with a
 `sequence_number` counting from 0, and no `[DONE]` (OpenAI sends none on this route). An engine
@@ -13,18 +14,16 @@ and call tokens are left out on both paths; `output_text` has the only place for
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
-from freetoken.errors import FreeTokenError
 from freetoken.server.context import ServingContext
-from freetoken.server.core.generation import Clock, Piece, closing, engine_error, failed_choice
-from freetoken.server.core.streaming import CLIENT_CLOSED, Tally, record
-from freetoken.server.core.tool_calling import ToolStream
 from freetoken.server.errors import APIError
+from freetoken.server.core.generation import Clock, Piece
+from freetoken.server.core.streaming import Tally, event_stream
+from freetoken.server.core.tool_calling import ToolStream
 from freetoken.server.responses.output import OutputItems
 
 # (status, output items, usage or None) -> the `response` object
@@ -63,7 +62,61 @@ def frame(event: dict[str, Any]) -> str:
     return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-async def response_events(
+class ResponseFraming:
+    """The Responses events of one streamed response (core/streaming.py's `Framing`), numbered
+    from 0 by `sequence_number`."""
+
+    def __init__(
+        self, parser: ToolStream, body: BodyOf, usage_of: Callable[[Tally], dict[str, Any]],
+        on_done: Callable[[dict[str, Any], list[int]], None], seal_reasoning: bool,
+        logprobs_of: Callable[[Piece], list[dict[str, Any]]] | None,
+    ) -> None:
+        self._parser = parser
+        self._body = body
+        self._usage_of = usage_of
+        self._on_done = on_done
+        self._logprobs_of = logprobs_of
+        self._seq = itertools.count()
+        self._items = OutputItems(seal_reasoning=seal_reasoning)
+        self._token_ids: list[int] = []
+        self._finish: str | None = None
+
+    def _emit(self, event: dict[str, Any]) -> str:
+        return frame({**event, "sequence_number": next(self._seq)})
+
+    def opening(self, first: Piece | None) -> list[str]:
+        return [
+            self._emit({"type": "response.created", "response": self._body("in_progress", [], None)}),
+            self._emit({"type": "response.in_progress", "response": self._body("in_progress", [], None)}),
+        ]
+
+    def piece(self, piece: Piece) -> Iterator[str]:
+        self._token_ids += piece.token_ids
+        if piece.finish_reason is not None:
+            self._finish = piece.finish_reason
+        for event in feed_piece(self._items, self._parser, piece, self._logprobs_of):
+            yield self._emit(event)
+
+    def closing(self, tally: Tally) -> Iterator[str]:
+        for event in self._items.finish(self._finish == "length"):
+            yield self._emit(event)
+
+    def final(self, tally: Tally) -> str:
+        incomplete = self._finish == "length"
+        final = self._body("incomplete" if incomplete else "completed", self._items.items, self._usage_of(tally))
+        self._on_done(final, self._token_ids)
+        return self._emit({"type": "response.incomplete" if incomplete else "response.completed", "response": final})
+
+    def failure(self, err: APIError) -> list[str]:
+        failed = self._body("failed", self._items.items, None)
+        failed["error"] = {"code": "server_error", "message": err.message}
+        return [
+            self._emit({"type": "error", "code": err.code, "message": err.message, "param": err.param}),
+            self._emit({"type": "response.failed", "response": failed}),
+        ]
+
+
+def response_events(
     ctx: ServingContext,
     endpoint: str,
     pieces: AsyncIterator[Piece],
@@ -80,61 +133,5 @@ async def response_events(
 ) -> AsyncIterator[str]:
     """The whole event stream (the first piece already taken, see `generation.first_piece`);
     `on_done(final body, output token ids)` runs before the last event goes out."""
-    seq = itertools.count()
-
-    def emit(event: dict[str, Any]) -> str:
-        return frame({**event, "sequence_number": next(seq)})
-
-    status = CLIENT_CLOSED
-    items = OutputItems(seal_reasoning=seal_reasoning)
-    token_ids: list[int] = []
-    finish: str | None = None
-    async with closing(pieces):
-        try:
-            yield emit({"type": "response.created", "response": body("in_progress", [], None)})
-            yield emit({"type": "response.in_progress", "response": body("in_progress", [], None)})
-            piece = first
-            while piece is not None:
-                clock.saw(piece)
-                tally.add(piece)
-                if piece.error is not None:
-                    err = failed_choice(ctx.client, piece.error)
-                    status = err.status
-                    for line in _failure(err, body, items, emit):
-                        yield line
-                    return
-                token_ids += piece.token_ids
-                if piece.finish_reason is not None:
-                    finish = piece.finish_reason
-                for event in feed_piece(items, parser, piece, logprobs_of):
-                    yield emit(event)
-                try:
-                    piece = await anext(pieces)
-                except StopAsyncIteration:
-                    piece = None
-            incomplete = finish == "length"
-            for event in items.finish(incomplete):
-                yield emit(event)
-            final = body("incomplete" if incomplete else "completed", items.items, usage_of(tally))
-            on_done(final, token_ids)
-            status = 200
-            yield emit({"type": "response.incomplete" if incomplete else "response.completed", "response": final})
-        except FreeTokenError as exc:
-            err = engine_error(ctx.client, exc)
-            status = err.status
-            for line in _failure(err, body, items, emit):
-                yield line
-        except asyncio.CancelledError:
-            status = CLIENT_CLOSED
-            raise
-        finally:
-            record(ctx, endpoint, status, tally, clock)
-
-
-def _failure(err: APIError, body: BodyOf, items: OutputItems, emit: Callable[[dict[str, Any]], str]) -> list[str]:
-    failed = body("failed", items.items, None)
-    failed["error"] = {"code": "server_error", "message": err.message}
-    return [
-        emit({"type": "error", "code": err.code, "message": err.message, "param": err.param}),
-        emit({"type": "response.failed", "response": failed}),
-    ]
+    framing = ResponseFraming(parser, body, usage_of, on_done, seal_reasoning, logprobs_of)
+    return event_stream(ctx, endpoint, pieces, first, tally=tally, clock=clock, framing=framing)
