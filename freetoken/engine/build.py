@@ -1,6 +1,7 @@
 """Building an engine from an EngineConfig: load the model, size the pools, wire the parts.
 
-Owns start-up: dtype and device choice, torch threads, pool sizing from memory (via
+Owns start-up: dtype and device choice, torch threads, the memory check before loading and the
+report after (engine/memory_check.py), pool sizing from memory (via
 `EngineConfig.resolve`, which refuses an SWA pool below its floor) and allocating the K/V
 tensors. Under `--tensor-parallel-size N` it also starts ranks 1..N-1 (`distributed.launch`)
 before loading this rank's (rank 0's) shard, sends them the pool sizes and refuses to start when a
@@ -21,6 +22,7 @@ from freetoken.distributed.launch import Peers, start_peers
 from freetoken.distributed.report import RankReport, check_reports, exchange
 from freetoken.engine.engine import Engine
 from freetoken.engine.grammar import GrammarCompiler
+from freetoken.engine.memory_check import check_fits, report_memory
 from freetoken.engine.runner import Runner
 from freetoken.errors import ConfigError
 from freetoken.kv.manager import KVManager
@@ -81,6 +83,7 @@ def build_engine_for(config: EngineConfig, loaded: LoadedModel, peers: Peers | N
         kind: KVTensors.bytes_per_page(layout, 1, loaded.dtype, kind == "swa", config.kv_cache_dtype, loaded.device)
         for kind in (("full", "swa") if loaded.config.has_swa else ("full",))
     }
+    report_memory(loaded.model, tensors.nbytes)
     log.info(
         "KV pools: full %d pages, swa %s pages of %d tokens; cache %s; context %d",
         resolved.full_pages, resolved.swa_pages, config.page_size, resolved.cache_type, resolved.context_length,
@@ -104,6 +107,7 @@ def load_for(config: EngineConfig) -> LoadedModel:
         torch.set_num_threads(threads)
     device = torch.device(config.device) if config.device else default_device()
     dtype = resolve_dtype(config.dtype, device)
+    check_fits(config, dtype, device)  # before any weight is read: one line when it cannot fit
     return load_model(config.model, dtype, device, config.weights, config.prefill_weights, world=config.tensor_parallel_size,
                       moe_strategy=config.moe_strategy, expert_cache_gb=config.expert_cache_gb,
                       weights_cache=config.weights_cache)
