@@ -1,4 +1,4 @@
-"""`ft`: the command line (`ft serve | generate | inspect | bench`). Argparse to config objects, then one call; no logic of its own.
+"""`ft`: the command line (`ft serve | generate | chat | inspect | bench`). Argparse to config objects, then one call; no logic of its own.
 
 Errors meant for the user (`FreeTokenError`) are printed as one line on stderr with a non-zero
 exit code (2 for a configuration that cannot work, `ConfigError`; else 1), never as a traceback. `ft generate` prints the completion alone on stdout.
@@ -29,6 +29,21 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: the physical cores this process may use)")
     p.add_argument("--weights", default="auto", choices=["auto", "bf16", "int8", "int4"],
                    help="what matrices run as: auto = the file's precision class (4-bit types int4, 5/6/8-bit int8, float bf16), bf16 = the --dtype, int8/int4 = quantized (default auto)")
+
+
+def _add_chat(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("chat", help="chat with a model in the terminal, streamed, through its chat template (a running server, or --model)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--url", default=None, help="the server to talk to (default http://127.0.0.1:1919, ft serve's default)")
+    where.add_argument("--model", default=None, help="start `ft serve --model M` on a free local port for this chat instead of using --url; " + MODEL_HELP)
+    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY' (with --model: the child server requires it)")
+    p.add_argument("--system", default=None, help="the system prompt to start with (/system changes it)")
+    p.add_argument("--max-tokens", type=int, default=None, help="per answer (default: the server's, the rest of the context)")
+    p.add_argument("--temperature", type=float, default=None, help="default: the server's")
+    p.add_argument("--tools", default=None, metavar="FILE.json", help="a JSON list of OpenAI tool definitions sent with every turn; calls are shown")
+    p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                   help="with --model: an extra `ft serve` argument (repeatable, e.g. --serve-arg=--threads --serve-arg=2)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the server's next bytes (default 600)")
 
 
 def _add_inspect(sub: argparse._SubParsersAction) -> None:
@@ -153,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_generate(sub)
+    _add_chat(sub)
     _add_inspect(sub)
     _add_serve(sub)
     _add_bench(sub)
@@ -174,6 +190,13 @@ def _generate(args: argparse.Namespace) -> None:
     out = llm.generate([args.prompt], params)[0]
     sys.stdout.write(out.text + "\n")
     sys.stdout.flush()
+
+
+def _chat(args: argparse.Namespace) -> None:
+    from freetoken.chat_cli import run_chat
+
+    run_chat(args.url, args.model, args.api_key, args.system, args.max_tokens, args.temperature, args.tools,
+             args.serve_arg, args.timeout)
 
 
 def _inspect(args: argparse.Namespace) -> None:
@@ -263,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    handlers = {"generate": _generate, "inspect": _inspect, "serve": _serve, "bench": _bench}
+    handlers = {"generate": _generate, "chat": _chat, "inspect": _inspect, "serve": _serve, "bench": _bench}
     try:
         handlers[args.command](args)
     except FreeTokenError as err:

@@ -27,7 +27,7 @@ def test_version_and_help_list_every_subcommand() -> None:
     out = ft("--version")
     assert out.returncode == 0 and out.stdout.startswith("freetoken ")
     helptext = ft("--help").stdout
-    for sub in ("generate", "inspect", "serve"):
+    for sub in ("generate", "chat", "inspect", "serve"):
         assert sub in helptext
 
 
@@ -82,3 +82,14 @@ def test_bad_models_give_one_line_errors(tmp_path: Path, tiny_dir: Path) -> None
         (foreign / name).write_bytes((tiny_dir / name).read_bytes())
     (foreign / "config.json").write_text(json.dumps({"model_type": "mamba"}))
     one_line_error(ft("inspect", "--model", str(foreign)), "mamba")
+
+
+def test_chat_without_a_server_is_one_line() -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on: bound, never listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        out = ft("chat", "--url", f"http://127.0.0.1:{port}", timeout=60)
+    one_line_error(out, "cannot reach", str(port))
+    assert out.returncode == 1

@@ -44,8 +44,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("distributed",),
     ("engine",),
     # (not in DESIGN) bench: `ft bench` (HTTP scenarios against a server, the in-process decode
-    # roofline through `llm`); __init__: freetoken's own (`__version__`, the lazy `LLM`).
-    ("llm", "server", "bench", "__init__"),
+    # roofline through `llm`); chat_cli: `ft chat` (an HTTP client of a server, or of an
+    # `ft serve` child); __init__: freetoken's own (`__version__`, the lazy `LLM`).
+    ("llm", "server", "bench", "chat_cli", "__init__"),
     ("cli",),
 )
 

@@ -1,0 +1,212 @@
+"""`ft chat`'s REPL (freetoken/chat_cli.py) driven without a terminal or a server: scripted input
+lines, an in-memory output, and a fake transport that records each request body and yields
+scripted stream chunks (the shapes `/v1/chat/completions` streams: content, `reasoning_content`,
+tool-call deltas, finish reasons). The end-to-end run against a real `ft serve` is
+tests/server/test_chat_cli.py."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from freetoken.chat_cli import DIM, RESET, ChatHTTPError, ChatREPL
+
+
+def chunk(choice_delta: dict[str, Any] | None = None, finish: str | None = None) -> dict[str, Any]:
+    return {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": choice_delta or {}, "finish_reason": finish}]}
+
+
+class FakeTransport:
+    """Each call pops the next script: a list of chunks, where an exception instance is raised
+    at that point of the stream instead of yielded."""
+
+    def __init__(self, *scripts: list[Any]) -> None:
+        self.scripts = list(scripts)
+        self.bodies: list[dict[str, Any]] = []
+        self.closed = 0
+
+    def __call__(self, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        self.bodies.append(json.loads(json.dumps(body)))  # a copy, as sent
+        script = self.scripts.pop(0)
+
+        def stream() -> Iterator[dict[str, Any]]:
+            try:
+                for item in script:
+                    if isinstance(item, BaseException):
+                        raise item
+                    yield item
+            finally:
+                self.closed += 1
+
+        return stream()
+
+
+def answer(*pieces: str, finish: str = "stop") -> list[Any]:
+    return [chunk({"role": "assistant"}), *(chunk({"content": p}) for p in pieces), chunk(finish=finish)]
+
+
+def repl(transport: FakeTransport, lines: list[str], **kw: Any) -> tuple[ChatREPL, io.StringIO]:
+    feed = iter(lines)
+
+    def input_fn(prompt: str) -> str:
+        try:
+            line = next(feed)
+        except StopIteration:
+            raise EOFError from None
+        if isinstance(line, BaseException):
+            raise line
+        return line
+
+    out = io.StringIO()
+    return ChatREPL(transport, model="m", input_fn=input_fn, out=out, **kw), out
+
+
+def test_a_turn_streams_content_and_keeps_the_conversation() -> None:
+    t = FakeTransport(answer("Hel", "lo!"), answer("Fine."))
+    r, out = repl(t, ["hi", "how are you?"])
+    r.run()
+    assert "Hello!\n" in out.getvalue() and "Fine.\n" in out.getvalue()
+    assert t.bodies[0] == {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    assert t.bodies[1]["messages"] == [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "how are you?"},
+    ]
+    assert t.closed == 2
+
+
+def test_multi_line_input_backslash_and_triple_quotes() -> None:
+    t = FakeTransport(answer("a"), answer("b"), answer("c"))
+    r, _ = repl(t, ["first \\", "second", '"""', "x = 1", "", "y = 2", '"""', '"""one line"""'])
+    r.run()
+    sent = [b["messages"][-1]["content"] for b in t.bodies]
+    assert sent == ["first \nsecond", "x = 1\n\ny = 2", "one line"]
+
+
+def test_reasoning_is_dimmed_on_a_terminal_and_marked_elsewhere() -> None:
+    script = [chunk({"reasoning_content": "think "}), chunk({"reasoning_content": "more"}), chunk({"content": "42"}), chunk(finish="stop")]
+    r, out = repl(FakeTransport(list(script)), ["q"], color=True)
+    r.run()
+    assert f"{DIM}think more{RESET}\n42\n" in out.getvalue()
+    assert r.messages[-1] == {"role": "assistant", "content": "42", "reasoning_content": "think more"}
+    r, out = repl(FakeTransport(list(script)), ["q"], color=False)
+    r.run()
+    assert "[reasoning] think more\n42\n" in out.getvalue() and "\x1b" not in out.getvalue()
+
+
+def test_tool_calls_are_assembled_from_deltas_shown_and_kept() -> None:
+    script = [
+        chunk({"role": "assistant"}),
+        chunk({"tool_calls": [{"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"ci'}}]}),
+        chunk({"tool_calls": [{"index": 0, "function": {"arguments": 'ty": "Paris"}'}}]}),
+        chunk(finish="tool_calls"),
+    ]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    t = FakeTransport(script)
+    r, out = repl(t, ["weather?"], tools=tools, color=False)
+    r.run()
+    assert t.bodies[0]["tools"] == tools
+    assert '[tool call call_1] get_weather({"city": "Paris"})' in out.getvalue()
+    assert r.messages[-1] == {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}],
+    }
+
+
+def test_ctrl_c_during_the_stream_cancels_the_turn_and_the_repl_goes_on() -> None:
+    # KeyboardInterrupt raised while the stream is being read: the stream is closed (the real
+    # transport closes its connection, so the server aborts the request), the partial answer was
+    # shown but neither it nor the user message is kept, and the next message is sent as if the
+    # cancelled turn never happened.
+    t = FakeTransport([chunk({"content": "partial "}), KeyboardInterrupt()], answer("ok"))
+    r, out = repl(t, ["long question", "short one"], color=False)
+    r.run()
+    assert "partial \n[cancelled: this turn is not kept]\n" in out.getvalue()
+    assert t.closed == 2
+    assert t.bodies[1]["messages"] == [{"role": "user", "content": "short one"}]
+    assert r.messages == [{"role": "user", "content": "short one"}, {"role": "assistant", "content": "ok"}]
+
+
+def test_ctrl_c_while_printing_closes_the_stream_too() -> None:
+    class Interrupting(io.StringIO):
+        armed = True
+
+        def write(self, s: str) -> int:
+            if "boom" in s and self.armed:
+                self.armed = False
+                raise KeyboardInterrupt
+            return super().write(s)
+
+    t = FakeTransport(answer("boom", "never"), answer("ok"))
+    feed = iter(["a", "b"])
+
+    def input_fn(prompt: str) -> str:
+        try:
+            return next(feed)
+        except StopIteration:
+            raise EOFError from None
+
+    r = ChatREPL(t, model="m", input_fn=input_fn, out=Interrupting(), color=False)
+    r.run()
+    assert t.closed == 2  # the first stream was closed although the interrupt came from outside it
+    assert r.messages == [{"role": "user", "content": "b"}, {"role": "assistant", "content": "ok"}]
+
+
+def test_ctrl_c_at_the_prompt_drops_the_line_and_ctrl_d_quits() -> None:
+    t = FakeTransport(answer("ok"))
+    r, _ = repl(t, [KeyboardInterrupt(), "after"])  # type: ignore[list-item]
+    r.run()
+    assert [b["messages"][-1]["content"] for b in t.bodies] == ["after"]
+
+
+def test_server_errors_drop_the_turn() -> None:
+    t = FakeTransport([chunk({"content": "x"}), ChatHTTPError("the engine died")], answer("ok"))
+    r, out = repl(t, ["a", "b"], color=False)
+    r.run()
+    assert "[error: the engine died]" in out.getvalue()
+    assert [m["content"] for m in r.messages] == ["b", "ok"]
+
+
+def test_length_finish_is_noted() -> None:
+    r, out = repl(FakeTransport(answer("abc", finish="length")), ["a"], color=False)
+    r.run()
+    assert "abc\n[stopped at max_tokens]\n" in out.getvalue()
+
+
+def test_reset_system_save_and_exit(tmp_path: Path) -> None:
+    saved = tmp_path / "chat.json"
+    t = FakeTransport(answer("one"), answer("two"), answer("three"), answer("four"))
+    lines = ["first", "/system Be brief.", "second", f"/save {saved}", "/reset", "third", "/bogus", "//slash", "/exit", "never read"]
+    r, out = repl(t, lines, params={"max_tokens": 8}, color=False)
+    r.run()
+    assert t.bodies[1]["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "first"},
+        {"role": "assistant", "content": "one"},
+        {"role": "user", "content": "second"},
+    ]
+    assert t.bodies[1]["max_tokens"] == 8
+    assert json.loads(saved.read_text()) == {"model": "m", "messages": [*t.bodies[1]["messages"], {"role": "assistant", "content": "two"}]}
+    # /reset forgets the turns, keeps the system prompt
+    assert t.bodies[2]["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "third"}]
+    assert "[unknown command /bogus" in out.getvalue()
+    assert t.bodies[3]["messages"][-1] == {"role": "user", "content": "/slash"}
+    assert len(t.bodies) == 4  # /exit: "never read" was not
+
+
+def test_double_slash_sends_a_message_starting_with_a_slash() -> None:
+    t = FakeTransport(answer("ok"))
+    r, _ = repl(t, ["//etc/passwd is a file", "/system", "/exit"])
+    r.run()
+    assert t.bodies[0]["messages"] == [{"role": "user", "content": "/etc/passwd is a file"}]
+    assert r.system is None
+
+
+def test_save_without_a_file_says_how() -> None:
+    r, out = repl(FakeTransport(), ["/save"], color=False)
+    r.run()
+    assert "[usage: /save FILE]" in out.getvalue()
