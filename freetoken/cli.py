@@ -1,7 +1,7 @@
 """`ft`: the command line (`ft serve | generate | chat | inspect | bench`). Argparse to config objects, then one call; no logic of its own.
 
 Errors meant for the user (`FreeTokenError`) are printed as one line on stderr with a non-zero
-exit code (2 for a configuration that cannot work, `ConfigError`; else 1), never as a traceback. `ft generate` prints the completion alone on stdout.
+exit code (2 for a configuration that cannot work, `ConfigError`; else 1), never as a traceback. `ft generate` prints the completion alone on stdout, streamed as it is decoded.
 """
 
 from __future__ import annotations
@@ -187,8 +187,10 @@ def _generate(args: argparse.Namespace) -> None:
     except ValueError as err:
         raise FreeTokenError(str(err)) from None
     llm = LLM(args.model, dtype=args.dtype, weights=args.weights, threads=args.threads, max_running_requests=1)
-    out = llm.generate([args.prompt], params)[0]
-    sys.stdout.write(out.text + "\n")
+    for piece in llm.stream(args.prompt, params):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
     sys.stdout.flush()
 
 

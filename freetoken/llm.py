@@ -1,4 +1,4 @@
-"""The offline API: `LLM(model).generate(prompts, params)`.
+"""The offline API: `LLM(model).generate(prompts, params)`, and `LLM(model).stream(prompt, params)`.
 
 Owns running the engine in-process until the given prompts are done, with the same tokenizer
 and incremental detokenizer (stop strings) the server uses. It has no scheduling logic of its
@@ -8,7 +8,7 @@ own: it adds requests, steps the engine and collects outputs.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from freetoken.config import EngineConfig
 from freetoken.engine.build import build_engine_for, load_for
@@ -130,6 +130,41 @@ class LLM:
                 )
             )
         return outputs
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
+        """Complete one prompt, yielding its text as it is decoded: each piece as soon as the
+        detokenizer is sure of it (stop strings held back until they cannot match). The pieces
+        join to what `generate` returns as `text` for the same prompt and params. Closing the
+        iterator early (or an exception in the caller) aborts the request and frees its pages."""
+        params = params or SamplingParams()
+        tok = self.tokenizer
+        ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        rid = f"offline-{next(self._ids)}"
+        self.engine.add_request(Request(rid, ids, params, eos_ids=frozenset(tok.stop_ids)))
+        detok = IncrementalDetokenizer(tok, stop=params.stop, skip_special_tokens=params.skip_special_tokens)
+        stopped = finished = False
+        try:
+            while not finished:
+                for upd in self.engine.step():
+                    if upd.rid != rid:
+                        continue
+                    for tid in upd.new_token_ids:
+                        if stopped:
+                            break
+                        piece = detok.add(tid).text
+                        if detok.stopped:
+                            stopped = True
+                            self.engine.finish(rid, FinishReason.STOP)
+                        if piece:
+                            yield piece
+                    finished = upd.finished
+            if not stopped:
+                tail = detok.finish().text
+                if tail:
+                    yield tail
+        finally:
+            if not finished:  # the caller stopped reading: end the request now (its pages released)
+                self.engine.abort(rid)
 
     def _consume(
         self, upd: RequestUpdate, detok: IncrementalDetokenizer, texts: dict[str, str], stopped: set[str]
