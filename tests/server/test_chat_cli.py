@@ -94,3 +94,19 @@ def test_ft_chat_with_model_starts_a_server_and_answers(tmp_path: Path) -> None:
     assert answer.strip() and answer in out.stdout
     assert "starting ft serve --model smollm2-135m-instruct" in out.stderr
     assert "\x1b" not in out.stdout  # not a terminal: no ANSI codes
+
+
+def test_a_forced_tool_call_is_shown_and_kept(server: ServeProcess) -> None:
+    # tool_choice "required" makes the grammar write a call whatever the tiny model's weights say;
+    # the call streams as tool_calls deltas that the REPL assembles
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}}]
+    transport = HTTPTransport(server.base, api_key=API_KEY, timeout_s=120)
+    out = io.StringIO()
+    params = {"max_tokens": 64, "temperature": 0, "tool_choice": "required"}
+    repl = ChatREPL(transport, model="default", params=params, tools=tools, out=out, color=False,
+                    input_fn=scripted(["What time is it?"]))
+    repl.run()
+    [user, assistant] = repl.messages
+    [call] = assistant["tool_calls"]
+    assert call["function"]["name"] == "get_time" and json.loads(call["function"]["arguments"]) == {}
+    assert f"[tool call {call['id']}] get_time(" in out.getvalue()
