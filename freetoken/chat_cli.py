@@ -18,6 +18,7 @@ I/O is injected (`input_fn`, `out`, `transport`) so tests drive the REPL without
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -97,14 +98,23 @@ class HTTPTransport:
     def __call__(self, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
         resp = self._open(self._request("/v1/chat/completions", body))
         try:
-            for raw in resp:
-                line = raw.decode("utf-8").strip()
+            while True:
+                try:
+                    raw = resp.readline()
+                except (OSError, http.client.HTTPException) as err:  # timed out, or the server went away
+                    raise ChatHTTPError(f"the stream broke off: {err!r}") from None
+                if not raw:
+                    raise ChatHTTPError("the stream ended without [DONE]")
+                line = raw.decode("utf-8", "replace").strip()
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
                     return
-                event = json.loads(data)
+                try:
+                    event = json.loads(data)
+                except ValueError:
+                    raise ChatHTTPError(f"not a JSON event: {data[:200]}") from None
                 if "error" in event:
                     raise ChatHTTPError(_error_message(json.dumps(event)))
                 yield event

@@ -1,18 +1,23 @@
 """`ft chat`'s REPL (freetoken/chat_cli.py) driven without a terminal or a server: scripted input
 lines, an in-memory output, and a fake transport that records each request body and yields
 scripted stream chunks (the shapes `/v1/chat/completions` streams: content, `reasoning_content`,
-tool-call deltas, finish reasons). The end-to-end run against a real `ft serve` is
-tests/server/test_chat_cli.py."""
+tool-call deltas, finish reasons); and the real HTTP transport against a small SSE server on
+127.0.0.1 (a stream cut off, an HTTP error). The end-to-end run against a real `ft serve` is
+tests/server/test_chat_cli_e2e.py."""
 
 from __future__ import annotations
 
+import http.server
 import io
 import json
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from freetoken.chat_cli import DIM, RESET, ChatHTTPError, ChatREPL
+import pytest
+
+from freetoken.chat_cli import DIM, RESET, ChatHTTPError, ChatREPL, HTTPTransport
 
 
 def chunk(choice_delta: dict[str, Any] | None = None, finish: str | None = None) -> dict[str, Any]:
@@ -210,3 +215,61 @@ def test_save_without_a_file_says_how() -> None:
     r, out = repl(FakeTransport(), ["/save"], color=False)
     r.run()
     assert "[usage: /save FILE]" in out.getvalue()
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    """Answers /v1/chat/completions by the request's first user message: `ok` streams two events
+    and [DONE], `cut` sends one event and closes the connection, `401` is an HTTP error."""
+
+    seen: list[dict[str, Any]] = []
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).seen.append({"auth": self.headers.get("Authorization"), "body": body})
+        what = body["messages"][-1]["content"]
+        if what == "401":
+            payload = json.dumps({"error": {"message": "bad key", "type": "authentication_error"}}).encode()
+            self.send_response(401)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        self.wfile.write(f"data: {json.dumps(chunk({'content': 'Hi'}))}\n\n".encode())
+        if what == "ok":
+            self.wfile.write(f"data: {json.dumps(chunk({'content': ' there'}, 'stop'))}\n\ndata: [DONE]\n\n".encode())
+        self.wfile.flush()
+        self.close_connection = True
+
+
+@pytest.fixture
+def sse_server() -> Iterator[str]:
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    _Handler.seen = []
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        thread.join()
+
+
+def test_http_transport_reads_events_and_reports_errors_as_turn_errors(sse_server: str) -> None:
+    transport = HTTPTransport(sse_server, api_key="k", timeout_s=30)
+    r, out = repl(transport, ["ok", "cut", "401", "ok"], color=False)  # type: ignore[arg-type]
+    r.run()
+    text = out.getvalue()
+    assert text.startswith("Hi there\n")
+    assert "[error: the stream ended without [DONE]]" in text
+    assert "[error: 401: bad key]" in text
+    assert [m["content"] for m in r.messages] == ["ok", "Hi there", "ok", "Hi there"]  # failed turns not kept
+    assert all(s["auth"] == "Bearer k" for s in _Handler.seen)
+    assert _Handler.seen[0]["body"]["stream"] is True
