@@ -4,13 +4,16 @@ leaves the pools balanced at idle."""
 
 from __future__ import annotations
 
-from conftest import MakeLLM
+from collections.abc import Callable
 
+from freetoken.llm import LLM
 from freetoken.models.load import LoadedModel
 from freetoken.request import SamplingParams
 
+MakeLLM = Callable[..., LLM]  # the make_llm fixture (tests/engine/conftest.py)
 
-def balanced_at_idle(llm) -> None:  # type: ignore[no-untyped-def]
+
+def balanced_at_idle(llm: LLM) -> None:
     status = llm.engine.status()
     assert status["integrity"]["violations"] == 0
     for pool in status["pools"].values():
