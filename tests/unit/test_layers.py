@@ -44,8 +44,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("distributed",),
     ("engine",),
     # (not in DESIGN) bench: `ft bench` (HTTP scenarios against a server, the in-process decode
-    # roofline through `llm`); __init__: freetoken's own (`__version__`, the lazy `LLM`).
-    ("llm", "server", "bench", "__init__"),
+    # roofline through `llm`); launch: `ft launch` (a client of a running server's /v1/models that
+    # writes an agent's config; imports only `errors`); __init__: freetoken's own (`__version__`,
+    # the lazy `LLM`).
+    ("llm", "server", "bench", "launch", "__init__"),
     ("cli",),
 )
 
