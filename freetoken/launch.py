@@ -469,7 +469,10 @@ def command(args: argparse.Namespace) -> int:
     if argv[:1] == ["--"]:
         argv = argv[1:]
     head, agent_args = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
-    parser = argparse.ArgumentParser(prog="ft launch", description="point a coding agent at a running ft serve and start it")
+    parser = argparse.ArgumentParser(
+        prog="ft launch", description="point a coding agent at a running ft serve and start it (docs/agents.md)",
+        usage="ft launch {" + ",".join(AGENTS) + "} [--url URL] [--model NAME] [--api-key KEY] [--dry-run] [-- ARGS]",
+        epilog="ARGS after `--` are passed to the agent as they stand.")
     parser.add_argument("agent", choices=list(AGENTS))
     _add_options(parser)
     parser.parse_args(head, namespace=args)  # options given before the agent are kept
