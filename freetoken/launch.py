@@ -109,8 +109,8 @@ def _base_url(url: str) -> str:
     base = url.strip().rstrip("/")
     if base.endswith("/v1"):
         base = base[: -len("/v1")]
-    if not re.match(r"^https?://[^/\s]+$", base):
-        raise ConfigError(f"--url must be http(s)://HOST:PORT (the server's address, optionally ending in /v1), got {url!r}")
+    if not re.match(r"^https?://[^/\s]+(/\S*)?$", base):
+        raise ConfigError(f"--url must be http(s)://HOST:PORT[/PATH] (the server's address, /v1 optional), got {url!r}")
     return base
 
 

@@ -31,6 +31,7 @@ class FakeServer:
     def __init__(self, key: str | None = None, context: int | None = CONTEXT) -> None:
         self.key = key
         self.context = context
+        self.card_context: int | None = context  # what /v1/models says; /health says `context`
         self.auth: list[str | None] = []
         fake = self
 
@@ -40,7 +41,7 @@ class FakeServer:
                 if self.path == "/v1/models":
                     if fake.key and self.headers.get("Authorization") != f"Bearer {fake.key}":
                         return self.reply(401, {"error": {"message": "bad key"}})
-                    card = {"id": SERVED, "object": "model", "owned_by": "freetoken", "max_model_len": fake.context}
+                    card = {"id": SERVED, "object": "model", "owned_by": "freetoken", "max_model_len": fake.card_context}
                     return self.reply(200, {"object": "list", "data": [card]})
                 if self.path == "/health":
                     return self.reply(200, {"status": "ok", "context_length": fake.context})
@@ -252,6 +253,14 @@ def test_agent_exit_status_is_ft_launchs(server: FakeServer, home: Path) -> None
     assert exc.value.code == 3
 
 
+def test_context_from_health_when_models_has_none(server: FakeServer, home: Path) -> None:
+    server.card_context = None  # as while the engine has not said Ready
+    server.context = 16384
+    fake_agent(home, "codex")
+    assert main(["launch", "codex", "--url", server.url]) == 0
+    assert tomllib.loads((home / ".codex" / "config.toml").read_text())["model_context_window"] == 16384
+
+
 def test_server_errors_are_one_line(server: FakeServer, home: Path, capsys: pytest.CaptureFixture[str]) -> None:
     server.key = "secret"
     assert main(["launch", "codex", "--url", server.url]) == 1
@@ -260,6 +269,8 @@ def test_server_errors_are_one_line(server: FakeServer, home: Path, capsys: pyte
     server.key = None
     assert main(["launch", "codex", "--url", server.url, "--model", "gpt-5"]) == 2
     assert "gpt-5" in capsys.readouterr().err
+    assert main(["launch", "codex", "--url", "127.0.0.1:1919"]) == 2
+    assert "--url must be" in capsys.readouterr().err
     assert not (home / ".codex").exists()
 
 
@@ -275,3 +286,19 @@ def test_ft_launch_as_a_command(server: FakeServer, home: Path) -> None:
                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert out.returncode == 0, out.stderr
     assert "command: codex --help" in out.stdout and "wire_api = \"responses\"" in out.stdout
+
+
+def test_unreadable_configs_are_left_alone(server: FakeServer, home: Path, monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    codex = home / ".codex" / "config.toml"
+    codex.parent.mkdir()
+    codex.write_text("model = \n")
+    assert main(["launch", "codex", "--url", server.url]) == 2
+    assert "not valid TOML" in capsys.readouterr().err
+    opencode = home / ".config" / "opencode" / "opencode.json"
+    opencode.parent.mkdir(parents=True)
+    opencode.write_text('{\n  // mine\n  "theme": "x"\n}\n')
+    assert main(["launch", "opencode", "--url", server.url]) == 2
+    assert "not plain JSON" in capsys.readouterr().err
+    assert codex.read_text() == "model = \n" and opencode.read_text().startswith("{\n  // mine")
+    assert not backups(codex) and not backups(opencode)
