@@ -114,6 +114,10 @@ def _base_url(url: str) -> str:
     return base
 
 
+class _NotReady(FreeTokenError):
+    """`/health` answered 503: the engine is loading or restarting."""
+
+
 def _get_json(url: str, api_key: str | None, timeout: float) -> Any:
     request = urllib.request.Request(url, headers={"Accept": "application/json"})
     if api_key:
@@ -122,6 +126,12 @@ def _get_json(url: str, api_key: str | None, timeout: float) -> Any:
         with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310 (http(s) checked above)
             return json.loads(response.read().decode("utf-8"))
     except urllib.error.HTTPError as err:
+        if err.code == 503 and url.endswith("/health"):  # ft serve while the engine loads or restarts
+            try:
+                message = json.loads(err.read().decode("utf-8")).get("message")
+            except (ValueError, UnicodeDecodeError, AttributeError, OSError):
+                message = None
+            raise _NotReady(message or "GET /health answered 503") from None
         if err.code == 401:
             hint = "the key was refused" if api_key else "it needs an API key: pass --api-key KEY or set FT_API_KEY"
             raise FreeTokenError(f"GET {url} answered 401: {hint}") from None
@@ -151,7 +161,9 @@ def read_server(url: str, api_key: str | None, model: str | None, timeout: float
         try:
             health = _get_json(f"{base}/health", api_key, timeout)
             context = health.get("context_length") if isinstance(health, dict) else None
-        except FreeTokenError:
+        except _NotReady as err:
+            raise FreeTokenError(f"the server at {base} is not ready ({err}); rerun when its /health is 200") from None
+        except FreeTokenError:  # not an ft serve: no /health
             context = None
     if not isinstance(context, int) or context <= 0:
         context = None

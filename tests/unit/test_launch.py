@@ -32,6 +32,7 @@ class FakeServer:
         self.key = key
         self.context = context
         self.card_context: int | None = context  # what /v1/models says; /health says `context`
+        self.loading = False  # /health 503, as while the engine loads
         self.auth: list[str | None] = []
         fake = self
 
@@ -43,6 +44,8 @@ class FakeServer:
                         return self.reply(401, {"error": {"message": "bad key"}})
                     card = {"id": SERVED, "object": "model", "owned_by": "freetoken", "max_model_len": fake.card_context}
                     return self.reply(200, {"object": "list", "data": [card]})
+                if self.path == "/health" and fake.loading:
+                    return self.reply(503, {"status": "error", "message": "engine loading"})
                 if self.path == "/health":
                     return self.reply(200, {"status": "ok", "context_length": fake.context})
                 return self.reply(404, {"error": {"message": "no such route"}})
@@ -259,6 +262,15 @@ def test_context_from_health_when_models_has_none(server: FakeServer, home: Path
     fake_agent(home, "codex")
     assert main(["launch", "codex", "--url", server.url]) == 0
     assert tomllib.loads((home / ".codex" / "config.toml").read_text())["model_context_window"] == 16384
+
+
+def test_a_loading_server_is_an_error_before_anything_is_written(server: FakeServer, home: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    server.card_context = None
+    server.loading = True
+    assert main(["launch", "codex", "--url", server.url]) == 1
+    assert "not ready (engine loading)" in capsys.readouterr().err
+    assert not (home / ".codex").exists()
 
 
 def test_server_errors_are_one_line(server: FakeServer, home: Path, capsys: pytest.CaptureFixture[str]) -> None:
