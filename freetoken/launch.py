@@ -337,7 +337,8 @@ def opencode_plan(served: Served, args: Sequence[str], environ: Mapping[str, str
         try:
             data = json.loads(old)
         except ValueError as err:
-            raise ConfigError(f"{path} is not plain JSON ({err}; comments?): add the provider below yourself or move the file away") from None
+            raise ConfigError(f"{path} is not plain JSON ({err}; comments?): remove them or move the file away and rerun, "
+                              "or add the provider yourself (docs/agents.md, OpenCode)") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path} is not a JSON object")
     model: dict[str, Any] = {"name": served.model}
