@@ -18,9 +18,9 @@ Per agent (docs/agents.md):
   is parsed back and compared with the old file's keys before anything is written — an edit that
   would change any other key is refused with the lines to add by hand.
 - claude: environment only, as docs/agents.md sets it (`ANTHROPIC_BASE_URL`, `ANTHROPIC_API_KEY`,
-  `ANTHROPIC_MODEL`, `ANTHROPIC_DEFAULT_HAIKU_MODEL`, `CLAUDE_CODE_MAX_OUTPUT_TOKENS` from the
-  context, ...) for the child process; no file of Claude Code's is written, so a later plain
-  `claude` still talks to Anthropic.
+  `ANTHROPIC_MODEL`, `ANTHROPIC_DEFAULT_HAIKU_MODEL`, `CLAUDE_CODE_MAX_OUTPUT_TOKENS` and
+  `CLAUDE_CODE_MAX_CONTEXT_TOKENS` from the context, ...) for the child process; no file of
+  Claude Code's is written, so a later plain `claude` still talks to Anthropic.
 - opencode: `$XDG_CONFIG_HOME/opencode/opencode.json` (default `~/.config/opencode/`): a
   `provider.freetoken` entry (`@ai-sdk/openai-compatible`, `baseURL` `<url>/v1`, the model with
   its context and output limits) and `model` / `small_model`; other keys are kept.
@@ -319,6 +319,10 @@ def claude_plan(served: Served, args: Sequence[str], environ: Mapping[str, str])
         "DISABLE_ERROR_REPORTING": "1",
         "API_TIMEOUT_MS": "3000000",  # a small model on a CPU takes minutes for the first prompt
     }
+    if served.context_length is not None:
+        # The window Claude Code 2.1.332 believes for a model name it does not know (else 1M, and it
+        # never compacts in time); it also silences its "doesn't recognize the model" notice.
+        env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] = str(served.context_length)
     # A token of the user's own would be sent beside the key (and to this server): not inherited.
     return Plan("claude", "claude", tuple(args), (), env, unset=("ANTHROPIC_AUTH_TOKEN",),
                 secret=frozenset({"ANTHROPIC_API_KEY"}), notes=_context_notes("claude", served))

@@ -190,6 +190,7 @@ def test_claude_gets_its_environment_and_no_file(server: FakeServer, home: Path,
     assert env["ANTHROPIC_API_KEY"]  # any string when the server has no key
     assert env["ANTHROPIC_MODEL"] == env["ANTHROPIC_DEFAULT_HAIKU_MODEL"] == env["ANTHROPIC_SMALL_FAST_MODEL"] == "default"
     assert env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == "4096"  # docs/agents.md's value at a 32768 context
+    assert env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == str(CONTEXT)
     assert env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] == "1"
     assert "ANTHROPIC_AUTH_TOKEN" not in env
     assert list(home.iterdir()) == []  # nothing of Claude Code's written
@@ -204,6 +205,7 @@ def test_claude_output_budget_follows_the_context(home: Path) -> None:
         s.close()
     env = json.loads(log.read_text())["env"]
     assert env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == "16384" and env["ANTHROPIC_API_KEY"] == "k"
+    assert env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == "131072"
     assert env["ANTHROPIC_MODEL"] == SERVED
 
 
