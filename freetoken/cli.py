@@ -1,4 +1,4 @@
-"""`ft`: the command line (`ft serve | generate | chat | inspect | bench`). Argparse to config objects, then one call; no logic of its own.
+"""`ft`: the command line (`ft serve | generate | chat | inspect | bench | launch`). Argparse to config objects, then one call; no logic of its own.
 
 Errors meant for the user (`FreeTokenError`) are printed as one line on stderr with a non-zero
 exit code (2 for a configuration that cannot work, `ConfigError`; else 1), never as a traceback. `ft generate` prints the completion alone on stdout, streamed as it is decoded.
@@ -162,6 +162,13 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     ld.add_argument("--ft-arg", action="append", default=[], metavar="ARG", help="an extra `ft serve` argument (repeatable)")
 
 
+def _add_launch(sub: argparse._SubParsersAction) -> None:
+    from freetoken.launch import add_arguments
+
+    p = sub.add_parser("launch", help="point Codex, Claude Code or OpenCode at a running ft serve (config written, backed up) and start it")
+    add_arguments(p)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ft", description="FreeToken: an LLM serving engine")
     parser.add_argument("--version", action="version", version=f"freetoken {__version__}")
@@ -172,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_inspect(sub)
     _add_serve(sub)
     _add_bench(sub)
+    _add_launch(sub)
     return parser
 
 
@@ -279,6 +287,14 @@ def _serve(args: argparse.Namespace) -> None:
     run_server(engine, server)
 
 
+def _launch(args: argparse.Namespace) -> None:
+    from freetoken.launch import command
+
+    code = command(args)
+    if code:
+        raise SystemExit(code)  # the agent's exit status
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -288,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    handlers = {"generate": _generate, "chat": _chat, "inspect": _inspect, "serve": _serve, "bench": _bench}
+    handlers = {"generate": _generate, "chat": _chat, "inspect": _inspect, "serve": _serve, "bench": _bench, "launch": _launch}
     try:
         handlers[args.command](args)
     except FreeTokenError as err:

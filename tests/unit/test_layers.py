@@ -45,8 +45,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("engine",),
     # (not in DESIGN) bench: `ft bench` (HTTP scenarios against a server, the in-process decode
     # roofline through `llm`); chat_cli: `ft chat` (an HTTP client of a server, or of an
-    # `ft serve` child); __init__: freetoken's own (`__version__`, the lazy `LLM`).
-    ("llm", "server", "bench", "chat_cli", "__init__"),
+    # `ft serve` child); launch: `ft launch` (a client of a running server's /v1/models that
+    # writes an agent's config; imports only `errors`); __init__: freetoken's own (`__version__`,
+    # the lazy `LLM`).
+    ("llm", "server", "bench", "chat_cli", "launch", "__init__"),
     ("cli",),
 )
 
