@@ -28,7 +28,6 @@ import json
 import os
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import tarfile
@@ -40,6 +39,7 @@ from typing import Any
 import httpx
 import psutil
 
+from freetoken.utils.ports import free_port
 
 
 def _sibling(name: str) -> Any:
@@ -108,12 +108,6 @@ def build_llama_tool(cache: Path, target: str) -> Path:
 
 def build_llama_server(cache: Path) -> Path:
     return build_llama_tool(cache, "llama-server")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:

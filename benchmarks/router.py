@@ -47,6 +47,8 @@ from typing import Any
 
 import httpx
 
+from freetoken.utils.ports import free_port
+
 
 def _sibling(name: str) -> Any:
     """A sibling script loaded by path as `bench_<name>` (as benchmarks/peer.py does)."""
@@ -73,12 +75,6 @@ ROUTER_FLAGS = [
     "--retry-max-backoff-ms", "1000",
 ]
 LOG_LEVEL = {"sglang": "warn", "vllm": "warning"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,6 @@ import csv
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,6 +47,8 @@ from typing import Any
 
 import httpx
 import psutil
+
+from freetoken.utils.ports import free_port
 
 CITIES = ["Paris", "Oslo", "Lima", "Kyoto", "Accra"]
 CITY = {"type": "object", "properties": {"city": {"type": "string", "enum": CITIES}}, "required": ["city"], "additionalProperties": False}
@@ -64,12 +65,6 @@ SYSTEM_SENTENCE = (
 )
 TAIL_SAMPLES = 5  # the RSS at the end is the median of this many last samples
 IDLE_DEADLINE_S = 300.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -22,7 +22,6 @@ import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from freetoken.errors import FreeTokenError
+from freetoken.utils.ports import free_port
 
 DEFAULT_URL = "http://127.0.0.1:1919"  # ft serve's default --host and --port
 DIM = "\x1b[2m"
@@ -348,12 +348,6 @@ class ChatREPL:
                     return
                 continue
             self.turn(text[1:] if text.startswith("//") else text)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 class ChildServer:

@@ -26,7 +26,6 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,15 +38,11 @@ from pathlib import Path
 import httpx
 import psutil
 
+from freetoken.utils.ports import free_port
+
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per /health poll otherwise
 
 PROMPT = "The history of the printing press begins"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _tree(pid: int) -> list[psutil.Process]:

@@ -20,7 +20,7 @@ import torch
 from freetoken.config import EngineConfig
 from freetoken.errors import ConfigError
 from freetoken.kv.tensors import KVTensors
-from freetoken.models.memory import estimate_weights, weight_bytes
+from freetoken.models.memory import EXPERT_TAGS, estimate_weights, weight_bytes
 from freetoken.models.registry import config_from_hf
 from freetoken.weights.inventory import inventory
 from freetoken.weights.loader import read_header, resolve_model
@@ -32,7 +32,6 @@ GIB = 1 << 30
 # Resident memory of an engine process besides its weights and pools: torch and Python, oneDNN's
 # primitives, a prefill chunk's activations. Measured: 390 MiB on the 1.1B at 1024-token chunks.
 WORKSPACE = 512 * MIB
-_EXPERT_TAGS = ("_exps", ".experts.")  # GGUF / Hugging Face names of expert tensors
 
 
 def _gib(n: int) -> str:
@@ -49,7 +48,7 @@ def check_fits(config: EngineConfig, dtype: torch.dtype, device: torch.device, a
     entries = inventory(source)
     experts = 0
     if config.moe_strategy == "offload":
-        entries = [e for e in entries if not any(tag in e.name for tag in _EXPERT_TAGS)]
+        entries = [e for e in entries if not any(tag in e.name for tag in EXPERT_TAGS)]
         experts = int(config.expert_cache_gb * GIB)
     weights = estimate_weights(entries, config.weights, config.prefill_weights, dtype) + experts
     kv = 0

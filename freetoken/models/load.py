@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +46,8 @@ class LoadedModel:
     weights: str = "bf16"  # the --weights policy the model was loaded with
     formats: dict[str, str] = field(default_factory=dict)  # matrix -> what it runs as (models.formats)
     from_cache: bool = False  # the weights were mapped from the weight cache, not read from the checkpoint
+    # the weight cache's write of this load's snapshot, still running after the load returns (None: no write)
+    cache_writer: threading.Thread | None = field(default=None, repr=False, compare=False)
 
 
 def load_tokenizer(source: ModelSource, metadata: dict[str, object] | None) -> Tokenizer:
@@ -74,6 +77,24 @@ def _cache_for(weights_cache: str | None, device: torch.device, world: int, moe_
     if directory is None or device.type != "cpu" or world > 1 or moe_strategy != "resident":
         return None
     return WeightCache(directory)
+
+
+def _write_behind(cache: WeightCache, key: dict, model: torch.nn.Module) -> threading.Thread:
+    """Write the model's snapshot on a thread of its own, so the engine is ready before the
+    write ends (torch.save and the checksums free the GIL while they write and read). Not a
+    daemon: a process that exits normally finishes the entry first; one killed leaves only a
+    temporary file, which a later write deletes."""
+    snapshot = capture(model)
+
+    def write() -> None:
+        t0 = time.perf_counter()
+        written = cache.write(key, snapshot)
+        if written is not None:
+            log.info("weight cache: wrote %s in %.1f s", written, time.perf_counter() - t0)
+
+    thread = threading.Thread(target=write, name="weight-cache-write")
+    thread.start()
+    return thread
 
 
 def _from_snapshot(source: ModelSource, cache: WeightCache, key: dict, dtype: torch.dtype,
@@ -116,8 +137,9 @@ def load_model(
     source = resolve_model(spec)
     log.info("loading %s from %s", source.name, source.path)
     cache = _cache_for(weights_cache, device, world, moe_strategy)
-    key = _cache_key(source, dtype, weights, prefill_weights) if cache is not None else None
-    cached = _from_snapshot(source, cache, key, dtype, device) if cache is not None and key is not None else None
+    key = _cache_key(source, dtype, weights, prefill_weights) if cache is not None else {}
+    cached = _from_snapshot(source, cache, key, dtype, device) if cache is not None else None
+    writer = None
     if cached is not None:
         ckpt, config, model = cached
         plan = None
@@ -126,11 +148,8 @@ def load_model(
         ckpt, config, model, plan = _from_checkpoint(source, dtype, device, weights, prefill_weights, rank, world,
                                                      moe_strategy, expert_cache_gb)
         how = "from the checkpoint"
-        if cache is not None and key is not None:
-            t_write = time.perf_counter()
-            written = cache.write(key, capture(model))
-            if written is not None:
-                log.info("weight cache: wrote %s in %.1f s", written, time.perf_counter() - t_write)
+        if cache is not None:
+            writer = _write_behind(cache, key, model)
     if plan is not None:
         shard.install_collectives(model, plan)
     model.eval()
@@ -144,7 +163,8 @@ def load_model(
              time.perf_counter() - t0)
     log.info("weights of rank %d of %d run as %s%s", rank, world, summary(formats),
              "" if plan is None else f" (block outputs: {plan.row_parallel})")
-    return LoadedModel(source, config, model, tokenizer, dtype, device, quant_types, weights, formats, cached is not None)
+    return LoadedModel(source, config, model, tokenizer, dtype, device, quant_types, weights, formats, cached is not None,
+                       writer)
 
 
 def _from_checkpoint(

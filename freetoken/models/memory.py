@@ -12,14 +12,15 @@ The estimate's rules, per matrix (2-D tensor; 1-D ones are kept as float32):
   weight against the file's 0.5625 and 0.820), other integer types in the group-32 form (the
   integers at 4, 5 or 8 bits, a 16-bit scale per 32 and a 16-bit minimum where the type has one:
   Q4_0 0.5625 bytes a weight, Q4_1 0.625, Q5_0 0.6875, Q5_1 1.125, Q8_0 1.0625), float ones in the
-  model dtype;
+  model dtype; experts always in the group-32 form (Q4_K 0.625, Q6_K 1.125) and never copied;
 - `--prefill-weights auto` adds a model-dtype copy of every matrix that is not Q4_K (the LM head
   and the token table aside), `bf16` of every quantized one but the token table;
   a fused projection (Q/K/V, gate/up) keeps one copy if any of its parts needs one;
 - `bf16` is every matrix in the model dtype; `int8` 1.125 bytes a weight (0.75 where the file's
   integers fit 5 bits), `int4` 0.625.
-Measured against `weight_bytes` on the 1.1B Q4_K_M, Gemma 3 270M and SmolLM2 files, under
-auto/auto, auto/quantized, bf16 and int8: within 5% (tests/model/test_memory_estimate.py).
+Measured against `weight_bytes` under auto/auto, auto/quantized and int8: within 5% on the
+Gemma 3 270M and SmolLM2 files (tests/model/test_memory_estimate.py), on the 1.1B Q4_K_M and on
+the Qwen3-MoE-shaped Q4_K_M (benchmarks/make_model.py; docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -36,7 +37,11 @@ from freetoken.weights.inventory import TensorEntry
 # type has one.
 _AUTO_BYTES = {"Q4_K": 0.578, "Q6_K": 0.828, "Q4_0": 0.5625, "Q4_1": 0.625, "Q5_0": 0.6875, "Q5_1": 1.125,
                "Q8_0": 1.0625, "MXFP4": 1.0625}
-_NARROW = {"Q4_K", "Q4_0", "Q4_1", "Q5_0"}  # integers that fit 5 bits signed once widened
+_NARROW = {"Q4_K", "Q4_0", "Q4_1", "Q5_0"}
+# Experts run the group-32 kernel only (models/experts.py): Q4_K as 4-bit integers with a minimum,
+# Q6_K as 8-bit ones; never a prefill copy.
+_EXPERT_SUPERBLOCK = {"Q4_K": 0.625, "Q6_K": 1.125}
+EXPERT_TAGS = ("_exps", ".experts.")  # GGUF / Hugging Face names of expert tensors  # integers that fit 5 bits signed once widened
 _FLOAT_STORAGE = {"F32", "F16", "BF16", "F64"}
 # The token table (GGUF, then Hugging Face names) is an embedding: never a prefill copy. The LM
 # head gets one only under `--prefill-weights bf16`.
@@ -63,10 +68,12 @@ def _fused_group(name: str) -> str:
     return name
 
 
-def _per_weight(storage: str, weights: str) -> float:
+def _per_weight(storage: str, weights: str, expert: bool) -> float:
     """Bytes per weight a quantized matrix of `storage` is held in under `weights`."""
     storage = storage.upper()
     if weights == "auto":
+        if expert and storage in _EXPERT_SUPERBLOCK:
+            return _EXPERT_SUPERBLOCK[storage]
         return _AUTO_BYTES.get(storage, 1.125)
     if weights == "int8":  # 4- and 5-bit integers widen to 8 and are packed as 5 bits
         return 0.75 if storage in _NARROW else 1.125
@@ -94,9 +101,10 @@ def estimate_weights(entries: list[TensorEntry], weights: str, prefill_weights: 
         elif weights == "bf16" or _is_float(e.storage):
             total += size * e.n_elements  # float: held in the model dtype (auto keeps a float file float)
         else:
-            total += _per_weight(e.storage, weights) * e.n_elements
+            expert = any(tag in e.name for tag in EXPERT_TAGS)
+            total += _per_weight(e.storage, weights, expert) * e.n_elements
             quantized.append(e)
-            if _needs_copy(e, prefill_weights):
+            if not expert and _needs_copy(e, prefill_weights):
                 copied.add(_fused_group(e.name))
     total += sum(size * e.n_elements for e in quantized if _fused_group(e.name) in copied)
     return int(total)

@@ -8,6 +8,7 @@ loading needs (models/memory.py). It does not decode, rename or interpret tensor
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,10 +27,7 @@ class TensorEntry:
 
     @property
     def n_elements(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
 
 def _safetensors_header(path: Path) -> list[TensorEntry]:

@@ -34,7 +34,11 @@ def logits(loaded: LoadedModel, ids: list[int] = IDS) -> torch.Tensor:
 
 def load(spec: str | Path, cache: Path, weights: str = "auto", prefill_weights: str = "auto",
          dtype: torch.dtype = torch.float32) -> LoadedModel:
-    return load_model(str(spec), dtype, torch.device("cpu"), weights, prefill_weights, weights_cache=str(cache))
+    """A load, and the end of its cache write (written behind the load, so a server is ready first)."""
+    loaded = load_model(str(spec), dtype, torch.device("cpu"), weights, prefill_weights, weights_cache=str(cache))
+    if loaded.cache_writer is not None:
+        loaded.cache_writer.join()
+    return loaded
 
 
 def entries(cache: Path) -> list[Path]:

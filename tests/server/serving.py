@@ -17,7 +17,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,14 +25,10 @@ from typing import Any
 
 import httpx
 
+from freetoken.utils.ports import free_port
+
 READY_DEADLINE_S = 240.0
 IDLE_DEADLINE_S = 120.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass(frozen=True)
