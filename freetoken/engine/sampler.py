@@ -36,7 +36,7 @@ START_K = 128
 # blocks of BLOCK entries with the largest maxima, so topk runs on those blocks' maxima and then
 # on the k * BLOCK entries of the winning blocks (3-5x faster at 262k).
 BLOCK = 64
-# `_threshold` buckets the mass of a deep row by logit, below its max
+# `_bounds` buckets the mass of a deep row by logit, below its max
 BUCKETS_PER_LOGIT = 16
 NUM_BUCKETS = 1024
 
@@ -157,21 +157,57 @@ def _cut(vals: torch.Tensor, f: _Filters) -> tuple[torch.Tensor, torch.Tensor, t
     return m, rel, closed
 
 
-def _threshold(row: torch.Tensor, f: _Filters) -> float:
-    """A logit at or below the last kept token's, for a row whose cut lies past its topk: min_p's
-    bound, or top_p's from the mass of 1/16-logit buckets below the max (one pass, no sort)."""
+def _bounds(row: torch.Tensor, f: _Filters) -> tuple[float, float]:
+    """(tau, hi) for a row whose cut lies past its topk: its last kept token's logit lies in
+    [tau, hi], unless `_boundary_cut` finds otherwise. min_p's edge is exact up to a bucket of slack;
+    top_p's comes from the mass of 1/16-logit buckets below the max (one pass, no sort)."""
     # row: [V] float32; f: one row
-    tau = float("-inf")
+    tau, hi = float("-inf"), float("inf")
     top_max = float(f.row_max[0])
     if float(f.min_p[0]) > 0.0:
-        tau = top_max + math.log(float(f.min_p[0])) - 1 / BUCKETS_PER_LOGIT
+        edge = top_max + math.log(float(f.min_p[0]))
+        tau, hi = edge - 1 / BUCKETS_PER_LOGIT, edge + 1 / BUCKETS_PER_LOGIT
     if float(f.top_p[0]) < 1.0:
         bucket = ((top_max - row) * BUCKETS_PER_LOGIT).clamp_(max=NUM_BUCKETS - 1).long()  # [V], 0 = top
         mass = torch.bincount(bucket, weights=torch.exp(row - top_max), minlength=NUM_BUCKETS).double().cumsum(0)
         j = int(torch.searchsorted(mass, mass[-1:] * float(f.top_p[0]) * (1 + 1e-5)))
-        if j < NUM_BUCKETS - 2:  # one bucket of slack below the crossing one
-            tau = max(tau, top_max - (j + 2) / BUCKETS_PER_LOGIT)
-    return tau
+        if j < NUM_BUCKETS - 2:  # one bucket of slack either side of the crossing one
+            low = top_max - (j + 2) / BUCKETS_PER_LOGIT
+            if low > tau:
+                tau, hi = low, top_max - (j - 1) / BUCKETS_PER_LOGIT
+    return tau, hi
+
+
+def _boundary_cut(row: torch.Tensor, tau: float, hi: float, f: _Filters) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The kept ids (ascending) and probabilities, ranking only the tokens in [tau, hi] after every
+    token above hi: a sort of the few tokens near the cut, not of the kept set. None when the cut
+    is not proven inside them (it lies above hi, or may run below tau)."""
+    # row: [V] float32; f: one row (its top_k is off: a row with top_k is closed by its topk)
+    ids = (row >= tau).nonzero()[:, 0]  # [C] ascending
+    v = row[ids]  # [C]
+    rel = torch.exp(v.double() - float(f.row_max[0]))  # [C] p / p_max
+    above = v > hi
+    near = (~above).nonzero()[:, 0]  # [N] positions in ids, ascending
+    if not len(near):
+        return None
+    vals, order = v[near].sort(descending=True, stable=True)
+    n_above = len(v) - len(near)
+    ranked = rel[near[order]]  # [N] rank order
+    keep = torch.arange(len(near)) + n_above < f.top_k[0]
+    if float(f.top_p[0]) < 1.0:
+        scale = math.exp(-float(f.log_mass[0]))  # p = rel * scale
+        mass = ranked.cumsum(0) * scale
+        mass_before = torch.cat([torch.zeros(1, dtype=torch.float64), mass[:-1]]) + float(rel[above].sum()) * scale
+        keep &= mass_before < f.top_p[0]
+    keep &= ranked >= f.min_p[0]
+    if n_above == 0:
+        keep[0] = True  # rank 0 always stays
+    m = int(keep.sum())  # keep is a prefix of the ranks
+    if m == 0 or m == len(near):  # the cut above hi, or perhaps past tau
+        return None
+    value, last_id = vals[m - 1], ids[near[order[m - 1]]]
+    kept = (v > value) | ((v == value) & (ids <= last_id))  # ties: the lowest ids stay
+    return ids[kept], rel[kept] / rel[kept].sum()
 
 
 def _cut_below(row: torch.Tensor, tau: float, f: _Filters) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,8 +221,18 @@ def _cut_below(row: torch.Tensor, tau: float, f: _Filters) -> tuple[torch.Tensor
         dropped_by_min_p = math.exp(bound - float(f.row_max[0])) < float(f.min_p[0])  # all below bound
         if bool(closed[0]) or dropped_by_min_p or bound == float("-inf"):
             kept = int(m[0])
-            return candidates[order[:kept]], rel[0, :kept] / rel[0, :kept].sum()
+            ids, by_id = candidates[order[:kept]].sort()
+            return ids, (rel[0, :kept] / rel[0, :kept].sum())[by_id]
     raise AssertionError("unreachable: the whole row always closes the cut")
+
+
+def _deep_cut(row: torch.Tensor, f: _Filters) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kept ids and probabilities of a row whose cut lies past its topk (top_p keeping tens of
+    thousands of tokens on a flat row): the last kept token from a sort of the tokens near the cut
+    (`_bounds`, `_boundary_cut`), else a sort of every token at or above tau (`_cut_below`)."""
+    tau, hi = _bounds(row, f)
+    kept = _boundary_cut(row, tau, hi, f) if tau > float("-inf") else None
+    return kept if kept is not None else _cut_below(row, tau, f)
 
 
 def filtered_distribution(
@@ -200,11 +246,12 @@ def filtered_distribution(
     exp-and-sum pass). The ranking sees only the row's topk survivors (k = top_k, else
     `start_k`); a row whose cut may lie past them (mass still short of top_p, all passing min_p,
     or a group of equal logits running past the k-th) ranks instead every token at or above a
-    threshold that provably bounds its last kept token (`_threshold`): one more pass and a sort of
-    about the kept set, where doubling k until the cut fits costs more than sorting the row.
+    threshold that provably bounds its last kept token (`_deep_cut`): one more pass finds the
+    logits between which the cut lies, a sort of the tokens there finds the last kept token, and
+    the kept set is every token ranked before it (ids in ascending order for such a row).
     """
     # logits: [S, V] float32, temperature applied -> ids: [S, K] long, probs: [S, K] float64
-    # (a row's tokens past those it keeps have probability 0). `stats`: `row_stats_` of these
+    # (kept ids ascending; a row's entries past those it keeps have probability 0). `stats`: `row_stats_` of these
     # rows with the normaliser of every top_p row, when the caller has them.
     n, vocab = logits.shape
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64)
@@ -224,13 +271,15 @@ def filtered_distribution(
     done = (closed & group_inside) | (k >= vocab)
     probs = rel.masked_fill(torch.arange(k)[None, :] >= m[:, None], 0.0)  # [S, k]
     probs /= probs.sum(dim=-1, keepdim=True)
+    ids, by_id = ids.masked_fill(probs == 0, vocab).sort(dim=-1)  # kept ids ascending, then the rest
+    ids, probs = ids.clamp_(max=vocab - 1), probs.gather(1, by_id)
     redo = (~done).nonzero()[:, 0].tolist()
     if not redo:
         return ids, probs
     kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for r in redo:  # the k-th's group of equal logits runs past it, or the cut lies past the k-th
-        tau = float(vals[r, -1]) if bool(closed[r]) else _threshold(logits[r], f.rows(slice(r, r + 1)))
-        kept[r] = _cut_below(logits[r], tau, f.rows(slice(r, r + 1)))
+        fr = f.rows(slice(r, r + 1))
+        kept[r] = _cut_below(logits[r], float(vals[r, -1]), fr) if bool(closed[r]) else _deep_cut(logits[r], fr)
     width = max(k, *(len(i) for i, _ in kept.values()))
     out_ids = torch.zeros(n, width, dtype=torch.long)
     out_probs = torch.zeros(n, width, dtype=torch.float64)
@@ -294,9 +343,8 @@ def _draw(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -
         sel = slice(None) if len(filtered) == n else torch.tensor(filtered)
         stats = (row_max[sel], log_mass[sel], block_max[sel] if block_max is not None else None)
         ids, probs = filtered_distribution(rows, [params[i] for i in filtered], stats=stats)
-        # draw over the kept tokens in token-id order, as a draw over the whole row would
-        ids, order = ids.masked_fill(probs == 0, vocab).sort(dim=-1)
-        picks = _inverse_cdf(probs.gather(1, order), u[filtered])
+        # the kept tokens come in token-id order: the draw is the one over the whole row
+        picks = _inverse_cdf(probs, u[filtered])
         for i, tok in zip(filtered, ids.gather(1, picks[:, None])[:, 0].tolist()):
             chosen[i] = tok
     if whole:

@@ -239,3 +239,30 @@ def test_two_level_draw_picks_what_the_whole_row_cdf_picks() -> None:
         kernel_mismatches += int((got != want).sum())
     assert mismatches <= 8  # float32 partial sums may move a draw that falls on a boundary
     assert kernel_mismatches <= 8
+
+
+def test_the_boundary_sort_keeps_what_sorting_the_whole_row_keeps() -> None:
+    """A deep row's kept set comes from a sort of the tokens near its cut (`_boundary_cut`), not of
+    the whole kept set; it must be the set a sort of the whole row gives, tie groups included."""
+    from freetoken.engine.sampler import _Filters, _boundary_cut, _bounds, _cut_below
+
+    g = torch.Generator().manual_seed(3)
+    used = 0
+    for scale, bf16 in ((2.0, False), (2.5, True), (0.3, True)):
+        for _ in range(4):
+            row = torch.randn(20000, generator=g) * scale
+            row = row.bfloat16().float() if bf16 else row  # bf16: long runs of equal logits
+            for top_p, min_p in ((0.9, 0.0), (0.95, 0.0), (0.999, 0.0), (1.0, 0.05), (0.95, 0.01), (0.5, 0.3)):
+                top = row.max().double()
+                f = _Filters(torch.tensor([len(row)]), torch.tensor([top_p], dtype=torch.float64),
+                             torch.tensor([min_p], dtype=torch.float64), top[None],
+                             torch.logsumexp(row.double() - top, 0)[None])
+                tau, hi = _bounds(row, f)
+                got = _boundary_cut(row, tau, hi, f)
+                want_ids, want_probs = _cut_below(row, float("-inf"), f)
+                if got is None:
+                    continue
+                used += 1
+                assert torch.equal(got[0], want_ids), (scale, top_p, min_p)
+                assert torch.allclose(got[1], want_probs, rtol=1e-9, atol=0)
+    assert used >= 60  # the boundary sort, not the fallback, decides nearly every such row
