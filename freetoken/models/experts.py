@@ -2,10 +2,12 @@
 
 Owns the experts of one layer: E gated MLPs `down(act(gate x, up x))`, each expert's gate and up
 fused into one [2I, H] matrix and its down [H, I], held either as float tensors or packed for
-`freetoken.ops.qlinear` (a group-32 QuantizedWeight: the loader's GGUF blocks, MXFP4 widened
-exactly to 8 bits, or a `--weights int8|int4` quantization), never as a bfloat16 copy of a packed
-expert. The forward is grouped: the tokens routed to one expert in a step are multiplied
-together, one call per active expert.
+`freetoken.ops.qlinear` (`pack`: GGUF Q4_K / Q6_K in their own integers where the CPU kernel takes
+them, else group-32 integers -- the loader's other GGUF blocks, MXFP4 widened exactly to 8 bits,
+a `--weights int8|int4` quantization), never as a bfloat16 copy of a packed expert. The forward is
+grouped: the tokens routed to one expert in a step are multiplied together. Resident super-block
+experts run every active expert of a step in one kernel call per projection
+(`ops.superblock.grouped_matmul`); other forms take one call per active expert.
 
 Where the experts live between steps (`--moe-strategy`): `resident` decodes every expert at
 load; `offload` (`offload_experts`, before loading) keeps only the backing store -- the
@@ -25,18 +27,19 @@ from torch import nn
 from freetoken.errors import ModelLoadError
 from freetoken.models.experts_cache import ExpertCache
 from freetoken.models.linear import apply_policy
-from freetoken.ops.qlinear import PackedWeight, qlinear
-from freetoken.ops.quantized import QuantizedWeight, concat, dequantize
+from freetoken.ops.qlinear import Packed, PackedWeight, grouped_matmul_available, pack, qlinear
+from freetoken.ops.quantized import QuantizedWeight, SuperBlockWeight, concat, dequantize
+from freetoken.ops.superblock import PackedSuperBlock, grouped_matmul
 from freetoken.weights.dequant import Deferred
 
 # The family's gated activation: act(gate [n, I], up [n, I]) -> [n, I].
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # One expert matrix [N, K] as a loader gives it.
-Source = torch.Tensor | QuantizedWeight | Deferred
+Source = torch.Tensor | QuantizedWeight | SuperBlockWeight | Deferred
 # One projection of all E experts: a float [E, N, K] tensor, or E per-expert sources.
 ExpertStack = torch.Tensor | Sequence[Source]
 # One expert matrix in the form its matmul reads.
-Matrix = torch.Tensor | PackedWeight
+Matrix = torch.Tensor | Packed
 
 
 def _policy(w: Source, weights: str) -> Source:
@@ -53,34 +56,43 @@ def with_policy(stack: ExpertStack, weights: str) -> list[Source]:
 
 def matmul(x: torch.Tensor, w: Matrix, bias: torch.Tensor | None) -> torch.Tensor:
     """x [n, K] @ w^T (+ bias) -> [n, N], in x's dtype."""
-    if isinstance(w, PackedWeight):
-        return qlinear(x, w, bias)
-    return F.linear(x, w, bias)
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w, bias)
+    return qlinear(x, w, bias)
 
 
 def matrix_nbytes(w: Matrix) -> int:
-    return w.nbytes if isinstance(w, PackedWeight) else w.numel() * w.element_size()
+    return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else w.nbytes
 
 
-def _decoded(w: Source) -> torch.Tensor | QuantizedWeight:
+Decoded = torch.Tensor | QuantizedWeight | SuperBlockWeight
+
+
+def _decoded(w: Source) -> Decoded:
     return w.make() if isinstance(w, Deferred) else w
 
 
-def _pack(qw: QuantizedWeight, device: torch.device) -> PackedWeight:
-    minimum = None if qw.minimum is None else qw.minimum.to(device)
-    return PackedWeight(QuantizedWeight(qw.bits, qw.q.to(device), qw.scale.to(device), minimum))
+def _quantized(w: Decoded) -> bool:
+    return isinstance(w, (QuantizedWeight, SuperBlockWeight))
 
 
-def _float(w: torch.Tensor | QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
-    return dequantize(w, dtype) if isinstance(w, QuantizedWeight) else w.to(dtype)
+def _pack(qw: QuantizedWeight | SuperBlockWeight, device: torch.device) -> Packed:
+    return pack(qw.map_rows(lambda t: t.to(device)))
+
+
+def _float(w: Decoded, dtype: torch.dtype) -> torch.Tensor:
+    return dequantize(w, dtype) if _quantized(w) else w.to(dtype)  # type: ignore[arg-type]
 
 
 def fuse_gate_up(gate: Source, up: Source, dtype: torch.dtype, device: torch.device) -> Matrix:
     """One expert's gate [I, H] and up [I, H] -> its fused [2I, H] matrix (gate rows first):
     packed when both are quantized, else float in `dtype`."""
     g, u = _decoded(gate), _decoded(up)
-    if isinstance(g, QuantizedWeight) and isinstance(u, QuantizedWeight):
-        return _pack(concat([g, u]), device)
+    if _quantized(g) and _quantized(u):
+        fused = concat([g, u])  # type: ignore[list-item]
+        if not isinstance(fused, (QuantizedWeight, SuperBlockWeight)):  # two forms: both group-32
+            fused = concat([_group32(g), _group32(u)])  # type: ignore[arg-type]
+        return _pack(fused, device)  # type: ignore[arg-type]
     return torch.cat([_float(g, dtype), _float(u, dtype)]).to(device).contiguous()
 
 
@@ -90,7 +102,11 @@ def as_matrix(w: Source, dtype: torch.dtype, device: torch.device) -> Matrix:
     alignment, and an expert at an arbitrary offset of the file's map would compute last-bit
     differently from the same expert mapped back from the weight cache (64-byte aligned)."""
     d = _decoded(w)
-    return _pack(d, device) if isinstance(d, QuantizedWeight) else d.to(device=device, dtype=dtype, copy=True).contiguous()
+    return _pack(d, device) if _quantized(d) else d.to(device=device, dtype=dtype, copy=True).contiguous()  # type: ignore[arg-type]
+
+
+def _group32(w: QuantizedWeight | SuperBlockWeight) -> QuantizedWeight:
+    return w.to_group32() if isinstance(w, SuperBlockWeight) else w
 
 
 class Experts(nn.Module):
@@ -110,6 +126,7 @@ class Experts(nn.Module):
         self.cache: ExpertCache | None = None
         self.key = 0
         self.backing: list[tuple[Source, Source, Source]] = []
+        self._grouped: bool | None = None  # `_grouped_kind`, decided at the first forward
 
     def load(self, gate: ExpertStack, up: ExpertStack, down: ExpertStack, gate_bias: torch.Tensor | None = None,
              up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None) -> None:
@@ -148,12 +165,28 @@ class Experts(nn.Module):
         if self.cache is not None:
             return "offloaded"
         w = self.gate_up[0]
-        return f"int{w.bits} (group 32)" if isinstance(w, PackedWeight) else str(self.dtype).removeprefix("torch.")
+        if isinstance(w, torch.Tensor):
+            return str(self.dtype).removeprefix("torch.")
+        return f"{w.format} (group 32)" if isinstance(w, PackedWeight) else w.format
+
+    def _grouped_kind(self) -> bool:
+        """Whether the step runs as two grouped kernel calls: resident experts, every gate_up one
+        super-block kind and shape, every down likewise, and the kernel built."""
+        if self.cache is not None or not self.gate_up or not grouped_matmul_available():
+            return False
+        return all(
+            all(isinstance(m, PackedSuperBlock) and m.kind == ms[0].kind for m in ms)  # type: ignore[union-attr]
+            for ms in (self.gate_up, self.down)
+        )
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H], expert_ids [T, k] long, weights [T, k] -> sum_j weights[:, j] * expert_j(x) [T, H]."""
+        if self._grouped is None:
+            self._grouped = self._grouped_kind()
+        if self._grouped:
+            return self._forward_grouped(x, expert_ids, weights)
         I = self.intermediate
-        out = torch.zeros_like(x)  # [T, H]
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]: the sum in float32
         for e in expert_ids.unique().tolist():
             tok, rank = torch.where(expert_ids == e)  # tokens routed to e, and e's rank among their k
             gate_up_w, down_w = self.matrices(e)
@@ -162,8 +195,36 @@ class Experts(nn.Module):
             gate_up = matmul(x[tok], gate_up_w, gb)  # [n, 2I]
             h = self.act(gate_up[:, :I], gate_up[:, I:])  # [n, I]
             y = matmul(h, down_w, db)  # [n, H]
-            out.index_add_(0, tok, (y * weights[tok, rank, None]).to(out.dtype))
-        return out
+            out.index_add_(0, tok, (y * weights[tok, rank, None]).float())
+        return out.to(x.dtype)
+
+    def _forward_grouped(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """`forward` as two kernel calls over every (token, expert) pair of the step, ordered by
+        expert then token: each expert's rows meet its weights in the same row chunks as the loop's
+        per-expert call, and each token's weighted outputs are summed in float32 in ascending expert
+        order and rounded once, so the result is the loop's bit for bit."""
+        I, k = self.intermediate, expert_ids.shape[1]
+        flat = expert_ids.reshape(-1)  # [P = T k]
+        order = flat.argsort(stable=True)  # [P] pairs by expert, then token
+        by_expert = flat[order]
+        active, counts = torch.unique_consecutive(by_expert, return_counts=True)
+        offsets = F.pad(counts.cumsum(0), (1, 0))  # [A + 1]
+        tok = order // k  # [P]
+        ids = active.tolist()
+
+        def project(rows: torch.Tensor, mats: list[Matrix], bias: torch.Tensor | None) -> torch.Tensor:
+            if bias is None:
+                return grouped_matmul(rows, offsets, mats)  # type: ignore[arg-type]
+            # the bias added in float32 before the output's rounding, as the per-expert kernel does
+            y = grouped_matmul(rows.float(), offsets, mats) + bias[by_expert].float()  # type: ignore[arg-type]
+            return y.to(rows.dtype)
+
+        gate_up = project(x.index_select(0, tok), [self.gate_up[e] for e in ids], self.gate_up_bias)  # [P, 2I]
+        h = self.act(gate_up[:, :I], gate_up[:, I:])  # [P, I]
+        y = project(h, [self.down[e] for e in ids], self.down_bias)  # [P, H]
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
+        out.index_add_(0, tok, (y * weights.reshape(-1)[order, None]).float())
+        return out.to(x.dtype)
 
 
 def experts_of(model: nn.Module) -> list[Experts]:

@@ -38,9 +38,8 @@ from freetoken.weights.inventory import TensorEntry
 _AUTO_BYTES = {"Q4_K": 0.578, "Q6_K": 0.828, "Q4_0": 0.5625, "Q4_1": 0.625, "Q5_0": 0.6875, "Q5_1": 1.125,
                "Q8_0": 1.0625, "MXFP4": 1.0625}
 _NARROW = {"Q4_K", "Q4_0", "Q4_1", "Q5_0"}
-# Experts run the group-32 kernel only (models/experts.py): Q4_K as 4-bit integers with a minimum,
-# Q6_K as 8-bit ones; never a prefill copy.
-_EXPERT_SUPERBLOCK = {"Q4_K": 0.625, "Q6_K": 1.125}
+# Experts never get a prefill copy; they are held as other matrices are (models/experts.py packs
+# them with ops.qlinear.pack: Q4_K / Q6_K in their own integers where the kernel takes them).
 EXPERT_TAGS = ("_exps", ".experts.")  # GGUF / Hugging Face names of expert tensors  # integers that fit 5 bits signed once widened
 _FLOAT_STORAGE = {"F32", "F16", "BF16", "F64"}
 # The token table (GGUF, then Hugging Face names) is an embedding: never a prefill copy. The LM
@@ -72,8 +71,6 @@ def _per_weight(storage: str, weights: str, expert: bool) -> float:
     """Bytes per weight a quantized matrix of `storage` is held in under `weights`."""
     storage = storage.upper()
     if weights == "auto":
-        if expert and storage in _EXPERT_SUPERBLOCK:
-            return _EXPERT_SUPERBLOCK[storage]
         return _AUTO_BYTES.get(storage, 1.125)
     if weights == "int8":  # 4- and 5-bit integers widen to 8 and are packed as 5 bits
         return 0.75 if storage in _NARROW else 1.125

@@ -26,7 +26,7 @@ from freetoken.models.experts import Experts, ExpertStack, Source, with_policy
 from freetoken.models.layers import linear, load_named, strip_prefix, take_all
 from freetoken.models.linear import Weight
 from freetoken.models.qwen3 import QWEN3_DEFAULTS, Qwen3ForCausalLM
-from freetoken.ops.quantized import QuantizedWeight
+from freetoken.ops.quantized import QuantizedWeight, SuperBlockWeight
 from freetoken.weights.dequant import Deferred
 
 
@@ -59,9 +59,8 @@ def row_block(w: Source, start: int, stop: int) -> Source:
     if isinstance(w, Deferred):
         part = (stop - start, w.shape[1])
         return Deferred(part, w.nbytes * part[0] // w.shape[0], lambda: row_block(w.make(), start, stop))
-    if isinstance(w, QuantizedWeight):
-        minimum = None if w.minimum is None else w.minimum[start:stop].contiguous()
-        return QuantizedWeight(w.bits, w.q[start:stop].contiguous(), w.scale[start:stop].contiguous(), minimum)
+    if isinstance(w, (QuantizedWeight, SuperBlockWeight)):
+        return w.map_rows(lambda t: t[start:stop].contiguous())
     return w[start:stop]
 
 

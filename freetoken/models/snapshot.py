@@ -17,14 +17,14 @@ from torch import nn
 from freetoken.errors import ModelLoadError
 from freetoken.models.experts import Experts, Matrix
 from freetoken.models.linear import QuantizableWeight
-from freetoken.ops.qlinear import PackedWeight, from_state
+from freetoken.ops.qlinear import from_state
 
 # Bumped whenever what `capture` writes changes shape: an older snapshot is then a miss.
-SNAPSHOT_VERSION = 1
+SNAPSHOT_VERSION = 2  # 2: experts in super-block form
 
 
 def _matrix(m: Matrix) -> object:
-    return m.state() if isinstance(m, PackedWeight) else m
+    return m if isinstance(m, torch.Tensor) else m.state()
 
 
 def _unmatrix(v: object) -> Matrix:

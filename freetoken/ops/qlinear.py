@@ -52,6 +52,11 @@ _FIVE_BITS = _KERNEL is not None and 5 in getattr(_KERNEL, "bits", ())
 _SUPERBLOCKS = _KERNEL is not None and 6 in getattr(_KERNEL, "superblock_kinds", ())
 
 
+def grouped_matmul_available() -> bool:
+    """Whether `superblock.grouped_matmul` can run (the kernel built, with `grouped_sbmm`)."""
+    return _SUPERBLOCKS and hasattr(_KERNEL, "grouped_sbmm")
+
+
 def kernel_available() -> bool:
     """Whether CPU qlinear calls run FreeToken's own kernel."""
     return _KERNEL is not None

@@ -155,6 +155,14 @@ class PackedSuperBlock:
         return self._kernel_module.sbmm(x, self.values, self.meta, bias, self._code)  # type: ignore[attr-defined]
 
 
+def grouped_matmul(x: torch.Tensor, offsets: torch.Tensor, weights: list[PackedSuperBlock]) -> torch.Tensor:
+    """Rows [offsets[a], offsets[a + 1]) of x [P, K] times weights[a]^T -> [P, N] in x's dtype:
+    every weight one kind and shape [N, K] (a mixture of experts' step, one call for all)."""
+    w = weights[0]
+    return w._kernel_module.grouped_sbmm(  # type: ignore[attr-defined]
+        x, offsets, [m.values for m in weights], [m.meta for m in weights], w._code, w.out_features)
+
+
 class PackedStack:
     """Row blocks packed each in its own form (a fused projection over parts of different GGUF
     types); y is the blocks' outputs side by side."""

@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from freetoken.errors import ModelLoadError
-from freetoken.ops.quantized import QuantizedWeight
+from freetoken.ops.quantized import QuantizedWeight, SuperBlockWeight
 from freetoken.weights.dequant import (
     SUPPORTED_TYPES,
     Deferred,
@@ -55,14 +55,17 @@ def expert_stack_name(gguf_name: str, arch: str = "") -> str | None:
 
 def expert_stack(data: np.ndarray, qtype: int, shape: tuple[int, ...], name: str) -> list[Deferred]:
     """A stacked [E, N, K] expert tensor -> E matrices decoded on demand from their slice of the
-    memory map (group-32 integers exactly; MXFP4 widened exactly to 8 bits where it can be)."""
+    memory map (Q4_K / Q6_K in their own integers, other types as group-32 integers exactly; MXFP4
+    widened exactly to 8 bits where it can be)."""
     E, N, K = (int(d) for d in shape)
     per = data.shape[0] // E
 
-    def decode(e: int) -> torch.Tensor | QuantizedWeight:
+    def decode(e: int) -> torch.Tensor | QuantizedWeight | SuperBlockWeight:
         raw = data[e * per : (e + 1) * per]
         if qtype == QType.MXFP4:
             return mxfp4_matrix(*gguf_mxfp4_blocks(raw, N, K), f"{name} expert {e}")
+        if qtype in SUPERBLOCK_TYPES:
+            return to_superblocks(raw, qtype, (N, K), f"{name} expert {e}")
         return to_quantized(raw, qtype, (N, K), f"{name} expert {e}")
 
     return [Deferred((N, K), per, lambda e=e: decode(e)) for e in range(E)]

@@ -606,6 +606,68 @@ at::Tensor qmm(const at::Tensor& x_in, const at::Tensor& wq, const at::Tensor& w
   return y;
 }
 
+// Groups of activation rows, each against its own super-block weight (a mixture of experts' step):
+// y[P, N] where rows [offsets[a], offsets[a + 1]) of x meet weight a (values[a], metas[a], all of
+// one kind and shape [N, K]). One quantization of x and one parallel loop over every group's row
+// tiles: a decode step's 8 experts are one task list for the threads, not 8 calls of 2 each.
+at::Tensor grouped_sbmm(const at::Tensor& x_in, const at::Tensor& offsets, const std::vector<at::Tensor>& values,
+                        const std::vector<at::Tensor>& metas, int64_t kind, int64_t N) {
+  TORCH_CHECK(x_in.dim() == 2, "grouped_sbmm: x must be [P, K]");
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16,
+              "grouped_sbmm: x must be float32 or bfloat16");
+  TORCH_CHECK(kind == kQ4K || kind == kQ6K, "grouped_sbmm: kind must be 4 (q4_k) or 6 (q6_k)");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t P = x.size(0), K = x.size(1);
+  const int64_t A = int64_t(values.size());
+  TORCH_CHECK(K % 256 == 0, "grouped_sbmm: K must be a multiple of 256");
+  TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.is_contiguous() && offsets.numel() == A + 1 &&
+                  int64_t(metas.size()) == A, "grouped_sbmm: offsets [A + 1] int64 and A values and metas");
+  const int64_t C = (K + 511) / 512;
+  const int64_t CB = kind == kQ4K ? sb_chunk_bytes<kQ4K>() : sb_chunk_bytes<kQ6K>();
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  TORCH_CHECK(off[0] == 0 && off[A] == P, "grouped_sbmm: offsets must run from 0 to P");
+  std::vector<const uint8_t*> vp(A), mp(A);
+  for (int64_t g = 0; g < A; ++g) {
+    TORCH_CHECK(off[g] <= off[g + 1], "grouped_sbmm: offsets must not decrease");
+    TORCH_CHECK(values[g].is_contiguous() && values[g].size(0) == N && values[g].size(1) == C * CB,
+                "grouped_sbmm: weight ", g, " must be contiguous [", N, ", ", C * CB, "] bytes");
+    TORCH_CHECK(metas[g].is_contiguous() && metas[g].size(0) == N && metas[g].size(1) == C * kSbMetaBytes,
+                "grouped_sbmm: meta ", g, " must be contiguous [", N, ", ", C * kSbMetaBytes, "] bytes");
+    vp[g] = values[g].data_ptr<uint8_t>();
+    mp[g] = metas[g].data_ptr<uint8_t>();
+  }
+  at::Tensor y = at::empty({P, N}, x.options());
+  if (P == 0 || N == 0) return y;
+  const QuantizedActs a = quantize_x(x, false);
+  const auto& table = kind == kQ4K ? sb_tile_table<kQ4K>() : sb_tile_table<kQ6K>();
+  const bool f32_out = y.scalar_type() == at::kFloat;
+  float* yf = f32_out ? y.data_ptr<float>() : nullptr;
+  uint16_t* yb = f32_out ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const int64_t tiles = (N + kTileRows - 1) / kTileRows;  // per group
+  const int64_t grain = std::max<int64_t>(1, kTaskBytes / (C * CB * kTileRows));
+  at::parallel_for(0, A * tiles, grain, [&](int64_t begin, int64_t end) {
+    float buf[kMaxRows * kTileRows];
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t g = t / tiles, n0 = (t % tiles) * kTileRows, n1 = std::min(N, n0 + kTileRows);
+      for (int64_t m0 = off[g]; m0 < off[g + 1]; m0 += kMaxRows) {
+        const int64_t mt = std::min<int64_t>(kMaxRows, off[g + 1] - m0);
+        table[mt - 1](vp[g], mp[g], C, n0, n1, a, m0, buf - n0, kTileRows);
+        for (int64_t i = 0; i < mt; ++i) {
+          for (int64_t n = n0; n < n1; ++n) {
+            const float v = buf[i * kTileRows + (n - n0)];
+            const int64_t o = (m0 + i) * N + n;
+            if (f32_out)
+              yf[o] = v;
+            else
+              yb[o] = to_bf16_bits(v);
+          }
+        }
+      }
+    }
+  });
+  return y;
+}
+
 // The machine's read bandwidth as the kernels see it (`ft bench roofline`): every byte of `t` read
 // once with 64-byte loads, the tensor split between torch's threads in contiguous ranges (as the
 // kernels split a weight's rows), prefetching kPrefetchBytes ahead like them. Returns a checksum
@@ -649,4 +711,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stream_read", &stream_read, "read every byte of a tensor once (bandwidth measurement); a checksum", py::arg("t"));
   m.def("sbmm", &sbmm, "y = x @ dequant(W)^T + bias for a super-block (Q4_K / Q6_K) weight", py::arg("x"),
         py::arg("q"), py::arg("meta"), py::arg("bias"), py::arg("kind"));
+  m.def("grouped_sbmm", &grouped_sbmm,
+        "y rows [offsets[a], offsets[a + 1]) = x rows @ dequant(W_a)^T, every W_a super-block of one kind",
+        py::arg("x"), py::arg("offsets"), py::arg("values"), py::arg("metas"), py::arg("kind"), py::arg("n"));
 }
