@@ -7,6 +7,7 @@ bound of the float experts they quantize.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -81,3 +82,37 @@ def test_experts_of_two_super_block_kinds_fuse_as_group32() -> None:
     x = torch.randn(2, H)
     out = ex(x, torch.tensor([[0, 1], [1, 0]]), torch.full((2, 2), 0.5))
     assert not ex._grouped and out.shape == (2, H)
+
+
+def test_gguf_super_block_stacks_load_as_super_blocks_resident_or_offloaded() -> None:
+    """A GGUF [E, N, K] Q4_K / Q6_K expert stack decodes each expert in its own integers (exactly
+    gguf's dequantization); resident experts (grouped) and offloaded ones decoded through a cache
+    of two experts (the per-expert loop) give the same output bit for bit."""
+    import gguf
+    from gguf import quants
+
+    from freetoken.models.experts_cache import ExpertCache
+    from freetoken.ops.quantized import dequantize
+    from freetoken.weights.gguf import expert_stack
+    from tests.unit.ops.test_superblock import _blocks
+
+    Q = gguf.GGMLQuantizationType
+    stacks = {}
+    for name, qtype, (n, k) in (("gate", Q.Q4_K, (I, H)), ("up", Q.Q4_K, (I, H)), ("down", Q.Q6_K, (H, I))):
+        raw = np.concatenate([_blocks(qtype, n, k, seed=len(stacks) * E + e) for e in range(E)])
+        stacks[name] = expert_stack(raw, qtype, (E, n, k), name)
+        w = stacks[name][3].make()
+        assert w.kind == ("q4_k" if qtype == Q.Q4_K else "q6_k")
+        per = raw.shape[0] // E
+        assert np.array_equal(dequantize(w).numpy(), quants.dequantize(raw[3 * per : 4 * per].reshape(n, -1), qtype))
+    act = lambda g, u: gated_act(torch.cat([g, u], -1), "silu")  # noqa: E731
+    resident = Experts(E, H, I, act, False, torch.bfloat16, "cpu")
+    resident.load(stacks["gate"], stacks["up"], stacks["down"])
+    offloaded = Experts(E, H, I, act, False, torch.bfloat16, "cpu")
+    one = sum(m.nbytes for m in resident.matrices(0))
+    offloaded.cache = ExpertCache(2 * one)
+    offloaded.load(stacks["gate"], stacks["up"], stacks["down"])
+    ids, weights = _routing(9, 3, seed=5)
+    x = torch.randn(9, H, generator=torch.Generator().manual_seed(6)).bfloat16()
+    assert torch.equal(resident(x, ids, weights), offloaded(x, ids, weights))
+    assert resident._grouped and not offloaded._grouped and offloaded.cache.evictions > 0
