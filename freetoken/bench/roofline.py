@@ -3,8 +3,9 @@
 Owns three measurements and their report: the machine's read bandwidth on the threads the engine
 uses (STREAM-style: a 1 GiB buffer read once per repeat with 64-byte loads, split between torch's
 threads as the matmul kernels split a weight, median of repeats), the bytes a decode step reads
-(every linear layer's weight as it is held, and the output head; the embedding reads one row a
-token and is left out), and greedy single-stream decode in-process. The roofline is bandwidth /
+(every linear layer's weight as it is held, the output head, and of each layer's resident experts
+the k a token is routed to, at their mean size; the embedding reads one row a token and is left
+out), and greedy single-stream decode in-process. The roofline is bandwidth /
 bytes per step (the lower of the bandwidths measured before and after the decode); the fraction
 is measured tok/s over it. It starts no server.
 """
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from freetoken.models.experts import Experts, matrix_nbytes
 from freetoken.models.linear import Embedding, Linear, QuantizableWeight
 
 
@@ -36,8 +38,9 @@ def _nbytes(module: QuantizableWeight) -> int:
     return module.weight.numel() * module.weight.element_size()
 
 
-def step_matrices(model: torch.nn.Module) -> list[Matrix]:
-    """The weights a decode step reads once, grouped by kind (layer numbers folded)."""
+def step_matrices(model: torch.nn.Module, active_experts: int = 0) -> list[Matrix]:
+    """The weights a decode step reads once, grouped by kind (layer numbers folded); of a layer's
+    resident experts, `active_experts` (the model's k) at their mean size."""
     import re
 
     seen: dict[tuple[str, str, int], int] = {}
@@ -46,6 +49,11 @@ def step_matrices(model: torch.nn.Module) -> list[Matrix]:
         if isinstance(module, Linear) or (isinstance(module, Embedding) and not has_head):
             label = re.sub(r"\.\d+\.", ".*.", name) + (" (tied head)" if isinstance(module, Embedding) else "")
             key = (label, module.runs_as(), _nbytes(module))
+            seen[key] = seen.get(key, 0) + 1
+        elif isinstance(module, Experts) and module.cache is None and module.gate_up and active_experts:
+            label = re.sub(r"\.\d+\.", ".*.", name) + f" ({active_experts} of {module.num_experts})"
+            total = sum(matrix_nbytes(m) for m in (*module.gate_up, *module.down))
+            key = (label, module.runs_as(), total * active_experts // module.num_experts)
             seen[key] = seen.get(key, 0) + 1
     return [Matrix(n, r, c, b) for (n, r, b), c in seen.items()]
 
@@ -91,7 +99,7 @@ def report(model: str, threads: int, tokens: int, repeats: int, weights: str = "
     bandwidth = read_bandwidth(repeats=repeats)
     llm = LLM(model, weights=weights, prefill_weights="quantized", threads=threads, num_tokens=4096,
               max_running_requests=1)
-    matrices = step_matrices(llm.loaded.model)
+    matrices = step_matrices(llm.loaded.model, int(getattr(llm.loaded.config, "num_experts_per_tok", 0) or 0))
     total = sum(m.count * m.bytes_each for m in matrices)
     rate = decode_rate(llm, tokens, repeats)
     bandwidth_after = read_bandwidth(repeats=repeats)

@@ -52,3 +52,20 @@ def test_cli_has_bench_kinds() -> None:
     args = build_parser().parse_args(["bench", "serve", "--base-url", "http://127.0.0.1:1", "--peer-url", "http://127.0.0.1:2"])
     assert (args.bench, args.paired_rounds, args.peer_url) == ("serve", 5, "http://127.0.0.1:2")
     assert build_parser().parse_args(["bench", "roofline", "--model", "m"]).bench == "roofline"
+
+
+def test_a_step_reads_the_routed_experts_of_each_layer() -> None:
+    from freetoken.models.experts import Experts
+
+    class _Moe(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Module(), nn.Module()])
+            for layer in self.layers:
+                layer.experts = Experts(8, 64, 32, lambda g, u: g * u, False, torch.float32, "cpu")
+                layer.experts.load(torch.randn(8, 32, 64), torch.randn(8, 32, 64), torch.randn(8, 64, 32))
+
+    rows = {m.name: (m.count, m.bytes_each) for m in step_matrices(_Moe(), active_experts=2)}
+    per_expert = (64 * 64 + 64 * 32) * 4  # gate_up [2I, H] + down [H, I], float32
+    assert rows["layers.*.experts (2 of 8)"] == (2, 2 * per_expert)
+    assert not step_matrices(_Moe())  # k unknown: no experts counted
