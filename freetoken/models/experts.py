@@ -28,7 +28,7 @@ from freetoken.errors import ModelLoadError
 from freetoken.models.experts_cache import ExpertCache
 from freetoken.models.linear import apply_policy
 from freetoken.ops.qlinear import Packed, PackedWeight, grouped_matmul_available, pack, qlinear
-from freetoken.ops.quantized import QuantizedWeight, SuperBlockWeight, concat, dequantize
+from freetoken.ops.quantized import QuantizedWeight, SuperBlockWeight, concat, dequantize, is_quantized
 from freetoken.ops.superblock import PackedSuperBlock, grouped_matmul
 from freetoken.weights.dequant import Deferred
 
@@ -72,23 +72,19 @@ def _decoded(w: Source) -> Decoded:
     return w.make() if isinstance(w, Deferred) else w
 
 
-def _quantized(w: Decoded) -> bool:
-    return isinstance(w, (QuantizedWeight, SuperBlockWeight))
-
-
 def _pack(qw: QuantizedWeight | SuperBlockWeight, device: torch.device) -> Packed:
     return pack(qw.map_rows(lambda t: t.to(device)))
 
 
 def _float(w: Decoded, dtype: torch.dtype) -> torch.Tensor:
-    return dequantize(w, dtype) if _quantized(w) else w.to(dtype)  # type: ignore[arg-type]
+    return dequantize(w, dtype) if is_quantized(w) else w.to(dtype)  # type: ignore[arg-type]
 
 
 def fuse_gate_up(gate: Source, up: Source, dtype: torch.dtype, device: torch.device) -> Matrix:
     """One expert's gate [I, H] and up [I, H] -> its fused [2I, H] matrix (gate rows first):
     packed when both are quantized, else float in `dtype`."""
     g, u = _decoded(gate), _decoded(up)
-    if _quantized(g) and _quantized(u):
+    if is_quantized(g) and is_quantized(u):
         fused = concat([g, u])  # type: ignore[list-item]
         if not isinstance(fused, (QuantizedWeight, SuperBlockWeight)):  # two forms: both group-32
             fused = concat([_group32(g), _group32(u)])  # type: ignore[arg-type]
@@ -102,7 +98,7 @@ def as_matrix(w: Source, dtype: torch.dtype, device: torch.device) -> Matrix:
     alignment, and an expert at an arbitrary offset of the file's map would compute last-bit
     differently from the same expert mapped back from the weight cache (64-byte aligned)."""
     d = _decoded(w)
-    return _pack(d, device) if _quantized(d) else d.to(device=device, dtype=dtype, copy=True).contiguous()  # type: ignore[arg-type]
+    return _pack(d, device) if is_quantized(d) else d.to(device=device, dtype=dtype, copy=True).contiguous()  # type: ignore[arg-type]
 
 
 def _group32(w: QuantizedWeight | SuperBlockWeight) -> QuantizedWeight:
