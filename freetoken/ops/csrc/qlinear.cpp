@@ -466,6 +466,24 @@ inline QuantizedActs quantize_x(const at::Tensor& x, bool compact_tail) {
                                        : quantize_acts(x.data_ptr<at::BFloat16>(), M, K, compact_tail);
 }
 
+// Rows [m0, m0 + mt) x columns [n0, n1) of y [., N] (float32 yf or bfloat16 yb) from a tile's
+// buffer (buf[i * kTileRows + n - n0]), plus the bias bp (float32 or bfloat16; null: none).
+inline void store_tile(const float* buf, int64_t mt, int64_t n0, int64_t n1, int64_t m0, int64_t N,
+                       const void* bp, bool bias_f32, float* yf, uint16_t* yb) {
+  for (int64_t i = 0; i < mt; ++i) {
+    for (int64_t n = n0; n < n1; ++n) {
+      float v = buf[i * kTileRows + (n - n0)];
+      if (bp != nullptr)
+        v += bias_f32 ? static_cast<const float*>(bp)[n] : float(static_cast<const at::BFloat16*>(bp)[n]);
+      const int64_t o = (m0 + i) * N + n;
+      if (yf != nullptr)
+        yf[o] = v;
+      else
+        yb[o] = to_bf16_bits(v);
+    }
+  }
+}
+
 // y[M, N] (+ bias) from tile(mt, t0, t1, m0, buf): the weight rows [0, N) split between torch's
 // threads in tiles of kTileRows, each task reading at least kTaskBytes of weights (~6 us at 20 GB/s:
 // below that, waking a second thread costs about what it saves; a guess, not tuned on an idle machine).
@@ -487,19 +505,7 @@ void parallel_tiles(int64_t M, int64_t N, int64_t row_bytes, const c10::optional
         const int64_t mt = std::min<int64_t>(kMaxRows, M - m0);
         // buf[i, n - t0]: the kernels index columns by absolute n, so shift the base back by t0.
         tile(mt, t0, t1, m0, buf - t0);
-        for (int64_t i = 0; i < mt; ++i) {
-          for (int64_t n = t0; n < t1; ++n) {
-            float v = buf[i * kTileRows + (n - t0)];
-            if (has_bias)
-              v += bias_f32 ? static_cast<const float*>(bp)[n]
-                            : float(static_cast<const at::BFloat16*>(bp)[n]);
-            const int64_t o = (m0 + i) * N + n;
-            if (f32_out)
-              yf[o] = v;
-            else
-              yb[o] = to_bf16_bits(v);
-          }
-        }
+        store_tile(buf, mt, t0, t1, m0, N, bp, bias_f32, yf, yb);
       }
     }
   });
@@ -652,16 +658,7 @@ at::Tensor grouped_sbmm(const at::Tensor& x_in, const at::Tensor& offsets, const
       for (int64_t m0 = off[g]; m0 < off[g + 1]; m0 += kMaxRows) {
         const int64_t mt = std::min<int64_t>(kMaxRows, off[g + 1] - m0);
         table[mt - 1](vp[g], mp[g], C, n0, n1, a, m0, buf - n0, kTileRows);
-        for (int64_t i = 0; i < mt; ++i) {
-          for (int64_t n = n0; n < n1; ++n) {
-            const float v = buf[i * kTileRows + (n - n0)];
-            const int64_t o = (m0 + i) * N + n;
-            if (f32_out)
-              yf[o] = v;
-            else
-              yb[o] = to_bf16_bits(v);
-          }
-        }
+        store_tile(buf, mt, n0, n1, m0, N, nullptr, false, yf, yb);
       }
     }
   });
