@@ -48,8 +48,10 @@ def _load_kernel() -> ModuleType | None:
 _KERNEL: ModuleType | None = _load_kernel()  # decided once at import; never reassigned
 # Whether the kernel takes 5-bit weights (an older build of the extension does not).
 _FIVE_BITS = _KERNEL is not None and 5 in getattr(_KERNEL, "bits", ())
-# Whether it takes super-block (Q4_K / Q6_K) weights in their own integers.
-_SUPERBLOCKS = _KERNEL is not None and 6 in getattr(_KERNEL, "superblock_kinds", ())
+# Whether it takes super-block (Q4_K / Q6_K) weights in their own integers, in superblock.py's
+# layout (2: half last chunks; an older build of the extension pads them and is not used for these).
+_SUPERBLOCKS = (_KERNEL is not None and 6 in getattr(_KERNEL, "superblock_kinds", ())
+                and getattr(_KERNEL, "superblock_layout", 1) == 2)
 
 
 def grouped_matmul_available() -> bool:
@@ -252,7 +254,7 @@ def from_state(state: dict) -> Packed:
 
 def signature() -> str:
     """What decides the packed forms besides the weights: which kernel paths this build has."""
-    return f"kernel={_KERNEL is not None},five_bits={_FIVE_BITS},superblocks={_SUPERBLOCKS}"
+    return f"kernel={_KERNEL is not None},five_bits={_FIVE_BITS},superblocks={_SUPERBLOCKS},superblock_layout=2"
 
 
 def qlinear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -14,6 +14,9 @@ weights to whole chunks of 512 (C chunks) and held as two uint8 arrays,
   bytes), then two vectors of high bit pairs (byte i of vector h holds bits 4-5 of value vector
   4 h + k at bits 2 k, 2 k + 1); `meta` [N, C * 40]: the scales of each group's first 16 weights
   (int8[16]), of its last 16 (int8[16]), d, d (float16), 4 unused bytes.
+A row whose K leaves a last half chunk (K % 512 == 256: the experts' down projection at 768) holds
+that chunk in half the bytes: the first 32 bytes of each of its 64-byte vectors, the bytes of
+groups 0-7 (`_halve_tail`; the kernel reads them as 256-bit loads); its meta stays 40 bytes.
 Bytes per weight: q4_k 0.578 (the file's 0.5625), q6_k 0.828 (the file's 0.820).
 """
 
@@ -63,7 +66,31 @@ def pack_values(w: SuperBlockWeight) -> tuple[torch.Tensor, torch.Tensor]:
         first, last = _per_chunk(sc[:, 0::2], chunks, 16), _per_chunk(sc[:, 1::2], chunks, 16)
         d = _per_chunk(w.d, chunks, 2)
         meta = torch.cat([first, last, _bytes(d), d.new_zeros(n, chunks, 4, dtype=torch.uint8)], dim=2)
-    return values.contiguous(), meta.reshape(n, chunks * META).contiguous()
+    return _halve_tail(values, k, w.kind).contiguous(), meta.reshape(n, chunks * META).contiguous()
+
+
+def half_tail(k: int) -> bool:
+    """Whether a K-long row ends in a half chunk (one super-block of the last chunk's two)."""
+    return k % CHUNK == SUPER
+
+
+def _halve_tail(values: torch.Tensor, k: int, kind: str) -> torch.Tensor:
+    """[N, C * CB] -> [N, C * CB - CB / 2] where K leaves a half chunk: of the last chunk's 64-byte
+    vectors only the first 32 bytes (groups 0-7) are kept; other rows as they are."""
+    if not half_tail(k):
+        return values
+    n, cb = values.shape[0], _CHUNK_BYTES[kind]
+    tail = values[:, -cb:].reshape(n, cb // 64, 64)[:, :, :32].reshape(n, cb // 2)
+    return torch.cat([values[:, :-cb], tail], dim=1)
+
+
+def _whole_tail(values: torch.Tensor, k: int, kind: str) -> torch.Tensor:
+    """The inverse of `_halve_tail`: the half chunk's vectors zero-filled back to 64 bytes."""
+    if not half_tail(k):
+        return values
+    n, cb = values.shape[0], _CHUNK_BYTES[kind]
+    tail = F.pad(values[:, -(cb // 2):].reshape(n, cb // 64, 32), (0, 32)).reshape(n, cb)
+    return torch.cat([values[:, : -(cb // 2)], tail], dim=1)
 
 
 def unpack_values(kind: str, values: torch.Tensor, meta: torch.Tensor, k: int) -> SuperBlockWeight:
@@ -72,6 +99,7 @@ def unpack_values(kind: str, values: torch.Tensor, meta: torch.Tensor, k: int) -
     chunks = -(-k // CHUNK)
     kp = chunks * CHUNK
     meta = meta.reshape(r, chunks, META)
+    values = _whole_tail(values, k, kind)
 
     def halves(t: torch.Tensor) -> torch.Tensor:  # [R, C, 2] float16 -> [R, K // 256]
         return t.reshape(r, chunks * 2)[:, : k // SUPER].contiguous()

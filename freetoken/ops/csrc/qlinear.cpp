@@ -303,6 +303,10 @@ FT_AVX512 void tile_kernel(const uint8_t* wq, const at::Half* ws, const at::Half
 //     vector 4 h + k at bits 2 k, 2 k + 1; meta [N, C * 40]: scA int8[16] | scB int8[16] | d0 d1 | 4 unused bytes
 //     f16, where scA[l] scales the first 16 weights of group l (value vectors 0-3) and scB[l] the
 //     last 16 (4-7), and w = d * sc * (u - 32).
+// Where K % 512 == 256 the last chunk is a half one: of each of its 64-byte vectors only the first
+// 32 bytes (groups 0-7) are stored (values [N, C * CB - CB / 2]; meta stays [N, C * 40]), read as
+// 256-bit loads into lanes 0-7 (sb_vector): the experts' down projection at K = 768 reads 3/4 of
+// the bytes of a row padded to 1024.
 // The integer dot products are exact; the float work per chunk and activation row is
 //   q4_k: acc += dot * (d sc * a_scale) - dmin m * a_sum,
 //   q6_k: acc += dotA * (d scA * a_scale) + dotB * (d scB * a_scale) - 32 (d scA * a_sumA + d scB * a_sumB).
@@ -330,14 +334,88 @@ FT_AVX512 inline __m512i with_high_pair(__m512i lo, __m512i hi, __m512i mask30) 
   return _mm512_ternarylogic_epi32(lo, h, mask30, 0xF8);  // lo | (h & 0x30)
 }
 
-template <int MT, int KIND, int NR>
-FT_AVX512 inline void sb_rows_kernel(const uint8_t* wq, const uint8_t* wmeta, int64_t C, int64_t n,
-                                     const QuantizedActs& a, int64_t m0, float* out, int64_t ldo) {
-  constexpr int64_t CB = sb_chunk_bytes<KIND>(), MB = kSbMetaBytes;
-  const int64_t row_bytes = C * CB, meta_row = C * MB;
-  const int64_t qstride = a.chunks * 512, gstride = a.chunks * 16;
+// A 64-byte vector of a super-block chunk at p: a whole chunk's, or a half chunk's 32 bytes in
+// lanes 0-7 and zeros above (a 256-bit load: nothing past the row is read; the activations of
+// lanes 8-15, groups past K, are zero as well).
+template <bool HALF>
+FT_AVX512 inline __m512i sb_vector(const uint8_t* p) {
+  if constexpr (HALF)
+    return _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  else
+    return _mm512_loadu_si512(p);
+}
+
+// The integer dot products of one chunk (w: row n's chunk; row n + r at w + r * row_bytes) with
+// activation rows [m0, m0 + MT) (aq: row m0's chunk): dot (q4_k; q6_k: value vectors 0-3) and
+// dotB (q6_k: 4-7). Vectors lie vstep apart: 64 bytes, or 32 in a half chunk (HALF).
+template <int MT, int KIND, int NR, bool HALF>
+FT_AVX512 inline void sb_chunk_dots(const uint8_t* w, int64_t row_bytes, const int8_t* aq, int64_t qstride,
+                                    __m512i (&dot)[NR][MT], __m512i (&dotB)[NR][KIND == kQ6K ? MT : 1]) {
+  constexpr int64_t vstep = HALF ? 32 : 64;
   const __m512i low4 = _mm512_set1_epi8(0x0f);
   const __m512i mask30 = _mm512_set1_epi8(0x30);
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < MT; ++i) {
+      dot[r][i] = _mm512_setzero_si512();
+      if constexpr (KIND == kQ6K) dotB[r][i] = _mm512_setzero_si512();
+    }
+  if constexpr (KIND == kQ4K) {
+    for (int u = 0; u < 4; ++u) {
+      __m512i lo[NR], hi[NR];
+      for (int r = 0; r < NR; ++r) {
+        const __m512i packed = sb_vector<HALF>(w + r * row_bytes + u * vstep);
+        lo[r] = _mm512_and_si512(packed, low4);
+        hi[r] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+      }
+      for (int i = 0; i < MT; ++i) {
+        const __m512i alo = _mm512_load_si512(aq + i * qstride + (2 * u) * 64);
+        const __m512i ahi = _mm512_load_si512(aq + i * qstride + (2 * u + 1) * 64);
+        for (int r = 0; r < NR; ++r) {
+          dot[r][i] = _mm512_dpbusd_epi32(dot[r][i], lo[r], alo);
+          dot[r][i] = _mm512_dpbusd_epi32(dot[r][i], hi[r], ahi);
+        }
+      }
+    }
+  } else {
+    // u = 0, 1: value vectors 0-3 (first halves, dotA); u = 2, 3: 4-7 (dotB). High pairs of
+    // value vector j: vector j / 4 of the chunk's high bytes (after the 4 low vectors), pair j % 4.
+    __m512i hv[NR][2];
+    for (int r = 0; r < NR; ++r)
+      for (int h = 0; h < 2; ++h) hv[r][h] = sb_vector<HALF>(w + r * row_bytes + (4 + h) * vstep);
+#define FT_Q6_PAIR(U, H, KLO, KHI, DOT)                                                          \
+  {                                                                                              \
+    __m512i v0[NR], v1[NR];                                                                      \
+    for (int r = 0; r < NR; ++r) {                                                               \
+      const __m512i packed = sb_vector<HALF>(w + r * row_bytes + (U) * vstep);                   \
+      v0[r] = with_high_pair<KLO>(_mm512_and_si512(packed, low4), hv[r][H], mask30);             \
+      v1[r] = with_high_pair<KHI>(_mm512_and_si512(_mm512_srli_epi16(packed, 4), low4), hv[r][H], mask30); \
+    }                                                                                            \
+    for (int i = 0; i < MT; ++i) {                                                               \
+      const __m512i a0 = _mm512_load_si512(aq + i * qstride + (2 * (U)) * 64);                   \
+      const __m512i a1 = _mm512_load_si512(aq + i * qstride + (2 * (U) + 1) * 64);               \
+      for (int r = 0; r < NR; ++r) {                                                             \
+        DOT[r][i] = _mm512_dpbusd_epi32(DOT[r][i], v0[r], a0);                                   \
+        DOT[r][i] = _mm512_dpbusd_epi32(DOT[r][i], v1[r], a1);                                   \
+      }                                                                                          \
+    }                                                                                            \
+  }
+    FT_Q6_PAIR(0, 0, 0, 1, dot)
+    FT_Q6_PAIR(1, 0, 2, 3, dot)
+    FT_Q6_PAIR(2, 1, 0, 1, dotB)
+    FT_Q6_PAIR(3, 1, 2, 3, dotB)
+#undef FT_Q6_PAIR
+  }
+}
+
+// Bytes of a super-block row of K weights: whole chunks, the last a half one when K % 512 == 256.
+inline int64_t sb_row_bytes(int64_t K, int64_t CB) { return (K / 512) * CB + (K % 512 ? CB / 2 : 0); }
+
+template <int MT, int KIND, int NR>
+FT_AVX512 inline void sb_rows_kernel(const uint8_t* wq, const uint8_t* wmeta, int64_t C, bool half, int64_t n,
+                                     const QuantizedActs& a, int64_t m0, float* out, int64_t ldo) {
+  constexpr int64_t CB = sb_chunk_bytes<KIND>(), MB = kSbMetaBytes;
+  const int64_t row_bytes = C * CB - (half ? CB / 2 : 0), meta_row = C * MB;
+  const int64_t qstride = a.chunks * 512, gstride = a.chunks * 16;
   const __m512i pick_d = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   const __m512i pick_dmin = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
   __m512 acc[NR][MT];
@@ -351,58 +429,12 @@ FT_AVX512 inline void sb_rows_kernel(const uint8_t* wq, const uint8_t* wmeta, in
   }
   for (int64_t c = 0; c < C; ++c) {
     const int8_t* aq = a.q + m0 * qstride + c * 512;
+    const uint8_t* w = wq + n * row_bytes + c * CB;  // a half chunk is the last: it starts there too
     __m512i dot[NR][MT], dotB[NR][KIND == kQ6K ? MT : 1];
-    for (int r = 0; r < NR; ++r)
-      for (int i = 0; i < MT; ++i) {
-        dot[r][i] = _mm512_setzero_si512();
-        if constexpr (KIND == kQ6K) dotB[r][i] = _mm512_setzero_si512();
-      }
-    if constexpr (KIND == kQ4K) {
-      for (int u = 0; u < 4; ++u) {
-        __m512i lo[NR], hi[NR];
-        for (int r = 0; r < NR; ++r) {
-          const __m512i packed = _mm512_loadu_si512(wq + (n + r) * row_bytes + c * CB + u * 64);
-          lo[r] = _mm512_and_si512(packed, low4);
-          hi[r] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
-        }
-        for (int i = 0; i < MT; ++i) {
-          const __m512i alo = _mm512_load_si512(aq + i * qstride + (2 * u) * 64);
-          const __m512i ahi = _mm512_load_si512(aq + i * qstride + (2 * u + 1) * 64);
-          for (int r = 0; r < NR; ++r) {
-            dot[r][i] = _mm512_dpbusd_epi32(dot[r][i], lo[r], alo);
-            dot[r][i] = _mm512_dpbusd_epi32(dot[r][i], hi[r], ahi);
-          }
-        }
-      }
-    } else {
-      // u = 0, 1: value vectors 0-3 (first halves, dotA); u = 2, 3: 4-7 (dotB). High pairs of
-      // value vector j: vector j / 4 of the chunk's high bytes, pair j % 4.
-      __m512i hv[NR][2];
-      for (int r = 0; r < NR; ++r)
-        for (int h = 0; h < 2; ++h) hv[r][h] = _mm512_loadu_si512(wq + (n + r) * row_bytes + c * CB + 256 + h * 64);
-#define FT_Q6_PAIR(U, H, KLO, KHI, DOT)                                                          \
-  {                                                                                              \
-    __m512i v0[NR], v1[NR];                                                                      \
-    for (int r = 0; r < NR; ++r) {                                                               \
-      const __m512i packed = _mm512_loadu_si512(wq + (n + r) * row_bytes + c * CB + (U) * 64);   \
-      v0[r] = with_high_pair<KLO>(_mm512_and_si512(packed, low4), hv[r][H], mask30);             \
-      v1[r] = with_high_pair<KHI>(_mm512_and_si512(_mm512_srli_epi16(packed, 4), low4), hv[r][H], mask30); \
-    }                                                                                            \
-    for (int i = 0; i < MT; ++i) {                                                               \
-      const __m512i a0 = _mm512_load_si512(aq + i * qstride + (2 * (U)) * 64);                   \
-      const __m512i a1 = _mm512_load_si512(aq + i * qstride + (2 * (U) + 1) * 64);               \
-      for (int r = 0; r < NR; ++r) {                                                             \
-        DOT[r][i] = _mm512_dpbusd_epi32(DOT[r][i], v0[r], a0);                                   \
-        DOT[r][i] = _mm512_dpbusd_epi32(DOT[r][i], v1[r], a1);                                   \
-      }                                                                                          \
-    }                                                                                            \
-  }
-      FT_Q6_PAIR(0, 0, 0, 1, dot)
-      FT_Q6_PAIR(1, 0, 2, 3, dot)
-      FT_Q6_PAIR(2, 1, 0, 1, dotB)
-      FT_Q6_PAIR(3, 1, 2, 3, dotB)
-#undef FT_Q6_PAIR
-    }
+    if (half && c == C - 1)
+      sb_chunk_dots<MT, KIND, NR, true>(w, row_bytes, aq, qstride, dot, dotB);
+    else
+      sb_chunk_dots<MT, KIND, NR, false>(w, row_bytes, aq, qstride, dot, dotB);
     for (int r = 0; r < NR; ++r) {
       const uint8_t* meta = wmeta + (n + r) * meta_row + c * MB;
       const __m128i dh = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta + 32));  // 4 f16 (q6_k: 2 used)
@@ -529,7 +561,7 @@ void run(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& ws,
 
 // Rows [n0, n1) of a super-block weight against activation rows [m0, m0 + MT).
 template <int MT, int KIND>
-FT_AVX512 void sb_tile_kernel(const uint8_t* wq, const uint8_t* wmeta, int64_t C, int64_t n0, int64_t n1,
+FT_AVX512 void sb_tile_kernel(const uint8_t* wq, const uint8_t* wmeta, int64_t C, bool half, int64_t n0, int64_t n1,
                               const QuantizedActs& a, int64_t m0, float* out, int64_t ldo) {
   // At M = 1 one weight row at a time: at two threads over 230-330 MB of 1.1B-shaped matrices
   // (interleaved with stream_read of as many bytes, idle Zen 4), one row reached 0.92x (q4_k) /
@@ -540,11 +572,11 @@ FT_AVX512 void sb_tile_kernel(const uint8_t* wq, const uint8_t* wmeta, int64_t C
 #endif
   constexpr int NR = MT == 1 ? FT_SB_NR : MT <= 4 ? 2 : 1;  // M > 1 as tile_kernel (q6_k's second dot fits: 4 x 2 x 2 accumulators)
   int64_t n = n0;
-  for (; n + NR <= n1; n += NR) sb_rows_kernel<MT, KIND, NR>(wq, wmeta, C, n, a, m0, out, ldo);
-  for (; n < n1; ++n) sb_rows_kernel<MT, KIND, 1>(wq, wmeta, C, n, a, m0, out, ldo);
+  for (; n + NR <= n1; n += NR) sb_rows_kernel<MT, KIND, NR>(wq, wmeta, C, half, n, a, m0, out, ldo);
+  for (; n < n1; ++n) sb_rows_kernel<MT, KIND, 1>(wq, wmeta, C, half, n, a, m0, out, ldo);
 }
 
-using SbTileFn = void (*)(const uint8_t*, const uint8_t*, int64_t, int64_t, int64_t, const QuantizedActs&,
+using SbTileFn = void (*)(const uint8_t*, const uint8_t*, int64_t, bool, int64_t, int64_t, const QuantizedActs&,
                           int64_t, float*, int64_t);
 
 template <int KIND, int... Ms>
@@ -570,7 +602,9 @@ at::Tensor sbmm(const at::Tensor& x_in, const at::Tensor& wq, const at::Tensor& 
   const int64_t C = (K + 511) / 512;
   const int64_t CB = kind == kQ4K ? sb_chunk_bytes<kQ4K>() : sb_chunk_bytes<kQ6K>();
   TORCH_CHECK(K % 256 == 0, "sbmm: K must be a multiple of 256");
-  TORCH_CHECK(wq.is_contiguous() && wq.size(1) == C * CB, "sbmm: weight must be contiguous [N, ", C * CB, "] bytes");
+  const int64_t RB = sb_row_bytes(K, CB);
+  const bool half = K % 512 != 0;
+  TORCH_CHECK(wq.is_contiguous() && wq.size(1) == RB, "sbmm: weight must be contiguous [N, ", RB, "] bytes");
   TORCH_CHECK(wmeta.is_contiguous() && wmeta.size(0) == N && wmeta.size(1) == C * kSbMetaBytes,
               "sbmm: meta must be contiguous [N, ", C * kSbMetaBytes, "] bytes");
   at::Tensor y = at::empty({M, N}, x.options());
@@ -579,8 +613,8 @@ at::Tensor sbmm(const at::Tensor& x_in, const at::Tensor& wq, const at::Tensor& 
   const uint8_t* q = wq.data_ptr<uint8_t>();
   const uint8_t* meta = wmeta.data_ptr<uint8_t>();
   const auto& table = kind == kQ4K ? sb_tile_table<kQ4K>() : sb_tile_table<kQ6K>();
-  parallel_tiles(M, N, C * CB, bias, y, [&](int64_t mt, int64_t t0, int64_t t1, int64_t m0, float* out) {
-    table[mt - 1](q, meta, C, t0, t1, a, m0, out, kTileRows);
+  parallel_tiles(M, N, RB, bias, y, [&](int64_t mt, int64_t t0, int64_t t1, int64_t m0, float* out) {
+    table[mt - 1](q, meta, C, half, t0, t1, a, m0, out, kTileRows);
   });
   return y;
 }
@@ -630,13 +664,15 @@ at::Tensor grouped_sbmm(const at::Tensor& x_in, const at::Tensor& offsets, const
                   int64_t(metas.size()) == A, "grouped_sbmm: offsets [A + 1] int64 and A values and metas");
   const int64_t C = (K + 511) / 512;
   const int64_t CB = kind == kQ4K ? sb_chunk_bytes<kQ4K>() : sb_chunk_bytes<kQ6K>();
+  const int64_t RB = sb_row_bytes(K, CB);
+  const bool half = K % 512 != 0;
   const int64_t* off = offsets.data_ptr<int64_t>();
   TORCH_CHECK(off[0] == 0 && off[A] == P, "grouped_sbmm: offsets must run from 0 to P");
   std::vector<const uint8_t*> vp(A), mp(A);
   for (int64_t g = 0; g < A; ++g) {
     TORCH_CHECK(off[g] <= off[g + 1], "grouped_sbmm: offsets must not decrease");
-    TORCH_CHECK(values[g].is_contiguous() && values[g].size(0) == N && values[g].size(1) == C * CB,
-                "grouped_sbmm: weight ", g, " must be contiguous [", N, ", ", C * CB, "] bytes");
+    TORCH_CHECK(values[g].is_contiguous() && values[g].size(0) == N && values[g].size(1) == RB,
+                "grouped_sbmm: weight ", g, " must be contiguous [", N, ", ", RB, "] bytes");
     TORCH_CHECK(metas[g].is_contiguous() && metas[g].size(0) == N && metas[g].size(1) == C * kSbMetaBytes,
                 "grouped_sbmm: meta ", g, " must be contiguous [", N, ", ", C * kSbMetaBytes, "] bytes");
     vp[g] = values[g].data_ptr<uint8_t>();
@@ -650,14 +686,14 @@ at::Tensor grouped_sbmm(const at::Tensor& x_in, const at::Tensor& offsets, const
   float* yf = f32_out ? y.data_ptr<float>() : nullptr;
   uint16_t* yb = f32_out ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int64_t tiles = (N + kTileRows - 1) / kTileRows;  // per group
-  const int64_t grain = std::max<int64_t>(1, kTaskBytes / (C * CB * kTileRows));
+  const int64_t grain = std::max<int64_t>(1, kTaskBytes / (RB * kTileRows));
   at::parallel_for(0, A * tiles, grain, [&](int64_t begin, int64_t end) {
     float buf[kMaxRows * kTileRows];
     for (int64_t t = begin; t < end; ++t) {
       const int64_t g = t / tiles, n0 = (t % tiles) * kTileRows, n1 = std::min(N, n0 + kTileRows);
       for (int64_t m0 = off[g]; m0 < off[g + 1]; m0 += kMaxRows) {
         const int64_t mt = std::min<int64_t>(kMaxRows, off[g + 1] - m0);
-        table[mt - 1](vp[g], mp[g], C, n0, n1, a, m0, buf - n0, kTileRows);
+        table[mt - 1](vp[g], mp[g], C, half, n0, n1, a, m0, buf - n0, kTileRows);
         store_tile(buf, mt, n0, n1, m0, N, nullptr, false, yf, yb);
       }
     }
@@ -703,6 +739,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supported", &cpu_supported, "whether this CPU has AVX-512 F/BW/VL/VNNI");
   m.attr("bits") = py::make_tuple(4, 5, 8);  // the weight widths qmm takes
   m.attr("superblock_kinds") = py::make_tuple(4, 6);  // q4_k, q6_k: what sbmm takes
+  m.attr("superblock_layout") = 2;  // 2: a K % 512 == 256 row ends in a half chunk (1: padded to whole ones)
   m.def("qmm", &qmm, "y = x @ dequant(W)^T + bias", py::arg("x"), py::arg("q"), py::arg("scale"),
         py::arg("minimum"), py::arg("bias"), py::arg("bits"));
   m.def("stream_read", &stream_read, "read every byte of a tensor once (bandwidth measurement); a checksum", py::arg("t"));

@@ -20,7 +20,7 @@ from tests.unit.ops.test_superblock import _weight
 pytestmark = pytest.mark.skipif(not (kernel_available() and grouped_matmul_available()),
                                 reason="the super-block kernel is not built on this machine")
 
-E, H, I = 6, 512, 256
+E, H, I = 6, 512, 768  # down's K = 768: whole chunk, then a half one
 
 
 def _experts(dtype: torch.dtype, bias: bool, down_kind: str = "q6_k") -> Experts:
