@@ -421,7 +421,7 @@ inline int64_t sb_row_bytes(int64_t K, int64_t CB) { return (K / 512) * CB + (K 
 
 template <int MT, int KIND, int NR>
 FT_AVX512 inline void sb_rows_kernel(const uint8_t* wq, const uint8_t* wmeta, int64_t C, bool half, int64_t n,
-                                     const QuantizedActs& a, int64_t m0, float* out, int64_t ldo) {
+                                     const QuantizedActs& a, int64_t m0, bool first_pass, float* out, int64_t ldo) {
   constexpr int64_t CB = sb_chunk_bytes<KIND>(), MB = kSbMetaBytes;
   const int64_t row_bytes = C * CB - (half ? CB / 2 : 0), meta_row = C * MB;
   const int64_t qstride = a.chunks * 512, gstride = a.chunks * 16;
@@ -430,7 +430,7 @@ FT_AVX512 inline void sb_rows_kernel(const uint8_t* wq, const uint8_t* wmeta, in
   __m512 acc[NR][MT];
   for (int r = 0; r < NR; ++r)
     for (int i = 0; i < MT; ++i) acc[r][i] = _mm512_setzero_ps();
-  if (m0 == 0) {  // as rows_kernel, but kSbPrefetchBytes ahead, on the first pass only
+  if (first_pass) {  // as rows_kernel, but kSbPrefetchBytes ahead, on the first pass over the rows only
     const char* ahead = reinterpret_cast<const char*>(wq + n * row_bytes) + kSbPrefetchBytes;
     for (int64_t o = 0; o < NR * row_bytes; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
     const char* meta_ahead = reinterpret_cast<const char*>(wmeta + n * meta_row) + kSbPrefetchBytes * MB / CB;
@@ -571,7 +571,7 @@ void run(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& ws,
 // Rows [n0, n1) of a super-block weight against activation rows [m0, m0 + MT).
 template <int MT, int KIND>
 FT_AVX512 void sb_tile_kernel(const uint8_t* wq, const uint8_t* wmeta, int64_t C, bool half, int64_t n0, int64_t n1,
-                              const QuantizedActs& a, int64_t m0, float* out, int64_t ldo) {
+                              const QuantizedActs& a, int64_t m0, bool first_pass, float* out, int64_t ldo) {
   // At M = 1 one weight row at a time: at two threads over 230-330 MB of 1.1B-shaped matrices
   // (interleaved with stream_read of as many bytes, idle Zen 4), one row reached 0.92x (q4_k) /
   // 0.87x (q6_k) of the read rate where two rows sharing each activation load reached 0.68x / 0.67x,
@@ -581,12 +581,12 @@ FT_AVX512 void sb_tile_kernel(const uint8_t* wq, const uint8_t* wmeta, int64_t C
 #endif
   constexpr int NR = MT == 1 ? FT_SB_NR : MT <= 4 ? 2 : 1;  // M > 1 as tile_kernel (q6_k's second dot fits: 4 x 2 x 2 accumulators)
   int64_t n = n0;
-  for (; n + NR <= n1; n += NR) sb_rows_kernel<MT, KIND, NR>(wq, wmeta, C, half, n, a, m0, out, ldo);
-  for (; n < n1; ++n) sb_rows_kernel<MT, KIND, 1>(wq, wmeta, C, half, n, a, m0, out, ldo);
+  for (; n + NR <= n1; n += NR) sb_rows_kernel<MT, KIND, NR>(wq, wmeta, C, half, n, a, m0, first_pass, out, ldo);
+  for (; n < n1; ++n) sb_rows_kernel<MT, KIND, 1>(wq, wmeta, C, half, n, a, m0, first_pass, out, ldo);
 }
 
 using SbTileFn = void (*)(const uint8_t*, const uint8_t*, int64_t, bool, int64_t, int64_t, const QuantizedActs&,
-                          int64_t, float*, int64_t);
+                          int64_t, bool, float*, int64_t);
 
 template <int KIND, int... Ms>
 constexpr std::array<SbTileFn, sizeof...(Ms)> make_sb_table(std::integer_sequence<int, Ms...>) {
@@ -623,7 +623,7 @@ at::Tensor sbmm(const at::Tensor& x_in, const at::Tensor& wq, const at::Tensor& 
   const uint8_t* meta = wmeta.data_ptr<uint8_t>();
   const auto& table = kind == kQ4K ? sb_tile_table<kQ4K>() : sb_tile_table<kQ6K>();
   parallel_tiles(M, N, RB, bias, y, [&](int64_t mt, int64_t t0, int64_t t1, int64_t m0, float* out) {
-    table[mt - 1](q, meta, C, half, t0, t1, a, m0, out, kTileRows);
+    table[mt - 1](q, meta, C, half, t0, t1, a, m0, m0 == 0, out, kTileRows);
   });
   return y;
 }
@@ -702,7 +702,8 @@ at::Tensor grouped_sbmm(const at::Tensor& x_in, const at::Tensor& offsets, const
       const int64_t g = t / tiles, n0 = (t % tiles) * kTileRows, n1 = std::min(N, n0 + kTileRows);
       for (int64_t m0 = off[g]; m0 < off[g + 1]; m0 += kMaxRows) {
         const int64_t mt = std::min<int64_t>(kMaxRows, off[g + 1] - m0);
-        table[mt - 1](vp[g], mp[g], C, half, n0, n1, a, m0, buf - n0, kTileRows);
+        // prefetching on each group's first pass (its rows start at off[g], not 0)
+        table[mt - 1](vp[g], mp[g], C, half, n0, n1, a, m0, m0 == off[g], buf - n0, kTileRows);
         store_tile(buf, mt, n0, n1, m0, N, nullptr, false, yf, yb);
       }
     }
