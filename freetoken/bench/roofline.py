@@ -52,8 +52,8 @@ def step_matrices(model: torch.nn.Module, active_experts: int = 0) -> list[Matri
             seen[key] = seen.get(key, 0) + 1
         elif isinstance(module, Experts) and module.cache is None and module.gate_up and active_experts:
             label = re.sub(r"\.\d+\.", ".*.", name) + f" ({active_experts} of {module.num_experts})"
-            total = sum(matrix_nbytes(m) for m in (*module.gate_up, *module.down))
-            key = (label, module.runs_as(), total * active_experts // module.num_experts)
+            total = sum(matrix_nbytes(m) for _, _, m in module.resident())
+            key = (label, module.runs_as(), total * active_experts // len(module.held()))
             seen[key] = seen.get(key, 0) + 1
     return [Matrix(n, r, c, b) for (n, r, b), c in seen.items()]
 

@@ -14,6 +14,10 @@ load; `offload` (`offload_experts`, before loading) keeps only the backing store
 memory-mapped file's blocks (`weights.dequant.Deferred`) or the checkpoint's host tensors -- and
 decodes an expert into the shared `ExpertCache` the first time it is routed to after an
 eviction. Routing (router, top-k, weight normalisation) is the family's. It does not read files.
+
+Under expert parallelism (`models.shard`, tensor parallelism of a Qwen3-MoE) a layer holds only the
+experts in `local` and `combine` (an all-reduce) puts the ranks' per-pair outputs together before
+they are summed per token, in the same order as one rank sums them.
 """
 
 from __future__ import annotations
@@ -113,8 +117,8 @@ class Experts(nn.Module):
         super().__init__()
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         self.act, self.bias, self.dtype, self.device = act, bias, dtype, torch.device(device)
-        self.gate_up: list[Matrix] = []  # resident: per expert [2I, H], gate rows then up rows
-        self.down: list[Matrix] = []  # resident: per expert [H, I]
+        self.gate_up: list[Matrix | None] = []  # resident: per expert [2I, H], gate rows then up rows
+        self.down: list[Matrix | None] = []  # resident: per expert [H, I]
         self.gate_up_bias: torch.Tensor | None = None  # [E, 2I]
         self.down_bias: torch.Tensor | None = None  # [E, H]
         # offload: the cache shared by all layers, this layer's key in it, and per expert its
@@ -123,6 +127,19 @@ class Experts(nn.Module):
         self.key = 0
         self.backing: list[tuple[Source, Source, Source]] = []
         self._grouped: bool | None = None  # `_grouped_kind`, decided at the first forward
+        # expert parallelism (models.shard.split_experts): the experts this rank holds (entries of
+        # gate_up / down for the others are None) and the collective over [P, H] float32 outputs
+        self.local: range | None = None
+        self.combine: Callable[[torch.Tensor], None] | None = None
+
+    def held(self) -> range:
+        """The experts this layer holds: all, or its rank's share under expert parallelism."""
+        return range(self.num_experts) if self.local is None else self.local
+
+    def resident(self) -> list[tuple[str, int, Matrix]]:
+        """(`gate_up` | `down`, expert, matrix) of every resident matrix held here."""
+        return [(kind, e, m) for kind, ms in (("gate_up", self.gate_up), ("down", self.down))
+                for e, m in enumerate(ms) if m is not None]
 
     def load(self, gate: ExpertStack, up: ExpertStack, down: ExpertStack, gate_bias: torch.Tensor | None = None,
              up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None) -> None:
@@ -136,9 +153,10 @@ class Experts(nn.Module):
                 raise ModelLoadError(f"experts {name}: expected {E} x {list(shape)}, got {len(stack)} x {got}")
         if self.bias != (gate_bias is not None and up_bias is not None and down_bias is not None):
             raise ModelLoadError(f"experts: biases {'missing' if self.bias else 'unexpected'}")
-        if self.cache is None:
-            self.gate_up = [fuse_gate_up(gate[e], up[e], self.dtype, self.device) for e in range(E)]
-            self.down = [as_matrix(down[e], self.dtype, self.device) for e in range(E)]
+        held = self.held()
+        if self.cache is None:  # other ranks' experts are never decoded here
+            self.gate_up = [fuse_gate_up(gate[e], up[e], self.dtype, self.device) if e in held else None for e in range(E)]
+            self.down = [as_matrix(down[e], self.dtype, self.device) if e in held else None for e in range(E)]
         else:
             self.backing = [(gate[e], up[e], down[e]) for e in range(E)]
         if gate_bias is not None and up_bias is not None and down_bias is not None:
@@ -160,7 +178,7 @@ class Experts(nn.Module):
         """What `ft inspect` prints for the experts: `int8`, `int4`, the float dtype, or `offloaded`."""
         if self.cache is not None:
             return "offloaded"
-        w = self.gate_up[0]
+        w = self.gate_up[self.held().start]
         if isinstance(w, torch.Tensor):
             return str(self.dtype).removeprefix("torch.")
         return f"{w.format} (group 32)" if isinstance(w, PackedWeight) else w.format
@@ -170,8 +188,9 @@ class Experts(nn.Module):
         super-block kind and shape, every down likewise, and the kernel built."""
         if self.cache is not None or not self.gate_up or not grouped_matmul_available():
             return False
+        held = self.held()
         return all(
-            all(isinstance(m, PackedSuperBlock) and m.kind == ms[0].kind for m in ms)  # type: ignore[union-attr]
+            all(isinstance(ms[e], PackedSuperBlock) and ms[e].kind == ms[held.start].kind for e in held)  # type: ignore[union-attr]
             for ms in (self.gate_up, self.down)
         )
 
@@ -179,6 +198,8 @@ class Experts(nn.Module):
         """x [T, H], expert_ids [T, k] long, weights [T, k] -> sum_j weights[:, j] * expert_j(x) [T, H]."""
         if self._grouped is None:
             self._grouped = self._grouped_kind()
+        if self.local is not None:
+            return self._forward_local(x, expert_ids, weights)
         if self._grouped:
             return self._forward_grouped(x, expert_ids, weights)
         I = self.intermediate
@@ -221,6 +242,55 @@ class Experts(nn.Module):
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
         out.index_add_(0, tok, (y * weights.reshape(-1)[order, None]).float())
         return out.to(x.dtype)
+
+
+    def _forward_local(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """`forward` under expert parallelism. The step's (token, expert) pairs in the grouped
+        path's order (by expert, then token); this rank fills the weighted float32 outputs of the
+        pairs of its experts (a contiguous run of that order) and leaves the others zero; `combine`
+        adds the ranks' arrays, which is exact (one non-zero term per value); then every rank sums
+        each token's pairs in that order and rounds once, as one rank does: the same bits."""
+        k = expert_ids.shape[1]
+        flat = expert_ids.reshape(-1)  # [P = T k]
+        order = flat.argsort(stable=True)  # [P] pairs by expert, then token
+        by_expert = flat[order]
+        tok = order // k  # [P]
+        held = self.held()
+        bounds = torch.tensor([held.start, held.stop], dtype=by_expert.dtype, device=by_expert.device)
+        lo, hi = torch.searchsorted(by_expert, bounds).tolist()
+        contributions = torch.zeros(flat.numel(), self.hidden, dtype=torch.float32, device=x.device)  # [P, H]
+        if hi > lo:
+            y = self._pair_outputs(x.index_select(0, tok[lo:hi]), by_expert[lo:hi])  # [hi - lo, H]
+            contributions[lo:hi] = (y * weights.reshape(-1)[order[lo:hi], None]).float()
+        if self.combine is not None:
+            self.combine(contributions)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
+        out.index_add_(0, tok, contributions)
+        return out.to(x.dtype)
+
+    def _pair_outputs(self, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """rows [n, H] routed to experts `ids` [n] (ascending) -> each row through its expert [n, H],
+        computed as `forward` computes it: grouped kernel calls, or one call per expert."""
+        I = self.intermediate
+        active, counts = torch.unique_consecutive(ids, return_counts=True)
+        offsets = F.pad(counts.cumsum(0), (1, 0))  # [A + 1]
+        experts = active.tolist()
+        if self._grouped:
+            def project(a: torch.Tensor, mats: list, bias: torch.Tensor | None) -> torch.Tensor:
+                if bias is None:
+                    return grouped_matmul(a, offsets, mats)
+                return (grouped_matmul(a.float(), offsets, mats) + bias[ids].float()).to(a.dtype)
+
+            gate_up = project(rows, [self.gate_up[e] for e in experts], self.gate_up_bias)
+            return project(self.act(gate_up[:, :I], gate_up[:, I:]), [self.down[e] for e in experts], self.down_bias)
+        out = []
+        for e, a, b in zip(experts, offsets[:-1].tolist(), offsets[1:].tolist()):
+            gate_up_w, down_w = self.matrices(e)
+            gb = self.gate_up_bias[e] if self.gate_up_bias is not None else None
+            db = self.down_bias[e] if self.down_bias is not None else None
+            gate_up = matmul(rows[a:b], gate_up_w, gb)
+            out.append(matmul(self.act(gate_up[:, :I], gate_up[:, I:]), down_w, db))
+        return torch.cat(out)
 
 
 def experts_of(model: nn.Module) -> list[Experts]:

@@ -38,9 +38,13 @@ def weight_formats(model: nn.Module) -> dict[str, str]:
             if module.cache is not None:
                 plan[name] = "offloaded"
                 continue
-            for kind, matrices in (("gate_up", module.gate_up), ("down", module.down)):
-                for e, m in enumerate(matrices):
-                    plan[f"{name}.{kind}.{e}"] = _format(m, module.dtype)
+            if module.local is not None:  # expert parallelism: ranks hold different experts; compare the forms
+                for kind in ("gate_up", "down"):
+                    forms = sorted({_format(m, module.dtype) for k, _, m in module.resident() if k == kind})
+                    plan[f"{name}.{kind}"] = " | ".join(forms)
+                continue
+            for kind, e, m in module.resident():
+                plan[f"{name}.{kind}.{e}"] = _format(m, module.dtype)
     return plan
 
 

@@ -183,6 +183,7 @@ def _from_checkpoint(
     model = build_model(config if plan is None else plan.local_config(), dtype, device)
     if plan is not None:
         shard.gather_row_projections(model, plan)
+        shard.split_experts(model, plan)
     if moe_strategy == "offload":
         offload_experts(model, ExpertCache(int(expert_cache_gb * GIB)))
     try:

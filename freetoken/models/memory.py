@@ -117,6 +117,6 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
             if module.dense is not None:
                 copies += module.dense.numel() * module.dense.element_size()
         elif isinstance(module, Experts):
-            experts += sum(matrix_nbytes(m) for m in (*module.gate_up, *module.down))
+            experts += sum(matrix_nbytes(m) for _, _, m in module.resident())
     floats = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in model.state_dict().values()}.values())
     return {"weights": packed + copies + experts + floats, "prefill_copies": copies}

@@ -18,6 +18,13 @@ Column-parallel: q/k/v, gate/up, the experts' gate_up. The projections that clos
   difference from a reordered sum moves some of those roundings by a whole step, which grows
   layer by layer to the size of the activation rounding itself (docs/scale-out.md, "Numerics").
 
+A Qwen3-MoE's experts are expert-parallel instead (`ShardPlan.expert_parallel`): each rank holds
+E / N whole experts in their file's form (no slice cuts a super-block, however narrow the
+experts), the router is replicated, and each rank computes the (token, expert) pairs routed to
+its experts; an all-reduce of the per-pair outputs (zero for the other ranks' pairs, so exact)
+precedes the per-token sum, which every rank then does in one rank's order (`split_experts`,
+`models.experts.Experts._forward_local`).
+
 The embedding and output head are vocab-parallel (all-reduce of rows that are zero on every rank
 but one, so exact; all-gather of the logits). KV heads split across ranks, or are replicated
 when there are fewer KV heads than ranks. Nothing here runs at world size 1: the model code has
@@ -38,7 +45,7 @@ from torch import nn
 
 from freetoken.errors import ConfigError
 from freetoken.models.config import ModelConfig
-from freetoken.models.experts import Source
+from freetoken.models.experts import Experts, Source
 from freetoken.models.linear import Linear, Weight
 from freetoken.ops.quantized import GROUP, SUPER, QuantizedWeight, SuperBlockWeight, dequantize, is_quantized
 from freetoken.weights.dequant import Deferred
@@ -80,6 +87,17 @@ class ShardPlan:
     @property
     def gathers_rows(self) -> bool:
         return self.row_parallel == ROW_GATHER
+
+    @property
+    def expert_parallel(self) -> bool:
+        """Whether the experts are split whole between the ranks (Qwen3-MoE) rather than by width."""
+        return self.config.architecture == "qwen3_moe"
+
+    @property
+    def experts(self) -> range:
+        """The experts this rank holds under expert parallelism."""
+        share = self.config.num_experts // self.world
+        return range(self.rank * share, (self.rank + 1) * share)
 
     @property
     def hidden_rows(self) -> slice:
@@ -126,8 +144,10 @@ def check_shardable(config: ModelConfig, world: int, row_parallel: str = ROW_SUM
     c, flag = config, f"--tensor-parallel-size {world}"
     if world < 1:
         raise ConfigError(f"--tensor-parallel-size must be at least 1, got {world}")
-    if world > 1 and c.architecture in ("qwen3_moe", "gemma4"):  # their experts and head shapes have no plan here
+    if world > 1 and c.architecture == "gemma4":  # its experts and head shapes have no plan here
         raise ConfigError(f"{flag} is not supported for {c.architecture} models")
+    if world > 1 and c.architecture == "qwen3_moe" and c.num_experts % world:
+        raise ConfigError(f"{flag} does not divide the model's {c.num_experts} experts")
     if c.num_heads % world:
         raise ConfigError(f"{flag} does not divide the model's {c.num_heads} attention heads")
     if c.num_kv_heads % world and world % c.num_kv_heads:
@@ -185,6 +205,8 @@ def shard_tensor(name: str, w: Weight, plan: ShardPlan) -> Weight:
     proj = module.rpartition(".")[2]
     heads = slice(r * plan.heads, (r + 1) * plan.heads)
     inter = slice(r * plan.intermediate, (r + 1) * plan.intermediate)
+    if plan.expert_parallel and ".experts." in f"{name}.":  # whole experts: split_experts picks this rank's
+        return w
     if proj == "q_proj":
         return _rows(w, heads.start * D, heads.stop * D)
     if proj in ("k_proj", "v_proj"):
@@ -282,6 +304,22 @@ def gather_row_projections(model: nn.Module, plan: ShardPlan) -> None:
                 setattr(block, proj, GatheredRowLinear(local, plan))
 
 
+def split_experts(model: nn.Module, plan: ShardPlan) -> None:
+    """Under expert parallelism, tell every Experts layer which experts it holds (before its
+    weights load, so that only those are decoded) and how the ranks' per-pair outputs combine."""
+    if not plan.expert_parallel:
+        return
+    for module in model.modules():
+        if isinstance(module, Experts):
+            module.local = plan.experts
+            module.combine = dist.all_reduce
+
+
+def _expert_parallel(block: nn.Module) -> bool:
+    """Whether the block's experts combine their own outputs (split_experts): no sum after it."""
+    return any(isinstance(m, Experts) and m.local is not None for m in block.modules())
+
+
 def _closes_with_gather(block: nn.Module) -> bool:
     return isinstance(getattr(block, "o_proj", None) or getattr(block, "down_proj", None), GatheredRowLinear)
 
@@ -331,7 +369,7 @@ def install_collectives(model: nn.Module, plan: ShardPlan) -> None:
     is row-parallel (a GatheredRowLinear already returns the whole output), vocab-parallel ends."""
     for layer in model.layers:  # type: ignore[attr-defined]
         for block in (layer.self_attn, layer.mlp):
-            if not _closes_with_gather(block):
+            if not (_closes_with_gather(block) or _expert_parallel(block)):
                 block.register_forward_hook(_sum_output)
     model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, plan)  # type: ignore[assignment]
     if model.lm_head is not None:  # type: ignore[attr-defined]

@@ -1,8 +1,10 @@
 """TP=2 over two gloo ranks (spawned processes, one thread each) computes the TP=1 logits, within
 float32 tolerance, for a mixed prefill batch and paged decode, on tiny random-weight Llama,
-Gemma 3 (sliding layers, soft-capping) and gpt-oss (sinks, experts) models; also a Gemma 3 with
+Gemma 3 (sliding layers, soft-capping), gpt-oss (sinks, experts split by width) and Qwen3-MoE
+(whole experts split between the ranks) models; also a Gemma 3 with
 one KV head (replicated on both ranks, as in Gemma 3 270M) under int8 weights, whose logits are
-equal bit for bit (quantized matrices sharded by rows; the closing projections gathered)."""
+equal bit for bit (quantized matrices sharded by rows; the closing projections gathered), a
+Llama under int4 and a Qwen3-MoE under int4, equal bit for bit too."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ RANK_DEADLINE_S = 300  # a hang guard for two processes importing torch on a bus
 # int8: quantized weights close each block by gathering (models/shard.py, ROW_GATHER), so every
 # value is the one-rank kernel's: the logits are equal bit for bit. Float weights all-reduce partial
 # sums: equal up to float32 summation order.
-TOL = {"gemma3_kv1_int8": 0.0, "gemma3_kv1_int8_kv8": 0.0, "llama_int4": 0.0}
+TOL = {"gemma3_kv1_int8": 0.0, "gemma3_kv1_int8_kv8": 0.0, "llama_int4": 0.0, "qwen3_moe_int4": 0.0}
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +45,11 @@ def specs(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     # loop, whose last bits differ; docs/scale-out.md, "Numerics").
     gqa = write_tiny_model("llama", root / "llama_gqa", intermediate_size=128)
     out.append(f"llama_int4={gqa}:int4")
+    # Qwen3-MoE: 4 experts, 2 whole ones per rank (expert parallelism), top-2 routing; float weights
+    # (attention all-reduced) and int4 (gathered: bit for bit, the experts' all-reduce exact too).
+    moe = write_tiny_model("qwen3_moe", root / "qwen3_moe")
+    out.append(f"qwen3_moe={moe}")
+    out.append(f"qwen3_moe_int4={moe}:int4")
     return out
 
 
@@ -59,7 +66,8 @@ def tp2_logits(specs: list[str], tmp_path_factory: pytest.TempPathFactory) -> di
     return {s.partition("=")[0]: torch.load(out / f"{s.partition('=')[0]}.pt") for s in specs}
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma3", "gpt_oss", "gemma3_kv1_int8", "gemma3_kv1_int8_kv8", "llama_int4"])
+@pytest.mark.parametrize("name", ["llama", "gemma3", "gpt_oss", "gemma3_kv1_int8", "gemma3_kv1_int8_kv8", "llama_int4",
+                                  "qwen3_moe", "qwen3_moe_int4"])
 def test_tp2_logits_equal_tp1(name: str, specs: list[str], tp2_logits: dict[str, list[torch.Tensor]]) -> None:
     spec = next(s for s in specs if s.startswith(f"{name}="))
     reference = run_script(load(spec)[1], cache_dtype(spec))

@@ -350,16 +350,28 @@ def test_int8_weights_stay_close_and_quantize_the_experts(family: dict[str, Any]
         assert float((got - want).norm() / want.norm()) < 0.05
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "gemma4"])
-def test_tensor_parallel_is_refused_where_no_shard_plan_exists(name: str) -> None:
+def test_tensor_parallel_is_refused_where_no_shard_plan_exists() -> None:
     from freetoken.errors import ConfigError
     from freetoken.models.shard import check_shardable
 
-    config_cls, _, kwargs = CONFIGS[name]
+    config_cls, _, kwargs = CONFIGS["gemma4"]
     config = config_from_hf(config_cls(**kwargs).to_dict())
     check_shardable(config, 1)
     with pytest.raises(ConfigError, match="--tensor-parallel-size 2 is not supported"):
         check_shardable(config, 2)
+
+
+def test_qwen3_moe_splits_whole_experts_or_is_refused() -> None:
+    """Qwen3-MoE is expert-parallel (models/shard.py): ranks that divide its experts are taken, others refused."""
+    from freetoken.errors import ConfigError
+    from freetoken.models.shard import ShardPlan, check_shardable
+
+    config_cls, _, kwargs = CONFIGS["qwen3_moe"]
+    config = config_from_hf(config_cls(**kwargs).to_dict())
+    check_shardable(config, 2)
+    assert [ShardPlan(r, 2, config).experts for r in (0, 1)] == [range(0, 2), range(2, 4)]
+    with pytest.raises(ConfigError, match=f"does not divide the model's {config.num_experts} experts"):
+        check_shardable(config, 3)
 
 
 def test_gemma4_26b_a4b_shaped_config_and_kv_layout() -> None:

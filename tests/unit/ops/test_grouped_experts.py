@@ -23,8 +23,9 @@ pytestmark = pytest.mark.skipif(not (kernel_available() and grouped_matmul_avail
 E, H, I = 6, 512, 768  # down's K = 768: whole chunk, then a half one
 
 
-def _experts(dtype: torch.dtype, bias: bool, down_kind: str = "q6_k") -> Experts:
+def _experts(dtype: torch.dtype, bias: bool, down_kind: str = "q6_k", local: range | None = None) -> Experts:
     ex = Experts(E, H, I, lambda g, u: gated_act(torch.cat([g, u], -1), "silu"), bias, dtype, "cpu")
+    ex.local = local  # expert parallelism (models.shard.split_experts sets it before the load)
     gate = [_weight("q4_k", I, H, seed=3 * e) for e in range(E)]
     up = [_weight("q4_k", I, H, seed=3 * e + 1) for e in range(E)]
     down = [_weight(down_kind, H, I, seed=3 * e + 2) for e in range(E)]
@@ -57,6 +58,26 @@ def test_grouped_forward_is_the_per_expert_loop(dtype: torch.dtype, T: int, bias
     ex._grouped = False  # the per-expert loop
     loop = ex(x, ids, weights)
     assert torch.equal(grouped, loop)
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+@pytest.mark.parametrize("T", [1, 17])
+def test_expert_parallel_halves_are_the_whole_layer(grouped: bool, T: int) -> None:
+    """Two ranks holding experts 0-2 and 3-5 (models.shard's expert parallelism): rank 1's per-pair
+    outputs added to rank 0's (what the all-reduce does) give the one-rank layer bit for bit, in
+    the grouped kernel path and the per-expert loop; each rank decodes only its own experts."""
+    whole = _experts(torch.bfloat16, bias=True)
+    halves = [_experts(torch.bfloat16, bias=True, local=range(0, 3)), _experts(torch.bfloat16, bias=True, local=range(3, 6))]
+    assert halves[1].gate_up[0] is None and halves[1].gate_up[3] is not None
+    ids, weights = _routing(T, 4, seed=T + 7)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    for ex in (whole, *halves):
+        ex._grouped = grouped
+    theirs: list[torch.Tensor] = []
+    halves[1].combine = lambda c: theirs.append(c.clone())
+    halves[1](x, ids, weights)
+    halves[0].combine = lambda c: c.add_(theirs[0])
+    assert torch.equal(halves[0](x, ids, weights), whole(x, ids, weights))
 
 
 def test_grouped_forward_is_within_the_kernel_bound_of_float_experts() -> None:
