@@ -20,7 +20,7 @@ from freetoken.kv.tensors import KVLayout
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
-ARCHITECTURES = ("llama", "gemma3", "gpt_oss", "qwen3", "qwen3_moe", "gemma4")
+ARCHITECTURES = ("llama", "gemma3", "gpt_oss", "qwen3", "qwen3_moe", "gemma4", "qwen2", "mistral")
 
 # "proportional" (Gemma 4's full layers): default frequencies on the first partial_rotary_factor
 # of each head's rotary pairs, zero (no rotation) on the rest.
@@ -70,6 +70,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     hidden_act: str = "silu"
     attention_bias: bool = False
+    o_proj_bias: bool | None = None  # o_proj's bias where it differs from q/k/v's (Qwen2: False); None: attention_bias
     mlp_bias: bool = False
     query_pre_attn_scalar: float | None = None  # attention scale is its -0.5 power when set
     attn_logit_softcapping: float | None = None

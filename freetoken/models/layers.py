@@ -301,7 +301,8 @@ class SelfAttention(nn.Module):
         c = config
         self.config = config
         self.qkv_proj = qkv_linear(c, dtype, device)
-        self.o_proj = linear(c.num_heads * c.head_dim, c.hidden_size, c.attention_bias, dtype, device)
+        o_bias = c.attention_bias if c.o_proj_bias is None else c.o_proj_bias
+        self.o_proj = linear(c.num_heads * c.head_dim, c.hidden_size, o_bias, dtype, device)
         self.q_norm, self.k_norm = q_norm, k_norm
 
     def forward(

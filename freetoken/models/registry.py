@@ -16,7 +16,7 @@ import torch
 from freetoken.attention.metadata import ForwardBatch
 from freetoken.errors import ModelLoadError
 from freetoken.kv.tensors import KVTensors
-from freetoken.models import gemma3, gemma4, gpt_oss, llama, qwen3, qwen3_moe
+from freetoken.models import gemma3, gemma4, gpt_oss, llama, mistral, qwen2, qwen3, qwen3_moe
 from freetoken.models.config import ModelConfig
 from freetoken.models.linear import Weight
 
@@ -31,6 +31,8 @@ CONFIG_READERS: dict[str, Callable[[Mapping[str, Any]], ModelConfig]] = {
     "qwen3_moe": qwen3_moe.config_from_hf,
     "gemma4": gemma4.config_from_hf,
     "gemma4_text": gemma4.config_from_hf,
+    "qwen2": qwen2.config_from_hf,
+    "mistral": mistral.config_from_hf,
 }
 
 
@@ -59,7 +61,7 @@ class CausalLM(Protocol):
 
 def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
     """An uninitialised model of the config's family (call load_weights next)."""
-    if config.architecture == "llama":
+    if config.architecture in ("llama", "qwen2", "mistral"):  # the latter two: Llama's tree, other biases / windows
         return llama.LlamaForCausalLM(config, dtype, device)
     if config.architecture == "gemma3":
         return gemma3.Gemma3ForCausalLM(config, dtype, device)

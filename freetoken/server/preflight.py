@@ -29,7 +29,14 @@ _HF_DEFAULTS: dict[str, tuple[int, int | None]] = {
     "llama": (2048, None),
     "gemma3_text": (131_072, 4096),
     "gpt_oss": (131_072, 128),
+    "qwen2": (32_768, None),
+    "qwen3": (32_768, None),
+    "qwen3_moe": (32_768, None),
+    "mistral": (131_072, None),
 }
+# Families whose `sliding_window` is only used when `use_sliding_window` is true (Qwen2/3 write a
+# window into every config.json, usually with the switch off).
+_SWITCHED_WINDOW = {"qwen2", "qwen3", "qwen3_moe"}
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,8 @@ def facts_from_hf(config: Mapping[str, object]) -> ModelFacts:
     default_context, default_window = _HF_DEFAULTS[model_type]
     context = config.get("max_position_embeddings") or default_context
     window = config.get("sliding_window") or default_window
+    if model_type in _SWITCHED_WINDOW and not config.get("use_sliding_window"):
+        window = None
     layer_types = config.get("layer_types")
     if isinstance(layer_types, list) and "sliding_attention" not in layer_types:
         window = None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from freetoken.errors import ModelLoadError
 
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "gemma3", "gpt-oss", "qwen3", "qwen3moe", "gemma4")
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "gemma3", "gpt-oss", "qwen3", "qwen3moe", "gemma4", "qwen2")
 
 
 def check_architecture(arch: str) -> None:

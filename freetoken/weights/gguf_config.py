@@ -50,11 +50,12 @@ GEMMA4_SWA_ROPE_BASE = 10_000.0
 
 _MODEL_TYPE = {
     "llama": "llama", "gemma3": "gemma3_text", "gpt-oss": "gpt_oss", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
-    "gemma4": "gemma4_text",
+    "gemma4": "gemma4_text", "qwen2": "qwen2",
 }
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "gemma3": "Gemma3ForCausalLM", "gpt-oss": "GptOssForCausalLM",
     "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "gemma4": "Gemma4ForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
 }
 
 _MISSING = object()
@@ -261,6 +262,20 @@ def _scaled_rope(k: _Keys, theta: float) -> dict[str, object]:
     return rope
 
 
+def _qwen2(k: _Keys, cfg: dict[str, object]) -> None:
+    """Qwen2 / Qwen2.5: llama.cpp's `qwen2` (q/k/v biases, NeoX rope, rows not permuted)."""
+    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])  # type: ignore[arg-type]
+    cfg.update(
+        intermediate_size=k.count("feed_forward_length"),
+        head_dim=hidden // heads,
+        hidden_act="silu",
+        rope_parameters=_scaled_rope(k, 1_000_000.0),
+        layer_types=[FULL] * int(cfg["num_hidden_layers"]),  # type: ignore[call-overload]
+        sliding_window=None,
+        use_sliding_window=False,
+    )
+
+
 def _qwen3(k: _Keys, cfg: dict[str, object], tensor_names: Collection[str]) -> None:
     hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])  # type: ignore[arg-type]
     layers = int(cfg["num_hidden_layers"])  # type: ignore[arg-type]
@@ -346,7 +361,7 @@ def hf_config_from_metadata(metadata: Mapping[str, object], tensor_names: Collec
     elif arch == "gemma4":
         _gemma4(k, cfg, tensor_names)
     else:
-        {"llama": _llama, "gemma3": _gemma3, "gpt-oss": _gpt_oss}[arch](k, cfg)
+        {"llama": _llama, "gemma3": _gemma3, "gpt-oss": _gpt_oss, "qwen2": _qwen2}[arch](k, cfg)
     _check_relations(k, cfg)
     return cfg
 

@@ -93,6 +93,7 @@ _QWEN3: dict[str, str] = {
     "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
 _LAYER["qwen3"] = _QWEN3
+_LAYER["qwen2"] = _LAYER["llama"]  # the same names (the q/k/v biases included); rows not permuted
 _LAYER["qwen3moe"] = {
     **_QWEN3,
     "ffn_gate_inp.weight": "mlp.gate.weight",

@@ -73,6 +73,11 @@ def test_preflight_reads_facts_from_metadata() -> None:
     assert facts_from_hf({"model_type": "llama", "max_position_embeddings": 4096}) == ModelFacts(4096, None)
     full_only = {"model_type": "gemma3_text", "layer_types": ["full_attention"] * 2, "sliding_window": 64}
     assert facts_from_hf(full_only) == ModelFacts(131_072, None)
+    # Qwen2/3 write a window into every config.json; it counts only with use_sliding_window
+    qwen = {"model_type": "qwen2", "max_position_embeddings": 32768, "sliding_window": 32768, "use_sliding_window": False}
+    assert facts_from_hf(qwen) == ModelFacts(32768, None)
+    assert facts_from_hf({**qwen, "model_type": "qwen3", "use_sliding_window": True, "sliding_window": 4096}) == ModelFacts(32768, 4096)
+    assert facts_from_hf({"model_type": "mistral", "max_position_embeddings": 32768, "sliding_window": 4096}) == ModelFacts(32768, 4096)
 
 
 def test_preflight_refuses_what_the_engine_would() -> None:

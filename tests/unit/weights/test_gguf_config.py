@@ -67,8 +67,8 @@ def test_pattern_of_wrong_length_is_refused() -> None:
 
 
 def test_unsupported_and_missing_architecture() -> None:
-    with pytest.raises(ModelLoadError, match="^unsupported architecture: qwen2$"):
-        hf_config_from_metadata({"general.architecture": "qwen2"}, [])
+    with pytest.raises(ModelLoadError, match="^unsupported architecture: mamba$"):
+        hf_config_from_metadata({"general.architecture": "mamba"}, [])
     with pytest.raises(ModelLoadError, match="lacks general.architecture"):
         hf_config_from_metadata({}, [])
 
