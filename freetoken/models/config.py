@@ -178,6 +178,18 @@ def read_rope(params: Mapping[str, Any], theta: float) -> RopeConfig:
     )
 
 
+def read_switched_window(config: Mapping[str, Any], num_layers: int) -> tuple[tuple[str, ...], int | None]:
+    """(layer types, window or None) of a Qwen2 / Qwen3 config: `sliding_window` counts only when
+    `use_sliding_window` is set, and then for the layers from `max_window_layers` on (or as
+    `layer_types` lists them, where the file has that)."""
+    window = int(hf_get(config, "sliding_window", 4096)) if config.get("use_sliding_window") else None
+    layer_types = tuple(config.get("layer_types") or [
+        SLIDING_ATTENTION if window is not None and i >= int(hf_get(config, "max_window_layers", 28)) else FULL_ATTENTION
+        for i in range(num_layers)
+    ])
+    return layer_types, window if SLIDING_ATTENTION in layer_types else None
+
+
 def read_single_rope(config: Mapping[str, Any], default_theta: float) -> RopeConfig:
     """The one rope of a model whose layers all share it (llama, gpt_oss, qwen3, qwen3_moe)."""
     params = dict(hf_get(config, "rope_parameters", None) or hf_get(config, "rope_scaling", None) or {})

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from freetoken.models.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, hf_get, read_common, read_single_rope
+from freetoken.models.config import ModelConfig, hf_get, read_common, read_single_rope, read_switched_window
 
 QWEN2_DEFAULTS = dict(
     vocab_size=151_936, hidden_size=4096, intermediate_size=22_016, num_hidden_layers=32, num_attention_heads=32,
@@ -25,15 +25,9 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
     """A Qwen2 `config.json` dict (model_type "qwen2") as a ModelConfig."""
     common = read_common(config, QWEN2_DEFAULTS)
     common["attention_bias"] = True  # Qwen2Attention: q/k/v with bias, o_proj without, whatever the dict says
-    n = common["num_layers"]
-    window = int(hf_get(config, "sliding_window", 4096)) if config.get("use_sliding_window") else None
-    layer_types = config.get("layer_types") or [
-        SLIDING_ATTENTION if window is not None and i >= int(hf_get(config, "max_window_layers", 28)) else FULL_ATTENTION
-        for i in range(n)
-    ]
+    layer_types, window = read_switched_window(config, common["num_layers"])
     rope = read_single_rope(config, 10_000.0)
     return ModelConfig(
-        architecture="qwen2", **common, o_proj_bias=False, layer_types=tuple(layer_types), rope_full=rope,
-        rope_sliding=rope, sliding_window=window if SLIDING_ATTENTION in layer_types else None,
-        hidden_act=str(hf_get(config, "hidden_act", "silu")),
+        architecture="qwen2", **common, o_proj_bias=False, layer_types=layer_types, rope_full=rope,
+        rope_sliding=rope, sliding_window=window, hidden_act=str(hf_get(config, "hidden_act", "silu")),
     )

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from freetoken.models.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, hf_get, read_common, read_single_rope
+from freetoken.models.config import ModelConfig, hf_get, read_common, read_single_rope, read_switched_window
 from freetoken.models.layers import GatedMLP, RMSNorm, SelfAttention
 from freetoken.models.llama import LlamaBlock, LlamaForCausalLM
 
@@ -51,15 +51,9 @@ QWEN3_DEFAULTS = dict(
 def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
     """A Qwen3 `config.json` dict (model_type "qwen3") as a ModelConfig."""
     common = read_common(config, QWEN3_DEFAULTS)
-    n = common["num_layers"]
-    window = int(hf_get(config, "sliding_window", 4096)) if config.get("use_sliding_window") else None
-    layer_types = config.get("layer_types") or [
-        SLIDING_ATTENTION if window is not None and i >= int(hf_get(config, "max_window_layers", 28)) else FULL_ATTENTION
-        for i in range(n)
-    ]
+    layer_types, window = read_switched_window(config, common["num_layers"])
     rope = read_single_rope(config, 10_000.0)
     return ModelConfig(
-        architecture="qwen3", **common, layer_types=tuple(layer_types), rope_full=rope, rope_sliding=rope,
-        sliding_window=window if SLIDING_ATTENTION in layer_types else None,
-        hidden_act=str(hf_get(config, "hidden_act", "silu")),
+        architecture="qwen3", **common, layer_types=layer_types, rope_full=rope, rope_sliding=rope,
+        sliding_window=window, hidden_act=str(hf_get(config, "hidden_act", "silu")),
     )
