@@ -243,7 +243,6 @@ class Experts(nn.Module):
         out.index_add_(0, tok, (y * weights.reshape(-1)[order, None]).float())
         return out.to(x.dtype)
 
-
     def _forward_local(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """`forward` under expert parallelism. The step's (token, expert) pairs in the grouped
         path's order (by expert, then token); this rank fills the weighted float32 outputs of the
