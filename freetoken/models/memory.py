@@ -12,7 +12,7 @@ The estimate's rules, per matrix (2-D tensor; 1-D ones are kept as float32):
   weight against the file's 0.5625 and 0.820), other integer types in the group-32 form (the
   integers at 4, 5 or 8 bits, a 16-bit scale per 32 and a 16-bit minimum where the type has one:
   Q4_0 0.5625 bytes a weight, Q4_1 0.625, Q5_0 0.6875, Q5_1 1.125, Q8_0 1.0625), float ones in the
-  model dtype; experts always in the group-32 form (Q4_K 0.625, Q6_K 1.125) and never copied;
+  model dtype; experts as other matrices (Q4_K / Q6_K in their own integers) and never copied;
 - `--prefill-weights auto` adds a model-dtype copy of every matrix that is not Q4_K (the LM head
   and the token table aside), `bf16` of every quantized one but the token table;
   a fused projection (Q/K/V, gate/up) keeps one copy if any of its parts needs one;
