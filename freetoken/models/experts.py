@@ -195,81 +195,46 @@ class Experts(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [T, H], expert_ids [T, k] long, weights [T, k] -> sum_j weights[:, j] * expert_j(x) [T, H]."""
+        """x [T, H], expert_ids [T, k] long, weights [T, k] -> sum_j weights[:, j] * expert_j(x) [T, H].
+
+        The step's (token, expert) pairs ordered by expert, then token; each expert's rows through
+        it (`_pair_outputs`), weighted, in float32; then each token's pairs summed in that order
+        (ascending expert) and rounded once. Under expert parallelism this layer fills only the pairs
+        of its own experts (a contiguous run of that order) and leaves the others zero; `combine`
+        adds the ranks' arrays, which is exact (one non-zero term per value), before the sum, so
+        every rank gets one rank's bits."""
         if self._grouped is None:
             self._grouped = self._grouped_kind()
-        if self.local is not None:
-            return self._forward_local(x, expert_ids, weights)
-        if self._grouped:
-            return self._forward_grouped(x, expert_ids, weights)
-        I = self.intermediate
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]: the sum in float32
-        for e in expert_ids.unique().tolist():
-            tok, rank = torch.where(expert_ids == e)  # tokens routed to e, and e's rank among their k
-            gate_up_w, down_w = self.matrices(e)
-            gb = self.gate_up_bias[e] if self.gate_up_bias is not None else None
-            db = self.down_bias[e] if self.down_bias is not None else None
-            gate_up = matmul(x[tok], gate_up_w, gb)  # [n, 2I]
-            h = self.act(gate_up[:, :I], gate_up[:, I:])  # [n, I]
-            y = matmul(h, down_w, db)  # [n, H]
-            out.index_add_(0, tok, (y * weights[tok, rank, None]).float())
-        return out.to(x.dtype)
-
-    def _forward_grouped(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """`forward` as two kernel calls over every (token, expert) pair of the step, ordered by
-        expert then token: each expert's rows meet its weights in the same row chunks as the loop's
-        per-expert call, and each token's weighted outputs are summed in float32 in ascending expert
-        order and rounded once, so the result is the loop's bit for bit."""
-        I, k = self.intermediate, expert_ids.shape[1]
-        flat = expert_ids.reshape(-1)  # [P = T k]
-        order = flat.argsort(stable=True)  # [P] pairs by expert, then token
-        by_expert = flat[order]
-        active, counts = torch.unique_consecutive(by_expert, return_counts=True)
-        offsets = F.pad(counts.cumsum(0), (1, 0))  # [A + 1]
-        tok = order // k  # [P]
-        ids = active.tolist()
-
-        def project(rows: torch.Tensor, mats: list[Matrix], bias: torch.Tensor | None) -> torch.Tensor:
-            if bias is None:
-                return grouped_matmul(rows, offsets, mats)  # type: ignore[arg-type]
-            # the bias added in float32 before the output's rounding, as the per-expert kernel does
-            y = grouped_matmul(rows.float(), offsets, mats) + bias[by_expert].float()  # type: ignore[arg-type]
-            return y.to(rows.dtype)
-
-        gate_up = project(x.index_select(0, tok), [self.gate_up[e] for e in ids], self.gate_up_bias)  # [P, 2I]
-        h = self.act(gate_up[:, :I], gate_up[:, I:])  # [P, I]
-        y = project(h, [self.down[e] for e in ids], self.down_bias)  # [P, H]
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
-        out.index_add_(0, tok, (y * weights.reshape(-1)[order, None]).float())
-        return out.to(x.dtype)
-
-    def _forward_local(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """`forward` under expert parallelism. The step's (token, expert) pairs in the grouped
-        path's order (by expert, then token); this rank fills the weighted float32 outputs of the
-        pairs of its experts (a contiguous run of that order) and leaves the others zero; `combine`
-        adds the ranks' arrays, which is exact (one non-zero term per value); then every rank sums
-        each token's pairs in that order and rounds once, as one rank does: the same bits."""
         k = expert_ids.shape[1]
         flat = expert_ids.reshape(-1)  # [P = T k]
         order = flat.argsort(stable=True)  # [P] pairs by expert, then token
         by_expert = flat[order]
         tok = order // k  # [P]
-        held = self.held()
-        bounds = torch.tensor([held.start, held.stop], dtype=by_expert.dtype, device=by_expert.device)
-        lo, hi = torch.searchsorted(by_expert, bounds).tolist()
-        contributions = torch.zeros(flat.numel(), self.hidden, dtype=torch.float32, device=x.device)  # [P, H]
-        if hi > lo:
-            y = self._pair_outputs(x.index_select(0, tok[lo:hi]), by_expert[lo:hi])  # [hi - lo, H]
-            contributions[lo:hi] = (y * weights.reshape(-1)[order[lo:hi], None]).float()
-        if self.combine is not None:
-            self.combine(contributions)
+        flat_weights = weights.reshape(-1)
+
+        def weighted(pairs: slice) -> torch.Tensor:  # [n, H] float32: the pairs' weighted outputs
+            y = self._pair_outputs(x.index_select(0, tok[pairs]), by_expert[pairs])
+            return (y * flat_weights[order[pairs], None]).float()
+
+        if self.local is None:
+            contributions = weighted(slice(0, flat.numel())) if flat.numel() else x.new_zeros(0, self.hidden, dtype=torch.float32)
+        else:
+            bounds = torch.tensor([self.local.start, self.local.stop], dtype=by_expert.dtype, device=by_expert.device)
+            lo, hi = torch.searchsorted(by_expert, bounds).tolist()
+            contributions = torch.zeros(flat.numel(), self.hidden, dtype=torch.float32, device=x.device)  # [P, H]
+            if hi > lo:
+                contributions[lo:hi] = weighted(slice(lo, hi))
+            if self.combine is not None:
+                self.combine(contributions)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
         out.index_add_(0, tok, contributions)
         return out.to(x.dtype)
 
     def _pair_outputs(self, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """rows [n, H] routed to experts `ids` [n] (ascending) -> each row through its expert [n, H],
-        computed as `forward` computes it: grouped kernel calls, or one call per expert."""
+        """rows [n, H] routed to experts `ids` [n] (ascending) -> each row through its expert [n, H]:
+        resident super-block experts as two grouped kernel calls (`_grouped`), others one call per
+        expert. The grouped call takes each expert's rows in the same chunks as a call on them
+        alone, so the two give the same bits."""
         I = self.intermediate
         active, counts = torch.unique_consecutive(ids, return_counts=True)
         offsets = F.pad(counts.cumsum(0), (1, 0))  # [A + 1]
@@ -278,6 +243,7 @@ class Experts(nn.Module):
             def project(a: torch.Tensor, mats: list, bias: torch.Tensor | None) -> torch.Tensor:
                 if bias is None:
                     return grouped_matmul(a, offsets, mats)
+                # the bias added in float32 before the output's rounding, as the per-expert kernel does
                 return (grouped_matmul(a.float(), offsets, mats) + bias[ids].float()).to(a.dtype)
 
             gate_up = project(rows, [self.gate_up[e] for e in experts], self.gate_up_bias)

@@ -23,7 +23,7 @@ E / N whole experts in their file's form (no slice cuts a super-block, however n
 experts), the router is replicated, and each rank computes the (token, expert) pairs routed to
 its experts; an all-reduce of the per-pair outputs (zero for the other ranks' pairs, so exact)
 precedes the per-token sum, which every rank then does in one rank's order (`split_experts`,
-`models.experts.Experts._forward_local`).
+`models.experts.Experts.forward`).
 
 The embedding and output head are vocab-parallel (all-reduce of rows that are zero on every rank
 but one, so exact; all-gather of the logits). KV heads split across ranks, or are replicated

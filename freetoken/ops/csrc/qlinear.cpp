@@ -416,14 +416,14 @@ FT_AVX512 inline void sb_chunk_dots(const uint8_t* w, int64_t row_bytes, const i
   }
 }
 
-// Bytes of a super-block row of K weights: whole chunks, the last a half one when K % 512 == 256.
-inline int64_t sb_row_bytes(int64_t K, int64_t CB) { return (K / 512) * CB + (K % 512 ? CB / 2 : 0); }
+// Bytes of a super-block row of C chunks of CB bytes, the last a half one when `half`.
+inline int64_t sb_row_bytes(int64_t C, bool half, int64_t CB) { return C * CB - (half ? CB / 2 : 0); }
 
 template <int MT, int KIND, int NR>
 FT_AVX512 inline void sb_rows_kernel(const uint8_t* wq, const uint8_t* wmeta, int64_t C, bool half, int64_t n,
                                      const QuantizedActs& a, int64_t m0, bool first_pass, float* out, int64_t ldo) {
   constexpr int64_t CB = sb_chunk_bytes<KIND>(), MB = kSbMetaBytes;
-  const int64_t row_bytes = C * CB - (half ? CB / 2 : 0), meta_row = C * MB;
+  const int64_t row_bytes = sb_row_bytes(C, half, CB), meta_row = C * MB;
   const int64_t qstride = a.chunks * 512, gstride = a.chunks * 16;
   const __m512i pick_d = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   const __m512i pick_dmin = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
@@ -611,8 +611,8 @@ at::Tensor sbmm(const at::Tensor& x_in, const at::Tensor& wq, const at::Tensor& 
   const int64_t C = (K + 511) / 512;
   const int64_t CB = kind == kQ4K ? sb_chunk_bytes<kQ4K>() : sb_chunk_bytes<kQ6K>();
   TORCH_CHECK(K % 256 == 0, "sbmm: K must be a multiple of 256");
-  const int64_t RB = sb_row_bytes(K, CB);
-  const bool half = K % 512 != 0;
+  const bool half = K % 512 != 0;  // K % 256 == 0: a last chunk of one super-block
+  const int64_t RB = sb_row_bytes(C, half, CB);
   TORCH_CHECK(wq.is_contiguous() && wq.size(1) == RB, "sbmm: weight must be contiguous [N, ", RB, "] bytes");
   TORCH_CHECK(wmeta.is_contiguous() && wmeta.size(0) == N && wmeta.size(1) == C * kSbMetaBytes,
               "sbmm: meta must be contiguous [N, ", C * kSbMetaBytes, "] bytes");
@@ -673,8 +673,8 @@ at::Tensor grouped_sbmm(const at::Tensor& x_in, const at::Tensor& offsets, const
                   int64_t(metas.size()) == A, "grouped_sbmm: offsets [A + 1] int64 and A values and metas");
   const int64_t C = (K + 511) / 512;
   const int64_t CB = kind == kQ4K ? sb_chunk_bytes<kQ4K>() : sb_chunk_bytes<kQ6K>();
-  const int64_t RB = sb_row_bytes(K, CB);
-  const bool half = K % 512 != 0;
+  const bool half = K % 512 != 0;  // K % 256 == 0: a last chunk of one super-block
+  const int64_t RB = sb_row_bytes(C, half, CB);
   const int64_t* off = offsets.data_ptr<int64_t>();
   TORCH_CHECK(off[0] == 0 && off[A] == P, "grouped_sbmm: offsets must run from 0 to P");
   std::vector<const uint8_t*> vp(A), mp(A);
