@@ -254,7 +254,7 @@ def from_state(state: dict) -> Packed:
 
 def signature() -> str:
     """What decides the packed forms besides the weights: which kernel paths this build has."""
-    return f"kernel={_KERNEL is not None},five_bits={_FIVE_BITS},superblocks={_SUPERBLOCKS},superblock_layout=2"
+    return f"kernel={_KERNEL is not None},five_bits={_FIVE_BITS},superblocks={_SUPERBLOCKS}"
 
 
 def qlinear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
