@@ -81,9 +81,10 @@ def _cache_for(weights_cache: str | None, device: torch.device, world: int, moe_
 
 def _write_behind(cache: WeightCache, key: dict, model: torch.nn.Module) -> threading.Thread:
     """Write the model's snapshot on a thread of its own, so the engine is ready before the
-    write ends (torch.save and the checksums free the GIL while they write and read). Not a
-    daemon: a process that exits normally finishes the entry first; one killed leaves only a
-    temporary file, which a later write deletes."""
+    write ends (torch.save and the checksums free the GIL while they write and read). A daemon:
+    the engine process waits for it at shutdown for a bounded time (`finish_cache_write`); a
+    write cut short, like one in a killed process, leaves only a temporary file, which a later
+    write deletes."""
     snapshot = capture(model)
 
     def write() -> None:
@@ -92,9 +93,23 @@ def _write_behind(cache: WeightCache, key: dict, model: torch.nn.Module) -> thre
         if written is not None:
             log.info("weight cache: wrote %s in %.1f s", written, time.perf_counter() - t0)
 
-    thread = threading.Thread(target=write, name="weight-cache-write")
+    thread = threading.Thread(target=write, name="weight-cache-write", daemon=True)
     thread.start()
     return thread
+
+
+def finish_cache_write(loaded: LoadedModel, timeout_s: float) -> bool:
+    """Wait up to `timeout_s` for the load's weight-cache write (a server stopped right after it
+    became ready still leaves the entry its next start maps). False when it is still running."""
+    writer = loaded.cache_writer
+    if writer is None or not writer.is_alive():
+        return True
+    log.info("finishing the weight cache write (up to %.0f s) before exiting", timeout_s)
+    writer.join(timeout_s)
+    if writer.is_alive():
+        log.warning("weight cache: the write did not finish in %.0f s; abandoned (the next start reads the checkpoint)", timeout_s)
+        return False
+    return True
 
 
 def _from_snapshot(source: ModelSource, cache: WeightCache, key: dict, dtype: torch.dtype,

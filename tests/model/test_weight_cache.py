@@ -144,3 +144,23 @@ def test_the_bundled_gguf_maps_its_superblock_weights(tmp_path: Path) -> None:
     assert any("q4_k" in f for f in second.formats.values()) and second.formats == first.formats
     ids = first.tokenizer.encode("The capital of France is Paris. The capital of Italy is")
     assert torch.equal(logits(second, ids), logits(first, ids))
+
+
+def test_a_stopping_engine_finishes_the_write_or_abandons_it_after_its_grace() -> None:
+    """`finish_cache_write` (the engine process's shutdown) waits for the write behind the load: a
+    server stopped right after it became ready still leaves its entry; a write that outlasts the
+    grace is abandoned (False) instead of holding the exit past the supervisor's patience."""
+    import threading
+
+    from freetoken.models.load import finish_cache_write
+
+    release = threading.Event()
+    writer = threading.Thread(target=release.wait, daemon=True)
+    writer.start()
+    loaded = LoadedModel.__new__(LoadedModel)
+    loaded.cache_writer = writer
+    assert not finish_cache_write(loaded, 0.0)  # still writing: abandoned
+    release.set()
+    assert finish_cache_write(loaded, 60.0)  # joined: finished
+    loaded.cache_writer = None
+    assert finish_cache_write(loaded, 0.0)  # no write at all

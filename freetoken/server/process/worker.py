@@ -28,6 +28,7 @@ from freetoken.engine.engine import Engine, RequestRefused, RequestUpdate
 from freetoken.engine.resize import ResizeRefused
 from freetoken.errors import EXIT_FAILED, EXIT_OK, EXIT_STARTUP, FreeTokenError
 from freetoken.kv.errors import KVIntegrityError
+from freetoken.models.load import finish_cache_write
 from freetoken.request import FinishReason, Request, SamplingParams, TokenLogprob
 from freetoken.server.process.heartbeat import HeartbeatSender, Progress
 from freetoken.server.process.messages import (
@@ -42,6 +43,9 @@ AUDIT_INTERVAL_S = 5.0  # full audit while busy (at idle, every step audits)
 IDLE_POLL_MS = 100  # how long an idle engine blocks for a message before checking its parent
 MAX_MESSAGES_PER_STEP = 1024  # a flood of arrivals cannot starve the running requests
 LINGER_MS = 2000  # how long the last messages (EngineError) may take to leave at exit
+# How long a shutting-down engine waits for its weight-cache write (models/load.py): under the
+# 10 s the supervisor gives an engine process to exit before it terminates it.
+CACHE_WRITE_GRACE_S = 8.0
 
 
 class EngineFatal(FreeTokenError):
@@ -290,7 +294,9 @@ def run_worker(config: EngineConfig, *, engine_endpoint: str, api_endpoint: str,
             pid=os.getpid(),
         ))
         freeze_startup_heap()  # the loaded model's objects: never rescanned by a full collection
-        return serve(WorkerLoop(engine, send, progress), pull, parent_pid)
+        code = serve(WorkerLoop(engine, send, progress), pull, parent_pid)
+        finish_cache_write(loaded, CACHE_WRITE_GRACE_S)
+        return code
     except Exception as err:  # noqa: BLE001 - report it to the API process before dying
         log.exception("the engine process failed")
         send(EngineError(f"{type(err).__name__}: {err}"))
