@@ -229,8 +229,8 @@ def _bench(args: argparse.Namespace) -> None:
 def _serve(args: argparse.Namespace) -> None:
     from freetoken.config import EngineConfig
     from freetoken.distributed.checks import check_model_heads
-    from freetoken.server.serve import run_server
     from freetoken.server.settings import ServerConfig
+    from freetoken.server.startup import start
 
     engine = EngineConfig(
         model=args.model,
@@ -284,7 +284,13 @@ def _serve(args: argparse.Namespace) -> None:
         max_running_requests=args.max_running_requests,
         max_waiting_requests=args.max_waiting_requests,
     )
-    run_server(engine, server)
+    started = start(engine, server)  # preflight, the port, the engine process: before the web stack's imports
+    try:
+        from freetoken.server.serve import run_server
+    except BaseException:
+        started.abandon()
+        raise
+    run_server(engine, server, started)
 
 
 def _launch(args: argparse.Namespace) -> None:

@@ -1,10 +1,10 @@
-"""`ft serve`: check the configuration, load the tokenizer, start the engine client, build the
-app, run uvicorn, and exit with a status that says what happened.
+"""`ft serve`: after startup.py's checks (preflight, the port, the engine process started), load
+the tokenizer, start the engine client, build the app, run uvicorn, and exit with a status that
+says what happened.
 
-Owns the API process's start-up and shutdown: resolving `--model` (short name, .gguf file or
-model directory), the metadata-only preflight (preflight.py: a refused configuration raises
-ConfigError before any engine process starts), the tokenizer and the `--chat-template` override,
-the served model name, and uvicorn's lifetime with its signals:
+Owns the API process's start-up after startup.py (the tokenizer and the `--chat-template`
+override, the client adopting the early engine process, the app) and uvicorn's lifetime on the
+socket startup.py bound, with its signals:
 
 - the first SIGTERM or SIGINT starts a drain (operations/drain.py): no new requests, in-flight ones finish
   up to `--shutdown-timeout`, the rest are aborted, the engine stops, `run_server` returns (exit 0);
@@ -30,11 +30,9 @@ from freetoken.errors import ConfigError, FreeTokenError
 from freetoken.server.app import build_app
 from freetoken.server.context import ServingContext
 from freetoken.server.operations.metrics import Metrics
-from freetoken.server.preflight import model_facts, preflight
 from freetoken.server.settings import ServerConfig
+from freetoken.server.startup import Started, start
 from freetoken.tokenizer import Tokenizer
-from freetoken.weights.gguf_metadata import open_gguf
-from freetoken.weights.source import resolve_model
 
 log = logging.getLogger("freetoken.server")
 
@@ -45,24 +43,19 @@ class EngineGaveUp(FreeTokenError):
     """The supervisor will not restart the engine: `ft serve` exits non-zero."""
 
 
-def load_tokenizer(engine_config: EngineConfig, server_config: ServerConfig) -> tuple[Tokenizer, str]:
-    """The model's tokenizer (with `--chat-template` applied) and the name it is served under.
-    Runs the metadata-only preflight first (ConfigError names the flag)."""
-    source = resolve_model(engine_config.model)
-    # A GGUF file is checked whole (directory and metadata, no tensor data) before any engine starts.
-    metadata = open_gguf(source.path).metadata if source.kind == "gguf" else None
-    preflight(engine_config, model_facts(source, metadata))
-    if metadata is not None:
-        tokenizer = Tokenizer.from_gguf_metadata(metadata)
+def load_tokenizer(started: Started, server_config: ServerConfig) -> Tokenizer:
+    """The model's tokenizer, with `--chat-template` applied (ConfigError names the flag)."""
+    if started.metadata is not None:
+        tokenizer = Tokenizer.from_gguf_metadata(started.metadata)
     else:
-        tokenizer = Tokenizer.from_pretrained_dir(source.path)
+        tokenizer = Tokenizer.from_pretrained_dir(started.source.path)
     if server_config.chat_template is not None:
         path = Path(server_config.chat_template).expanduser()
         try:
             tokenizer.chat_template = path.read_text(encoding="utf-8")
         except OSError as err:
             raise ConfigError(f"--chat-template: cannot read {path} ({err.strerror})") from None
-    return tokenizer, server_config.served_model_name or source.name
+    return tokenizer
 
 
 class _Server(uvicorn.Server):
@@ -94,36 +87,43 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
 
-def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+def run_server(engine_config: EngineConfig, server_config: ServerConfig, started: Started | None = None) -> None:
     """Serve until drained (returns) or the engine cannot be kept up (raises EngineGaveUp).
-    Raises ConfigError / ModelLoadError before listening."""
+    Raises ConfigError / ModelLoadError before listening. `started` is what startup.start
+    already did (`ft serve` calls it before importing this module); None: done here."""
     from freetoken.server.process.client import EngineClient
 
-    engine_config.validate()
-    server_config.validate()
-    tokenizer, served_name = load_tokenizer(engine_config, server_config)
-    holder: list[_Server] = []
-    client = EngineClient(
-        engine_config, served_name=served_name, hang_timeout_s=server_config.engine_hang_timeout_s,
-        load_timeout_s=server_config.load_timeout_s,
-        on_give_up=lambda reason: holder[0].give_up(reason),
-    )
-    ctx = ServingContext(client, tokenizer, server_config, Metrics(served_name), served_name)
-    app = build_app(ctx, manage_client=True)
-    config = uvicorn.Config(
-        app,
-        host=server_config.host,
-        port=server_config.port,
-        log_level="info",
-        access_log=False,
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-        lifespan="on",
-    )
-    server = _Server(config, ctx)
+    if started is None:
+        started = start(engine_config, server_config)
+    try:
+        tokenizer = load_tokenizer(started, server_config)
+        served_name = started.served_name
+        holder: list[_Server] = []
+        client = EngineClient(
+            engine_config, served_name=served_name, hang_timeout_s=server_config.engine_hang_timeout_s,
+            load_timeout_s=server_config.load_timeout_s,
+            on_give_up=lambda reason: holder[0].give_up(reason), early=started.engine,
+        )
+        ctx = ServingContext(client, tokenizer, server_config, Metrics(served_name), served_name)
+        app = build_app(ctx, manage_client=True)
+        config = uvicorn.Config(
+            app,
+            host=server_config.host,
+            port=server_config.port,
+            log_level="info",
+            access_log=False,
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+            lifespan="on",
+        )
+        server = _Server(config, ctx)
+    except BaseException:
+        started.abandon()
+        raise
     holder.append(server)
     ctx.on_drained = server.drained
+    port = started.sock.getsockname()[1]
     log.info("serving %s on http://%s:%d (the engine loads in the background; /health says when it is ready)",
-             served_name, server_config.host, server_config.port)
-    server.run()
+             served_name, server_config.host, port)
+    server.run(sockets=[started.sock])
     if server.gave_up is not None:
         raise EngineGaveUp(server.gave_up)

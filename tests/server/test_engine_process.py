@@ -23,7 +23,7 @@ from tiny_models import write_tiny_model  # noqa: E402
 from freetoken.config import EngineConfig  # noqa: E402
 from freetoken.request import SamplingParams  # noqa: E402
 from freetoken.server.process import messages as m  # noqa: E402
-from freetoken.server.process.client import EngineClient, EngineRefused, EngineUnavailable  # noqa: E402
+from freetoken.server.process.client import EarlyEngine, EngineClient, EngineRefused, EngineUnavailable  # noqa: E402
 from freetoken.server.process.supervisor import RestartPolicy  # noqa: E402
 
 PROMPT = [5, 17, 33, 60, 61, 62, 99, 120, 7, 8, 9]
@@ -298,6 +298,31 @@ def test_stop_leaves_no_child_process(model_dir: Path) -> None:
         assert loading.state == "down"
         with pytest.raises(EngineUnavailable):
             await loading.status()
+
+    asyncio.run(scenario())
+    assert {p.pid for p in engine_children()} == before
+
+
+def test_an_early_engine_is_adopted_as_the_first_incarnation_or_ended_unadopted(model_dir: Path) -> None:
+    """`ft serve` starts the engine before the web stack: the client serves from that process,
+    and one the client never started is ended with it."""
+    before = {p.pid for p in engine_children()}
+
+    async def scenario() -> None:
+        early = EarlyEngine.start(engine_config(model_dir), "tiny")
+        c = EngineClient(engine_config(model_dir), served_name="tiny", early=early)
+        await c.start()
+        assert await c.wait_ready(180), c.reason
+        assert c.pid == early.process.pid and c.restarts == 0
+        updates = await collect(c, "e", PROMPT, GREEDY)
+        assert updates[-1].finished and sum(len(u.token_ids) for u in updates) == GREEDY.max_tokens
+        await c.stop()
+        assert early.process.exitcode is not None
+
+        unadopted = EarlyEngine.start(engine_config(model_dir), "tiny")
+        never = EngineClient(engine_config(model_dir), served_name="tiny", early=unadopted)
+        await never.stop()
+        assert unadopted.process.exitcode is not None and not Path(unadopted.directory).exists()
 
     asyncio.run(scenario())
     assert {p.pid for p in engine_children()} == before

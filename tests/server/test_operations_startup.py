@@ -88,3 +88,40 @@ def test_preflight_refuses_what_the_engine_would() -> None:
         preflight(EngineConfig(max_running_requests=8, swa_full_tokens_ratio=0.001), facts)
     with pytest.raises(ConfigError, match="--cache-type swa_radix"):
         preflight(EngineConfig(cache_type="swa_radix"), ModelFacts(4096, None))
+
+
+def test_a_port_in_use_exits_2_naming_it_before_any_engine_starts(tiny_gemma_dir: Path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cmd = [sys.executable, "-m", "freetoken.cli", "serve", "--model", str(tiny_gemma_dir), "--port", str(port),
+               "--threads", "1", "--dtype", "float32"]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_GUARD_S, cwd=ROOT)
+    assert out.returncode == 2, out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("ft serve: error:")]
+    assert len(errors) == 1 and "--port" in errors[0] and f"{port} is already in use" in errors[0], out.stderr
+    assert "engine process" not in out.stderr and "loading" not in out.stderr, out.stderr
+
+
+def test_start_binds_the_port_and_abandon_frees_it(tiny_gemma_dir: Path) -> None:
+    from freetoken.server.settings import ServerConfig
+    from freetoken.server.startup import start
+
+    engine = EngineConfig(model=str(tiny_gemma_dir), threads=1)
+    started = start(engine, ServerConfig(port=0, served_model_name="tiny"), start_engine=False)
+    port = started.sock.getsockname()[1]
+    assert port != 0 and started.served_name == "tiny" and started.engine is None
+    with pytest.raises(ConfigError, match=f"--port: 127.0.0.1:{port} is already in use"):
+        start(engine, ServerConfig(port=port), start_engine=False)
+    started.abandon()
+    again = start(engine, ServerConfig(port=port), start_engine=False)  # free again
+    assert again.served_name == tiny_gemma_dir.name
+    again.abandon()
+    # a refusal from the metadata comes before the port is taken
+    with pytest.raises(ConfigError, match="--swa-full-tokens-ratio"):
+        start(EngineConfig(model=str(tiny_gemma_dir), max_running_requests=8, swa_full_tokens_ratio=0.001),
+              ServerConfig(port=port), start_engine=False)
+    start(engine, ServerConfig(port=port), start_engine=False).abandon()

@@ -18,9 +18,11 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import multiprocessing.process
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
@@ -33,7 +35,9 @@ from freetoken.server.process.messages import (
     AbortRequest, AddRequest, EngineError, FinishRequest, Heartbeat, Ready, Refused, ResizeCache, Shutdown, StatusQuery, StatusReply,
     TokenUpdate, decode, encode,
 )
-from freetoken.server.process.supervisor import DEFAULT_LOAD_TIMEOUT_S, ExitReport, RestartPolicy, Supervisor, WorkerEndpoints
+from freetoken.server.process.supervisor import (
+    DEFAULT_LOAD_TIMEOUT_S, ExitReport, RestartPolicy, Supervisor, WorkerEndpoints, start_engine_process,
+)
 from freetoken.utils.heap import freeze_startup_heap
 
 log = logging.getLogger("freetoken.server")
@@ -55,6 +59,38 @@ class EngineRefused(FreeTokenError):
         self.param = param
 
 
+def _endpoints(directory: str, incarnation: int) -> WorkerEndpoints:
+    return WorkerEndpoints(engine=f"ipc://{directory}/engine-{incarnation}", api=f"ipc://{directory}/api-{incarnation}")
+
+
+@dataclass
+class EarlyEngine:
+    """An engine process started before its client exists: `ft serve` starts it right after the
+    preflight, so that its imports and model load overlap the API process's own start-up (the
+    web stack's imports, the tokenizer, uvicorn). The client adopts it as incarnation 0; until
+    then its messages wait in ZMQ (the engine connects to an endpoint nobody has bound yet)."""
+
+    directory: str
+    process: multiprocessing.process.BaseProcess
+
+    @staticmethod
+    def start(config: EngineConfig, served_name: str) -> EarlyEngine:
+        directory = tempfile.mkdtemp(prefix="freetoken-")  # short: ipc paths are limited to ~100 bytes
+        try:
+            process = start_engine_process(config, _endpoints(directory, 0), served_name, 0)
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        return EarlyEngine(directory, process)
+
+    def abandon(self) -> None:
+        """The server will not run after all (a later start-up step failed): end the process."""
+        if self.process.exitcode is None:
+            self.process.kill()
+        self.process.join(5.0)
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
 class EngineClient:
     """Starts, supervises and talks to one engine process."""
 
@@ -67,8 +103,10 @@ class EngineClient:
         hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
         load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
         on_give_up: Callable[[str], None] | None = None,
+        early: EarlyEngine | None = None,
     ) -> None:
         self.config = config
+        self._early = early  # incarnation 0, already started (`EarlyEngine`)
         self.served_name = served_name
         self.hang_timeout_s = hang_timeout_s
         self.load_timeout_s = load_timeout_s
@@ -113,11 +151,13 @@ class EngineClient:
         """Launch the engine process; returns at once with state "loading"."""
         if self._supervisor is not None:
             raise RuntimeError("the engine client is already started")
-        self._dir = tempfile.mkdtemp(prefix="freetoken-")  # short: ipc paths are limited to ~100 bytes
+        early, self._early = self._early, None
+        # short: ipc paths are limited to ~100 bytes
+        self._dir = early.directory if early is not None else tempfile.mkdtemp(prefix="freetoken-")
         self._ctx = zmq.asyncio.Context()
         self._supervisor = Supervisor(
             self.config, served_name=self.served_name, on_spawn=self._on_spawn, on_exit=self._on_exit,
-            policy=self._policy, load_timeout_s=self.load_timeout_s,
+            policy=self._policy, load_timeout_s=self.load_timeout_s, first=early.process if early is not None else None,
         )
         self._set_state("loading", "the engine is loading the model")
         self._supervisor.start()
@@ -149,6 +189,9 @@ class EngineClient:
         if self._stopped:
             return
         self._stopped = True
+        if self._early is not None:  # never started: end the early process
+            self._early.abandon()
+            self._early = None
         self._set_state("down", "the engine was stopped")
         if self._watchdog is not None:
             self._watchdog.cancel()
@@ -285,7 +328,7 @@ class EngineClient:
         """A new engine process is about to start: fresh endpoints, a fresh receiver."""
         if self._ctx is None or self._dir is None:
             raise RuntimeError("the engine client is not started")
-        endpoints = WorkerEndpoints(engine=f"ipc://{self._dir}/engine-{incarnation}", api=f"ipc://{self._dir}/api-{incarnation}")
+        endpoints = _endpoints(self._dir, incarnation)
         push = self._ctx.socket(zmq.PUSH, socket_class=zmq.Socket)
         push.setsockopt(zmq.SNDHWM, 0)
         push.setsockopt(zmq.LINGER, 0)

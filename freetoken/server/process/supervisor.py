@@ -79,6 +79,20 @@ class ExitReport:
     cause: str | None = None  # why the supervisor killed it (a hang, the load deadline)
 
 
+def start_engine_process(config: EngineConfig, endpoints: WorkerEndpoints, served_name: str,
+                         incarnation: int) -> multiprocessing.process.BaseProcess:
+    """Start (`spawn`) one engine process on `endpoints`; returns once it is started (OSError
+    when it cannot be)."""
+    process = multiprocessing.get_context("spawn").Process(
+        target=_engine_process_main,
+        args=(config, endpoints, served_name),
+        name=f"freetoken-engine-{incarnation}",
+        daemon=True,  # if the API process exits without stop(), multiprocessing ends it
+    )
+    process.start()
+    return process
+
+
 def describe_exit(exitcode: int | None) -> str:
     if exitcode is None:
         return "ended (exit code unknown)"
@@ -132,14 +146,17 @@ class Supervisor:
         on_exit: Callable[[ExitReport], Awaitable[None]],
         policy: RestartPolicy | None = None,
         load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
+        first: multiprocessing.process.BaseProcess | None = None,
     ) -> None:
         self._config = config
+        # incarnation 0, when it was started before the supervisor (`ft serve` starts it before
+        # importing the web stack, so the engine's imports and load overlap the API process's)
+        self._first = first
         self.load_timeout_s = load_timeout_s
         self._served_name = served_name
         self._on_spawn = on_spawn
         self._on_exit = on_exit
         self.policy = policy or RestartPolicy()
-        self._mp = multiprocessing.get_context("spawn")
         self.process: multiprocessing.process.BaseProcess | None = None
         self.restarts = 0
         self._exit_times: deque[float] = deque(maxlen=self.policy.max_restarts + 2)
@@ -169,16 +186,13 @@ class Supervisor:
         while not self._stopping:
             self._ready.clear()
             endpoints = self._on_spawn(incarnation)
-            process = self._mp.Process(
-                target=_engine_process_main,
-                args=(self._config, endpoints, self._served_name),
-                name=f"freetoken-engine-{incarnation}",
-                daemon=True,  # if the API process exits without stop(), multiprocessing ends it
-            )
             try:
-                process.start()
+                if self._first is not None:
+                    process, self._first = self._first, None
+                else:
+                    process = start_engine_process(self._config, endpoints, self._served_name, incarnation)
             except OSError as err:
-                report = self._plan(None, None, f"could not be started ({err})")
+                report = self._plan(None, None, f"could not be started ({err})", None, False)
             else:
                 self.process = process
                 log.info("engine process %d started (incarnation %d)", process.pid, incarnation)
@@ -260,6 +274,8 @@ class Supervisor:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        if self._first is not None:  # started early, never watched
+            self.process, self._first = self._first, None
         process = self.process
         if process is None or process.exitcode is not None:
             return

@@ -1,0 +1,90 @@
+"""`ft serve`'s first steps, taken before the API process imports its web stack: check, listen,
+start the engine.
+
+Owns the order of a start: the settings' own checks, `--model` resolved and its metadata-only
+preflight (preflight.py; a refusal is a ConfigError before anything starts), the listening
+socket (a port in use is a one-line ConfigError naming `--port`, before any model load), then the
+engine process (`EarlyEngine`), so that its imports and model load run on the other core while
+this process imports FastAPI and uvicorn, builds the tokenizer and the app (serve.py). What it
+starts is handed over in `Started`; `Started.abandon` undoes it when a later step fails. It
+imports no torch and no web framework.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from freetoken.config import EngineConfig
+from freetoken.errors import ConfigError
+from freetoken.server.preflight import model_facts, preflight
+from freetoken.server.process.client import EarlyEngine
+from freetoken.server.settings import ServerConfig
+from freetoken.weights.gguf_metadata import open_gguf
+from freetoken.weights.source import ModelSource, resolve_model
+
+BACKLOG = 2048  # uvicorn's default
+
+
+@dataclass
+class Started:
+    """What `start` checked and started, for serve.py to take over."""
+
+    source: ModelSource
+    metadata: Mapping[str, object] | None  # the GGUF's key/value section (None: a model directory)
+    served_name: str
+    sock: socket.socket  # listening (early connections wait in its backlog); uvicorn serves on it
+    engine: EarlyEngine | None
+
+    def abandon(self) -> None:
+        """A later start-up step failed: end the engine process and free the port."""
+        if self.engine is not None:
+            self.engine.abandon()
+            self.engine = None
+        self.sock.close()
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on host:port (uvicorn's own options: SO_REUSEADDR, IPv6 for a host
+    with a colon). It listens at once: on Linux two sockets with SO_REUSEADDR may both be bound
+    to one port until one listens. ConfigError naming `--port` / `--host` when the address cannot
+    be had."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(BACKLOG)
+    except socket.gaierror as err:  # an OSError too: first
+        sock.close()
+        raise ConfigError(f"--host: {host!r} is not an address of this machine ({err.strerror})") from None
+    except OSError as err:
+        sock.close()
+        if err.errno == errno.EADDRINUSE:
+            raise ConfigError(f"--port: {host}:{port} is already in use (another server?); "
+                              "pick another --port or stop what listens there") from None
+        if err.errno == errno.EACCES:
+            raise ConfigError(f"--port: {port} needs privileges to listen on; pick one above 1023") from None
+        raise ConfigError(f"--host: cannot listen on {host}:{port} ({err.strerror or err})") from None
+    return sock
+
+
+def start(engine_config: EngineConfig, server_config: ServerConfig, *, start_engine: bool = True) -> Started:
+    """Check everything that can be checked without weights, take the port, and (with
+    `start_engine`) start the engine process. Raises ConfigError / ModelLoadError first."""
+    engine_config.validate()
+    server_config.validate()
+    source = resolve_model(engine_config.model)
+    # A GGUF file is checked whole (directory and metadata, no tensor data) before any engine starts.
+    metadata = open_gguf(source.path).metadata if source.kind == "gguf" else None
+    preflight(engine_config, model_facts(source, metadata))
+    served_name = server_config.served_model_name or source.name
+    sock = bind(server_config.host, server_config.port)
+    try:
+        engine = EarlyEngine.start(engine_config, served_name) if start_engine else None
+    except BaseException:
+        sock.close()
+        raise
+    return Started(source, metadata, served_name, sock, engine)
