@@ -232,7 +232,7 @@ def pack(w: Quantized) -> Packed:
     if isinstance(w, StackedWeight):
         return PackedStack([pack(p) for p in w.parts])
     if isinstance(w, SuperBlockWeight):
-        if _SUPERBLOCKS and w.q.device.type == "cpu":
+        if _SUPERBLOCKS and w.device.type == "cpu":
             return PackedSuperBlock(w, _KERNEL)
         return PackedWeight(w.to_group32())
     return PackedWeight(w)

@@ -9,6 +9,9 @@ format (the GGUF loader converts its block types into these forms).
   256 weights and a small integer per group, kept apart, so nothing is rounded):
   q4_k: w = d[n, k // 256] * sc[n, k // 32] * q - dmin[n, k // 256] * m[n, k // 32], q in [0, 15];
   q6_k: w = d[n, k // 256] * sc[n, k // 16] * q, q in [-32, 31].
+- `RawSuperBlocks`, a `SuperBlockWeight` still in the file's blocks (uint8 [N, K / 256 * block
+  bytes]): packing for the kernel reads the blocks once (superblock.py, natively); every other use
+  decodes the integers on first touch.
 - `StackedWeight`, row blocks of different forms stacked along N (a fused QKV whose V is Q6_K while
   Q and K are Q4_K keeps each part's own form).
 """
@@ -95,6 +98,10 @@ class SuperBlockWeight:
     def shape(self) -> tuple[int, int]:
         return (self.q.shape[0], self.q.shape[1])
 
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
     def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> SuperBlockWeight:
         """The same weight with `fn` applied to each row-indexed tensor (slice, permute, pad, move)."""
         opt = (lambda t: None if t is None else fn(t))  # noqa: E731
@@ -128,6 +135,56 @@ class SuperBlockWeight:
         if self.kind == "q4_k":
             return QuantizedWeight(4, self.q, scale.half(), minimum.half())
         return quantize_int8(dequantize(self, torch.float32))
+
+
+class RawSuperBlocks(SuperBlockWeight):
+    """A Q4_K / Q6_K matrix [N, K] still in the GGUF's blocks: `blocks` uint8 [N, K / 256 * block
+    bytes], each row its own blocks (a view of the file's memory map where the loader could: read
+    only, never written). Rows can be sliced, permuted, padded and concatenated in this form;
+    `qlinear.pack` turns it into the kernel's layout straight from the blocks. Any other use of the
+    integer fields (`q`, `sc`, `d`, `m`, `dmin`) decodes them once with `decode` (supplied by the
+    loader, weights/requant.py, which owns the block format) and keeps the result."""
+
+    def __init__(self, kind: str, blocks: torch.Tensor, k: int,
+                 decode: Callable[[torch.Tensor, str, int], SuperBlockWeight]) -> None:
+        if kind not in SUPERBLOCK_KINDS or k % SUPER or blocks.dtype != torch.uint8 or blocks.dim() != 2:
+            raise ValueError(f"RawSuperBlocks: kind={kind}, K={k}, blocks {blocks.dtype} {tuple(blocks.shape)}")
+        self.kind, self.blocks, self.k, self._decode = kind, blocks, k, decode
+        self._ints: SuperBlockWeight | None = None
+
+    def decoded(self) -> SuperBlockWeight:
+        """The same weight in its integers (decoded on the first call)."""
+        if self._ints is None:
+            self._ints = self._decode(self.blocks, self.kind, self.k)
+        return self._ints
+
+    q = property(lambda self: self.decoded().q)  # type: ignore[assignment]
+    sc = property(lambda self: self.decoded().sc)  # type: ignore[assignment]
+    d = property(lambda self: self.decoded().d)  # type: ignore[assignment]
+    m = property(lambda self: self.decoded().m)  # type: ignore[assignment]
+    dmin = property(lambda self: self.decoded().dmin)  # type: ignore[assignment]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.blocks.shape[0], self.k)
+
+    @property
+    def device(self) -> torch.device:
+        return self.blocks.device
+
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> SuperBlockWeight:
+        if self._ints is not None:
+            return self._ints.map_rows(fn)
+        blocks = fn(self.blocks)
+        if blocks.device.type != "cpu":  # the decoder and the packer are CPU code: decode first
+            return self.decoded().map_rows(fn)
+        return RawSuperBlocks(self.kind, blocks, self.k, self._decode)
+
+    def cols(self, start: int, stop: int) -> SuperBlockWeight:
+        return self.decoded().cols(start, stop)
+
+    def __repr__(self) -> str:
+        return f"RawSuperBlocks({self.kind}, {self.shape[0]}x{self.k})"
 
 
 @dataclass
@@ -211,6 +268,10 @@ def concat(parts: list[Quantized]) -> Quantized:
     if len({p.shape[1] for p in parts}) != 1:
         raise ValueError(f"concat: in_features differ: {[p.shape[1] for p in parts]}")
     flat = [q for p in parts for q in (p.parts if isinstance(p, StackedWeight) else [p])]
+    if (all(isinstance(p, RawSuperBlocks) and p._ints is None and p.blocks.device.type == "cpu" for p in flat)
+            and len({p.kind for p in flat}) == 1):
+        raws: list[RawSuperBlocks] = flat  # type: ignore[assignment]
+        return RawSuperBlocks(raws[0].kind, torch.cat([p.blocks for p in raws]), raws[0].k, raws[0]._decode)
     if all(isinstance(p, SuperBlockWeight) for p in flat) and len({p.kind for p in flat}) == 1:
         sbs: list[SuperBlockWeight] = flat  # type: ignore[assignment]
         cat = (lambda ts: None if ts[0] is None else torch.cat(ts))  # noqa: E731

@@ -1,8 +1,9 @@
 """Super-block (GGUF Q4_K / Q6_K) weights in the layout of the `sbmm` kernel, and the stack of
 differently quantized row blocks a fused projection may be.
 
-Owns `PackedSuperBlock` (the packing of a `SuperBlockWeight` for csrc/qlinear.cpp's `sbmm`, its
-exact inverse for embedding rows and dequantization, and the call) and `PackedStack` (one packed
+Owns `PackedSuperBlock` (the packing of a `SuperBlockWeight` for csrc/qlinear.cpp's `sbmm` —
+straight from the file's blocks by csrc/repack.cpp when the weight is still `RawSuperBlocks`,
+else from its integers in plain torch, byte for byte the same — its exact inverse for embedding rows and dequantization, and the call) and `PackedStack` (one packed
 weight per row block, outputs side by side). The format math is quantized.py's; the choice of
 which packed class a weight becomes is qlinear.py's `pack`.
 
@@ -25,8 +26,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from freetoken.ops.quantized import GROUP, SUPER, SuperBlockWeight, dequantize
+from freetoken.ops.quantized import GROUP, SUPER, RawSuperBlocks, SuperBlockWeight, dequantize
 from freetoken.ops.layout import chunk_transpose, pack_words, unpack_words
+
+try:  # built by `pip install -e .` (setup.py); without it, packing goes through the integers
+    from freetoken.ops import _repack_cpu as _REPACK
+except ImportError:
+    _REPACK = None
 
 CHUNK = 512  # weights per chunk: 16 groups of 32, two super-blocks
 META = 40  # meta bytes per chunk
@@ -46,7 +52,11 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def pack_values(w: SuperBlockWeight) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, meta) uint8 arrays of `w` in the kernel's layout (module docstring)."""
+    """(values, meta) uint8 arrays of `w` in the kernel's layout (module docstring): natively
+    from the blocks of a `RawSuperBlocks` not yet decoded (csrc/repack.cpp, both cores, no
+    per-weight intermediates), else from the integers."""
+    if _REPACK is not None and isinstance(w, RawSuperBlocks) and w._ints is None:
+        return _REPACK.repack_superblocks(w.blocks.contiguous(), _KIND_CODE[w.kind], w.k)
     n, k = w.shape
     chunks = -(-k // CHUNK)
     kp = chunks * CHUNK
@@ -170,11 +180,20 @@ class PackedSuperBlock:
     def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """Rows `ids` of the dequantized weight (an embedding lookup): ids.shape + [K], in `dtype`."""
         flat = ids.reshape(-1)
-        w = unpack_values(self.kind, self.values.index_select(0, flat), self.meta.index_select(0, flat), self.in_features)
-        return dequantize(w, dtype).reshape(*ids.shape, self.in_features)
+        w = self._dequantized(self.values.index_select(0, flat), self.meta.index_select(0, flat), dtype)
+        return w.reshape(*ids.shape, self.in_features)
 
     def rows_range(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
-        return dequantize(self.weight_rows(start, stop), dtype)
+        return self._dequantized(self.values[start:stop], self.meta[start:stop], dtype)
+
+    def _dequantized(self, values: torch.Tensor, meta: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Packed rows -> [R, K] in `dtype`, as quantized.dequantize computes them (natively, bit
+        for bit the same, when the extension is built)."""
+        if _REPACK is None:
+            return dequantize(unpack_values(self.kind, values, meta, self.in_features), dtype)
+        bf16 = dtype == torch.bfloat16
+        w = _REPACK.dequantize_superblocks(values.contiguous(), meta.contiguous(), self._code, self.in_features, bf16)
+        return w if bf16 else w.to(dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.rows_range(0, self.out_features, dtype)

@@ -35,7 +35,7 @@ from freetoken.weights.gguf_config import architecture_of, hf_config_from_metada
 from freetoken.weights.gguf_file import GGUFFile, GGUFTensorInfo
 from freetoken.weights.gguf_metadata import metadata_of, open_gguf
 from freetoken.weights.names import HFTensorAssembler, hf_target
-from freetoken.weights.requant import INTEGER_TYPES, SUPERBLOCK_TYPES, QType, to_quantized, to_superblocks
+from freetoken.weights.requant import INTEGER_TYPES, SUPERBLOCK_TYPES, QType, superblock_rows, to_quantized
 
 # Stacked expert matrices kept in their file form (`keep_quantized`): integer types and MXFP4.
 EXPERT_TYPES: frozenset[int] = INTEGER_TYPES | {QType.MXFP4}
@@ -65,7 +65,7 @@ def expert_stack(data: np.ndarray, qtype: int, shape: tuple[int, ...], name: str
         if qtype == QType.MXFP4:
             return mxfp4_matrix(*gguf_mxfp4_blocks(raw, N, K), f"{name} expert {e}")
         if qtype in SUPERBLOCK_TYPES:
-            return to_superblocks(raw, qtype, (N, K), f"{name} expert {e}")
+            return superblock_rows(raw, qtype, (N, K), f"{name} expert {e}")
         return to_quantized(raw, qtype, (N, K), f"{name} expert {e}")
 
     return [Deferred((N, K), per, lambda e=e: decode(e)) for e in range(E)]
@@ -169,7 +169,7 @@ def load_gguf(
             if expert is not None and len(t.shape) == 3:
                 assembler.tensors[expert] = expert_stack(data, t.ggml_type, t.shape, t.name)
             elif keep_quantized and len(t.shape) == 2 and t.ggml_type in SUPERBLOCK_TYPES:
-                assembler.add_quantized(t.name, to_superblocks(data, t.ggml_type, t.shape, t.name))
+                assembler.add_quantized(t.name, superblock_rows(data, t.ggml_type, t.shape, t.name))
             elif keep_quantized and len(t.shape) == 2 and t.ggml_type in INTEGER_TYPES:
                 assembler.add_quantized(t.name, to_quantized(data, t.ggml_type, t.shape, t.name))
             else:

@@ -19,6 +19,7 @@ translation here (float types, MXFP4) are the caller's to dequantize.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 
 import gguf
@@ -26,7 +27,7 @@ import numpy as np
 import torch
 
 from freetoken.errors import ModelLoadError
-from freetoken.ops.quantized import GROUP, SUPER, QuantizedWeight, SuperBlockWeight
+from freetoken.ops.quantized import GROUP, SUPER, QuantizedWeight, RawSuperBlocks, SuperBlockWeight
 from freetoken.weights.dequant import (
     _byte_view,
     _Constants,
@@ -204,6 +205,27 @@ def to_superblocks(raw: np.ndarray | torch.Tensor, qtype: QType | int, shape: Se
             setattr(p, field, None)  # each part's copy freed as soon as it is joined
         return out
     return SuperBlockWeight(first.kind, joined("q"), joined("sc"), joined("d"), joined("m"), joined("dmin"))
+
+
+def superblock_rows(raw: np.ndarray | torch.Tensor, qtype: QType | int, shape: Sequence[int],
+                    name: str = "<unnamed>") -> RawSuperBlocks:
+    """The Q4_K or Q6_K matrix of `shape` [N, K] in `raw` kept in its blocks, one row of blocks per
+    matrix row (a read-only view of the memory map: no copy): packed for the kernel straight from
+    them (ops/superblock.py), decoded by `to_superblocks` on first use anywhere else."""
+    if qtype not in SUPERBLOCK_TYPES:
+        raise ModelLoadError(f"tensor {name}: {type_name(qtype)} is not a super-block type")
+    qtype = QType(qtype)
+    n, k, _ = _block_rows(raw, qtype, shape, name)
+    data = _byte_view(raw)
+    if isinstance(data, np.ndarray):  # read-only map: viewed, never written (RawSuperBlocks' contract)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.from_numpy(data)
+    return RawSuperBlocks("q4_k" if qtype == QType.Q4_K else "q6_k", data.view(n, -1), k, _decode_blocks)
+
+
+def _decode_blocks(blocks: torch.Tensor, kind: str, k: int) -> SuperBlockWeight:
+    return to_superblocks(blocks, QType.Q4_K if kind == "q4_k" else QType.Q6_K, (blocks.shape[0], k))
 
 
 def _block_rows(raw: np.ndarray | torch.Tensor, qtype: QType, shape: Sequence[int], name: str):  # type: ignore[no-untyped-def]

@@ -1,7 +1,10 @@
 """Super-block (GGUF Q4_K / Q6_K) weights in their own integers: the loader's translation is exact
 against gguf's own dequantization, the kernel layout round-trips, `sbmm` is within the stated bound
 of dequantize + float64 matmul at every row count, fused projections of mixed types keep each
-part's form, and slicing for tensor parallelism keeps the form.
+part's form, and slicing for tensor parallelism keeps the form. The native paths of the load
+(csrc/repack.cpp: packing straight from the file's blocks, dequantizing the packed rows) are byte
+for byte the torch ones, and a weight kept in its blocks (`RawSuperBlocks`) stays in them through
+row slices, permutations and concatenation, decoding its integers only when something reads them.
 
 Bound (as the group-32 kernel's, tests/unit/ops/test_qlinear_ops.py): activations quantized per
 32-group, so |error| <= sum_k |w_k| amax_group(x) / 254, + 1e-5 |x|.|w| (float32 sums) + the
@@ -16,11 +19,13 @@ import pytest
 import torch
 from gguf import quants
 
+from freetoken.errors import ModelLoadError
+
 from freetoken.ops import qlinear
 from freetoken.ops.qlinear import PackedWeight, kernel_available, pack
-from freetoken.ops.quantized import StackedWeight, SuperBlockWeight, concat, dequantize, quantize_int8
+from freetoken.ops.quantized import RawSuperBlocks, StackedWeight, SuperBlockWeight, concat, dequantize, quantize_int8
 from freetoken.ops.superblock import PackedStack, PackedSuperBlock, pack_values, unpack_values
-from freetoken.weights.requant import to_superblocks
+from freetoken.weights.requant import superblock_rows, to_superblocks
 
 Q = gguf.GGMLQuantizationType
 ROWS = (1, 2, 3, 5, 8, 9, 17, 64)
@@ -151,3 +156,58 @@ def test_group32_fallback_is_close() -> None:
         exact, approx = dequantize(w), dequantize(w.to_group32())
         scale = exact.abs().reshape(16, -1, 32).amax(dim=2).repeat_interleave(32, dim=1)
         assert ((approx - exact).abs() <= scale / 254 + 2**-10 * exact.abs() + 1e-7).all()
+
+
+def _raw(kind: str, n: int, k: int, seed: int = 0) -> tuple[RawSuperBlocks, SuperBlockWeight]:
+    """The same random matrix kept in its blocks and decoded."""
+    qtype = Q.Q4_K if kind == "q4_k" else Q.Q6_K
+    blocks = _blocks(qtype, n, k, seed)
+    return superblock_rows(blocks, qtype, (n, k)), to_superblocks(blocks, qtype, (n, k))
+
+
+@pytest.mark.parametrize("kind", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_packing_from_the_blocks_is_the_packing_of_the_integers(kind: str, n: int, k: int) -> None:
+    raw, ints = _raw(kind, n, k, seed=n * k)
+    values, meta = pack_values(raw)
+    assert raw._ints is None  # packed from the blocks, never decoded
+    expected = pack_values(ints)
+    assert torch.equal(values, expected[0]) and torch.equal(meta, expected[1])
+
+
+@pytest.mark.skipif(not kernel_available(), reason="needs the C++ kernel (AVX-512 VNNI)")
+@pytest.mark.parametrize("kind", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_dequantized_rows_are_the_reference_bit_for_bit(kind: str, n: int, k: int) -> None:
+    raw, ints = _raw(kind, n, k, seed=n + k)
+    packed = pack(raw)
+    assert isinstance(packed, PackedSuperBlock) and raw._ints is None
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        assert torch.equal(packed.dequantize(dtype), dequantize(ints, dtype))
+        ids = torch.tensor([[n - 1, 0], [0, n // 2]])
+        assert torch.equal(packed.rows(ids, dtype), dequantize(ints, dtype)[ids])
+    lo, hi = n // 3, n - n // 3
+    assert torch.equal(packed.rows_range(lo, hi, torch.bfloat16), dequantize(ints, torch.bfloat16)[lo:hi])
+
+
+def test_a_weight_in_its_blocks_stays_there_until_its_integers_are_read() -> None:
+    q, q_ints = _raw("q4_k", 8, 512, 1)
+    k, k_ints = _raw("q4_k", 4, 512, 2)
+    v, v_ints = _raw("q6_k", 4, 512, 3)
+    order = torch.tensor([1, 0, 3, 2, 5, 4, 7, 6])
+    permuted = q.map_rows(lambda t: t[order])
+    padded = k.map_rows(lambda t: torch.cat([t, t.new_zeros(2, *t.shape[1:])]))  # TP's zero rows
+    fused = concat([permuted, k, v])
+    assert isinstance(permuted, RawSuperBlocks) and isinstance(padded, RawSuperBlocks) and isinstance(fused, StackedWeight)
+    assert [type(p) for p in fused.parts] == [RawSuperBlocks, RawSuperBlocks] and fused.parts[0].shape == (12, 512)
+    assert q._ints is None and k._ints is None and v._ints is None
+    # reading the integers decodes them, equal to the decoded matrix's
+    assert torch.equal(dequantize(fused), torch.cat([dequantize(q_ints)[order], dequantize(k_ints), dequantize(v_ints)]))
+    assert torch.equal(dequantize(padded), torch.cat([dequantize(k_ints), torch.zeros(2, 512)]))
+    assert torch.equal(q.q, q_ints.q) and torch.equal(q.m, q_ints.m) and q._ints is not None
+    assert torch.equal(dequantize(q.cols(256, 512)), dequantize(q_ints)[:, 256:512])
+    decoded_then_sliced = q.map_rows(lambda t: t[2:5])  # once decoded, rows come from the integers
+    assert not isinstance(decoded_then_sliced, RawSuperBlocks)
+    assert torch.equal(dequantize(decoded_then_sliced), dequantize(q_ints)[2:5])
+    with pytest.raises(ModelLoadError, match="bytes of Q4_K data"):
+        superblock_rows(np.zeros(100, np.uint8), Q.Q4_K, (2, 512), "broken")

@@ -1,0 +1,254 @@
+// The sbmm kernel's rows made and read natively, at load (freetoken.ops._repack_cpu).
+//
+// Owns two conversions of the layout superblock.py's docstring and csrc/qlinear.cpp define:
+// - into it: a matrix's rows of GGUF super-blocks (uint8 [N, K / 256 * block bytes], as the file
+//   holds them) -> (values, meta) uint8 rows, byte for byte what superblock.pack_values makes of
+//   requant.to_superblocks' integers. No float math, no per-weight intermediates: each 32-weight
+//   group's bytes are moved once.
+// - out of it: (values, meta) rows -> float32 or bfloat16 weights [R, K], bit for bit what
+//   quantized.dequantize gives (float32 products d * sc and dmin * m, then q * scale + minimum,
+//   one rounding to bfloat16, nearest-even): the prefill copies and embedding rows.
+// Rows are split over OpenMP threads. It does not run the matmul (qlinear.cpp) and knows no other
+// GGUF type. Tests hold both equal to the torch paths.
+//
+// The layout, for a chunk of 512 weights (16 groups of 32; a row is padded with zero groups to
+// whole chunks, and a last half chunk keeps only the first 32 bytes of each 64-byte vector):
+//   q4_k values: vector u (0..3), byte 4 l + b = q(l, 8u + b) | q(l, 8u + 4 + b) << 4
+//   q6_k values: the same over the low nibbles of u = q + 32, then two vectors of high bit
+//                pairs: vector h, byte 4 l + b, bits 2k..2k+1 = bits 4-5 of u(l, 16h + 4k + b)
+//   meta (40 bytes): q4_k sc[16] | m[16] | d, d | dmin, dmin; q6_k scales of each group's first
+//                16 weights [16] | of its last 16 [16] | d, d | 4 zero bytes.
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kSuper = 256;  // weights per GGUF super-block
+constexpr int64_t kChunk = 512;  // weights per kernel chunk: two super-blocks
+constexpr int64_t kMeta = 40;    // meta bytes per chunk
+constexpr int64_t kQ4Block = 144, kQ6Block = 210;  // GGUF block bytes
+
+// The 6-bit scale and minimum of sub-block j (0..7) of a Q4_K block's 12 packed bytes.
+inline void scale_min_k4(int j, const uint8_t* q, uint8_t* sc, uint8_t* m) {
+  if (j < 4) {
+    *sc = q[j] & 63;
+    *m = q[j + 4] & 63;
+  } else {
+    *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// Nibble pairs of one 32-weight group into its bytes of a chunk's four value vectors.
+inline void put_nibbles(const uint8_t* g, int l, int64_t stride, uint8_t* values) {
+  for (int u = 0; u < 4; ++u)
+    for (int b = 0; b < 4; ++b)
+      values[u * stride + 4 * l + b] = (g[8 * u + b] & 15) | ((g[8 * u + 4 + b] & 15) << 4);
+}
+
+// One row of Q4_K blocks -> its values and meta.
+void q4_k_row(const uint8_t* raw, int64_t k, uint8_t* values, uint8_t* meta) {
+  const int64_t blocks = k / kSuper;
+  uint8_t g[32];
+  for (int64_t s_all = 0; s_all < blocks; ++s_all) {
+    const int64_t c = s_all / 2, s = s_all % 2;
+    const bool half = (c == blocks / 2);  // the last chunk holds one super-block
+    const int64_t stride = half ? 32 : 64;
+    const uint8_t* block = raw + s_all * kQ4Block;
+    uint8_t* vb = values + c * 256;
+    uint8_t* mb = meta + c * kMeta;
+    std::memcpy(mb + 32 + 2 * s, block, 2);      // d
+    std::memcpy(mb + 36 + 2 * s, block + 2, 2);  // dmin
+    const uint8_t* qs = block + 16;
+    for (int j = 0; j < 8; ++j) {
+      const int l = 8 * s + j;
+      scale_min_k4(j, block + 4, mb + l, mb + 16 + l);
+      const uint8_t* src = qs + 32 * (j / 2);
+      const int shift = (j & 1) ? 4 : 0;
+      for (int i = 0; i < 32; ++i) g[i] = (src[i] >> shift) & 15;
+      put_nibbles(g, l, stride, vb);
+    }
+  }
+}
+
+// One row of Q6_K blocks -> its values and meta.
+void q6_k_row(const uint8_t* raw, int64_t k, uint8_t* values, uint8_t* meta) {
+  const int64_t blocks = k / kSuper;
+  uint8_t u[kSuper];
+  for (int64_t s_all = 0; s_all < blocks; ++s_all) {
+    const int64_t c = s_all / 2, s = s_all % 2;
+    const bool half = (c == blocks / 2);
+    const int64_t stride = half ? 32 : 64;
+    const uint8_t* block = raw + s_all * kQ6Block;
+    uint8_t* vb = values + c * 384;  // only the last chunk is ever half: every chunk starts here
+    uint8_t* mb = meta + c * kMeta;
+    // u = q + 32 of the block's 256 weights, in order (ggml's dequantize_row_q6_K)
+    for (int h2 = 0; h2 < 2; ++h2) {
+      const uint8_t* ql = block + 64 * h2;
+      const uint8_t* qh = block + 128 + 32 * h2;
+      uint8_t* y = u + 128 * h2;
+      for (int l = 0; l < 32; ++l) {
+        y[l] = (ql[l] & 15) | (((qh[l] >> 0) & 3) << 4);
+        y[l + 32] = (ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4);
+        y[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+        y[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+      }
+    }
+    const uint8_t* scales = block + 192;  // int8, one per 16 weights
+    for (int j = 0; j < 8; ++j) {
+      const int l = 8 * s + j;
+      mb[l] = scales[2 * j];
+      mb[16 + l] = scales[2 * j + 1];
+      const uint8_t* g = u + 32 * j;
+      put_nibbles(g, l, stride, vb);
+      for (int h = 0; h < 2; ++h)
+        for (int b = 0; b < 4; ++b) {
+          uint8_t byte = 0;
+          for (int kk = 0; kk < 4; ++kk) byte |= ((g[16 * h + 4 * kk + b] >> 4) & 3) << (2 * kk);
+          vb[4 * stride + h * stride + 4 * l + b] = byte;
+        }
+    }
+    std::memcpy(mb + 32 + 2 * s, block + 208, 2);  // d
+  }
+}
+
+// (values, meta) of the [N, K] matrix whose GGUF blocks are `raw` (uint8, N rows of
+// K / 256 blocks). kind: 4 (Q4_K) or 6 (Q6_K).
+std::tuple<torch::Tensor, torch::Tensor> repack_superblocks(const torch::Tensor& raw, int64_t kind, int64_t k) {
+  TORCH_CHECK(kind == 4 || kind == 6, "repack_superblocks: kind must be 4 or 6, got ", kind);
+  TORCH_CHECK(raw.scalar_type() == torch::kUInt8 && raw.dim() == 2 && raw.is_contiguous() && raw.device().is_cpu(),
+              "repack_superblocks: raw must be contiguous uint8 [N, bytes] on the CPU");
+  TORCH_CHECK(k > 0 && k % kSuper == 0, "repack_superblocks: K must be a positive multiple of 256, got ", k);
+  const int64_t block_bytes = kind == 4 ? kQ4Block : kQ6Block;
+  const int64_t n = raw.size(0);
+  TORCH_CHECK(raw.size(1) == k / kSuper * block_bytes, "repack_superblocks: ", raw.size(1),
+              " bytes per row, expected ", k / kSuper * block_bytes, " for K ", k);
+  const int64_t chunks = (k + kChunk - 1) / kChunk;
+  const int64_t chunk_bytes = kind == 4 ? 256 : 384;
+  const int64_t row_values = chunks * chunk_bytes - (k % kChunk ? chunk_bytes / 2 : 0);
+  auto values = torch::zeros({n, row_values}, torch::kUInt8);
+  auto meta = torch::zeros({n, chunks * kMeta}, torch::kUInt8);
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  uint8_t* vp = values.data_ptr<uint8_t>();
+  uint8_t* mp = meta.data_ptr<uint8_t>();
+  const int64_t row_bytes = raw.size(1);
+  {
+    pybind11::gil_scoped_release no_gil;
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < n; ++r) {
+      if (kind == 4)
+        q4_k_row(src + r * row_bytes, k, vp + r * row_values, mp + r * chunks * kMeta);
+      else
+        q6_k_row(src + r * row_bytes, k, vp + r * row_values, mp + r * chunks * kMeta);
+    }
+  }
+  return {values, meta};
+}
+
+// Round float32 to bfloat16 bits, nearest-even (NaN kept a quiet NaN), as torch does.
+inline uint16_t to_bf16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40);
+  x += 0x7fffu + ((x >> 16) & 1u);
+  return static_cast<uint16_t>(x >> 16);
+}
+
+inline float from_f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
+
+// The weights of one packed row (K of them) as float32 into out.
+void dequantize_row(const uint8_t* values, const uint8_t* meta, int64_t kind, int64_t k, float* out) {
+  const int64_t blocks = k / kSuper;
+  const int64_t chunk_bytes = kind == 4 ? 256 : 384;
+  for (int64_t s_all = 0; s_all < blocks; ++s_all) {
+    const int64_t c = s_all / 2, s = s_all % 2;
+    const int64_t stride = (c == blocks / 2) ? 32 : 64;
+    const uint8_t* vb = values + c * chunk_bytes;
+    const uint8_t* mb = meta + c * kMeta;
+    const float d = from_f16(mb + 32 + 2 * s);
+    const float dmin = kind == 4 ? from_f16(mb + 36 + 2 * s) : 0.0f;
+    for (int j = 0; j < 8; ++j) {
+      const int l = 8 * s + j;
+      float* y = out + s_all * kSuper + 32 * j;
+      uint8_t q[32];
+      for (int u = 0; u < 4; ++u)
+        for (int b = 0; b < 4; ++b) {
+          const uint8_t byte = vb[u * stride + 4 * l + b];
+          q[8 * u + b] = byte & 15;
+          q[8 * u + 4 + b] = byte >> 4;
+        }
+      if (kind == 4) {
+        const float scale = d * static_cast<float>(mb[l]);
+        const float minimum = -(dmin * static_cast<float>(mb[16 + l]));
+        for (int i = 0; i < 32; ++i) y[i] = static_cast<float>(q[i]) * scale + minimum;
+      } else {
+        for (int h = 0; h < 2; ++h)
+          for (int b = 0; b < 4; ++b) {
+            const uint8_t byte = vb[4 * stride + h * stride + 4 * l + b];
+            for (int kk = 0; kk < 4; ++kk) q[16 * h + 4 * kk + b] |= ((byte >> (2 * kk)) & 3) << 4;
+          }
+        const float first = d * static_cast<float>(static_cast<int8_t>(mb[l]));
+        const float last = d * static_cast<float>(static_cast<int8_t>(mb[16 + l]));
+        for (int i = 0; i < 32; ++i) y[i] = static_cast<float>(static_cast<int>(q[i]) - 32) * (i < 16 ? first : last);
+      }
+    }
+  }
+}
+
+// Rows of a packed weight (values [R, row bytes], meta [R, chunks * 40]) dequantized to float32
+// or bfloat16 [R, K].
+torch::Tensor dequantize_superblocks(const torch::Tensor& values, const torch::Tensor& meta, int64_t kind, int64_t k,
+                                     bool bf16) {
+  TORCH_CHECK(kind == 4 || kind == 6, "dequantize_superblocks: kind must be 4 or 6, got ", kind);
+  TORCH_CHECK(k > 0 && k % kSuper == 0, "dequantize_superblocks: K must be a positive multiple of 256, got ", k);
+  TORCH_CHECK(values.scalar_type() == torch::kUInt8 && meta.scalar_type() == torch::kUInt8 && values.dim() == 2 &&
+                  meta.dim() == 2 && values.is_contiguous() && meta.is_contiguous() && values.device().is_cpu() &&
+                  meta.device().is_cpu() && values.size(0) == meta.size(0),
+              "dequantize_superblocks: values and meta must be contiguous uint8 [R, bytes] on the CPU");
+  const int64_t chunks = (k + kChunk - 1) / kChunk;
+  const int64_t chunk_bytes = kind == 4 ? 256 : 384;
+  const int64_t row_values = chunks * chunk_bytes - (k % kChunk ? chunk_bytes / 2 : 0);
+  TORCH_CHECK(values.size(1) == row_values && meta.size(1) == chunks * kMeta, "dequantize_superblocks: rows of ",
+              values.size(1), " / ", meta.size(1), " bytes, expected ", row_values, " / ", chunks * kMeta, " for K ", k);
+  const int64_t r = values.size(0);
+  auto out = torch::empty({r, k}, bf16 ? torch::kBFloat16 : torch::kFloat32);
+  const uint8_t* vp = values.data_ptr<uint8_t>();
+  const uint8_t* mp = meta.data_ptr<uint8_t>();
+  void* op = out.data_ptr();
+  {
+    pybind11::gil_scoped_release no_gil;
+#pragma omp parallel
+    {
+      std::vector<float> row(bf16 ? k : 0);
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < r; ++i) {
+        float* y = bf16 ? row.data() : static_cast<float*>(op) + i * k;
+        dequantize_row(vp + i * row_values, mp + i * chunks * kMeta, kind, k, y);
+        if (bf16) {
+          uint16_t* dst = static_cast<uint16_t*>(op) + i * k;
+          for (int64_t j = 0; j < k; ++j) dst[j] = to_bf16(y[j]);
+        }
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("repack_superblocks", &repack_superblocks,
+        "GGUF Q4_K / Q6_K blocks [N, bytes] -> the sbmm kernel's (values, meta) rows", py::arg("raw"),
+        py::arg("kind"), py::arg("k"));
+  m.def("dequantize_superblocks", &dequantize_superblocks,
+        "the sbmm kernel's (values, meta) rows -> float32 or bfloat16 weights [R, K]", py::arg("values"),
+        py::arg("meta"), py::arg("kind"), py::arg("k"), py::arg("bf16"));
+}
