@@ -28,11 +28,7 @@ from freetoken.server.errors import APIError, bad_request, from_pydantic
 
 M = TypeVar("M", bound=BaseModel)
 
-# 32 MiB: ~8M tokens of text, far past the context of any model served here (a 1M-token context is
-# ~4 MiB of text), and room for a long agent conversation with tool results; small enough that a
-# few concurrent bodies at the limit cost the API process little memory.
-DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
-MIN_MAX_REQUEST_BYTES = 1024
+# The body limit's default and floor are settings.py's (DEFAULT_MAX_REQUEST_BYTES).
 # JSON arrays/objects nested deeper than this are refused before decoding. Real clients nest a few
 # levels (OpenAI's structured outputs allow 10 levels of schema, ~25 of JSON); Python's recursive
 # decoder and the walkers after it (pydantic, templates, the grammar compiler) fail near 1000.

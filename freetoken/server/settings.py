@@ -10,12 +10,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from freetoken.errors import ConfigError
-from freetoken.server.operations.drain import DEFAULT_SHUTDOWN_TIMEOUT_S
 from freetoken.server.process.heartbeat import DEFAULT_HANG_TIMEOUT_S, MIN_HANG_TIMEOUT_S
 from freetoken.server.process.supervisor import DEFAULT_LOAD_TIMEOUT_S, MIN_LOAD_TIMEOUT_S
-from freetoken.server.request_body import DEFAULT_MAX_REQUEST_BYTES, MIN_MAX_REQUEST_BYTES
 from freetoken.tokenizer.reasoning import REASONING_PARSERS
 from freetoken.tokenizer.tool_parsers import TOOL_PARSERS
+
+# Defaults that live here, not beside the code that applies them (operations/drain.py,
+# request_body.py): those import the web stack, and `ft serve` reads its settings before it.
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0  # --shutdown-timeout
+# 32 MiB: ~8M tokens of text, far past the context of any model served here (a 1M-token context is
+# ~4 MiB of text), and room for a long agent conversation with tool results; small enough that a
+# few concurrent bodies at the limit cost the API process little memory.
+DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024  # --max-request-bytes
+MIN_MAX_REQUEST_BYTES = 1024
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ import httpx
 import pytest
 from serving import ServeProcess
 
-from freetoken.server.request_body import DEFAULT_MAX_REQUEST_BYTES, MAX_JSON_DEPTH
+from freetoken.server.request_body import MAX_JSON_DEPTH
+from freetoken.server.settings import DEFAULT_MAX_REQUEST_BYTES
 
 MODEL = "tiny-gemma"
 MiB = 1024 * 1024

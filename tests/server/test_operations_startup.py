@@ -125,3 +125,12 @@ def test_start_binds_the_port_and_abandon_frees_it(tiny_gemma_dir: Path) -> None
         start(EngineConfig(model=str(tiny_gemma_dir), max_running_requests=8, swa_full_tokens_ratio=0.001),
               ServerConfig(port=port), start_engine=False)
     start(engine, ServerConfig(port=port), start_engine=False).abandon()
+
+
+def test_the_first_steps_import_no_web_stack_and_no_torch() -> None:
+    """`ft serve` starts the engine before FastAPI, uvicorn and torch are imported in the API process
+    (their imports then overlap the engine's): a module that drags one in undoes that."""
+    code = ("import sys, freetoken.cli, freetoken.server.startup, freetoken.distributed.checks; "
+            "print(sorted(m for m in ('fastapi', 'starlette', 'uvicorn', 'torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_GUARD_S, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr + out.stdout

@@ -25,7 +25,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("freetoken.server")
 
-DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 RETRY_AFTER_S = 30  # a draining server is going away: send clients elsewhere for a while
 _POLL_S = 0.05
 
