@@ -138,19 +138,27 @@ class SuperBlockWeight:
 
 
 class RawSuperBlocks(SuperBlockWeight):
-    """A Q4_K / Q6_K matrix [N, K] still in the GGUF's blocks: `blocks` uint8 [N, K / 256 * block
-    bytes], each row its own blocks (a view of the file's memory map where the loader could: read
-    only, never written). Rows can be sliced, permuted, padded and concatenated in this form;
-    `qlinear.pack` turns it into the kernel's layout straight from the blocks. Any other use of the
-    integer fields (`q`, `sc`, `d`, `m`, `dmin`) decodes them once with `decode` (supplied by the
-    loader, weights/requant.py, which owns the block format) and keeps the result."""
+    """A Q4_K / Q6_K matrix [N, K] still in the GGUF's blocks: `parts`, row blocks each uint8
+    [rows, K / 256 * block bytes] (one row of blocks per matrix row), stacked in order — views of
+    the file's memory map where the loader could (read only, never written), several when a fused
+    projection was concatenated (the blocks are not copied to join them). Rows can be sliced,
+    permuted, padded and concatenated in this form; `qlinear.pack` turns it into the kernel's
+    layout straight from the blocks. Any other use of the integer fields (`q`, `sc`, `d`, `m`,
+    `dmin`) decodes them once with `decode` (supplied by the loader, weights/requant.py, which owns
+    the block format) and keeps the result."""
 
-    def __init__(self, kind: str, blocks: torch.Tensor, k: int,
+    def __init__(self, kind: str, parts: list[torch.Tensor], k: int,
                  decode: Callable[[torch.Tensor, str, int], SuperBlockWeight]) -> None:
-        if kind not in SUPERBLOCK_KINDS or k % SUPER or blocks.dtype != torch.uint8 or blocks.dim() != 2:
-            raise ValueError(f"RawSuperBlocks: kind={kind}, K={k}, blocks {blocks.dtype} {tuple(blocks.shape)}")
-        self.kind, self.blocks, self.k, self._decode = kind, blocks, k, decode
+        if (kind not in SUPERBLOCK_KINDS or k % SUPER or not parts
+                or any(b.dtype != torch.uint8 or b.dim() != 2 or b.shape[1] != parts[0].shape[1] for b in parts)):
+            raise ValueError(f"RawSuperBlocks: kind={kind}, K={k}, parts {[(b.dtype, tuple(b.shape)) for b in parts]}")
+        self.kind, self.parts, self.k, self._decode = kind, parts, k, decode
         self._ints: SuperBlockWeight | None = None
+
+    @property
+    def blocks(self) -> torch.Tensor:
+        """All rows' blocks as one tensor (joined here when there are several parts)."""
+        return self.parts[0] if len(self.parts) == 1 else torch.cat(self.parts)
 
     def decoded(self) -> SuperBlockWeight:
         """The same weight in its integers (decoded on the first call)."""
@@ -166,11 +174,11 @@ class RawSuperBlocks(SuperBlockWeight):
 
     @property
     def shape(self) -> tuple[int, int]:
-        return (self.blocks.shape[0], self.k)
+        return (sum(b.shape[0] for b in self.parts), self.k)
 
     @property
     def device(self) -> torch.device:
-        return self.blocks.device
+        return self.parts[0].device
 
     def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> SuperBlockWeight:
         if self._ints is not None:
@@ -178,7 +186,7 @@ class RawSuperBlocks(SuperBlockWeight):
         blocks = fn(self.blocks)
         if blocks.device.type != "cpu":  # the decoder and the packer are CPU code: decode first
             return self.decoded().map_rows(fn)
-        return RawSuperBlocks(self.kind, blocks, self.k, self._decode)
+        return RawSuperBlocks(self.kind, [blocks], self.k, self._decode)
 
     def cols(self, start: int, stop: int) -> SuperBlockWeight:
         return self.decoded().cols(start, stop)
@@ -268,10 +276,10 @@ def concat(parts: list[Quantized]) -> Quantized:
     if len({p.shape[1] for p in parts}) != 1:
         raise ValueError(f"concat: in_features differ: {[p.shape[1] for p in parts]}")
     flat = [q for p in parts for q in (p.parts if isinstance(p, StackedWeight) else [p])]
-    if (all(isinstance(p, RawSuperBlocks) and p._ints is None and p.blocks.device.type == "cpu" for p in flat)
+    if (all(isinstance(p, RawSuperBlocks) and p._ints is None and p.device.type == "cpu" for p in flat)
             and len({p.kind for p in flat}) == 1):
         raws: list[RawSuperBlocks] = flat  # type: ignore[assignment]
-        return RawSuperBlocks(raws[0].kind, torch.cat([p.blocks for p in raws]), raws[0].k, raws[0]._decode)
+        return RawSuperBlocks(raws[0].kind, [b for p in raws for b in p.parts], raws[0].k, raws[0]._decode)
     if all(isinstance(p, SuperBlockWeight) for p in flat) and len({p.kind for p in flat}) == 1:
         sbs: list[SuperBlockWeight] = flat  # type: ignore[assignment]
         cat = (lambda ts: None if ts[0] is None else torch.cat(ts))  # noqa: E731

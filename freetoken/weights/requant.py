@@ -221,7 +221,7 @@ def superblock_rows(raw: np.ndarray | torch.Tensor, qtype: QType | int, shape: S
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             data = torch.from_numpy(data)
-    return RawSuperBlocks("q4_k" if qtype == QType.Q4_K else "q6_k", data.view(n, -1), k, _decode_blocks)
+    return RawSuperBlocks("q4_k" if qtype == QType.Q4_K else "q6_k", [data.view(n, -1)], k, _decode_blocks)
 
 
 def _decode_blocks(blocks: torch.Tensor, kind: str, k: int) -> SuperBlockWeight:

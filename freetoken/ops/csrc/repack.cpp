@@ -2,7 +2,7 @@
 //
 // Owns two conversions of the layout superblock.py's docstring and csrc/qlinear.cpp define:
 // - into it: a matrix's rows of GGUF super-blocks (uint8 [N, K / 256 * block bytes], as the file
-//   holds them) -> (values, meta) uint8 rows, byte for byte what superblock.pack_values makes of
+//   holds them; a fused projection's parts read where they lie) -> (values, meta) uint8 rows, byte for byte what superblock.pack_values makes of
 //   requant.to_superblocks' integers. No float math, no per-weight intermediates: each 32-weight
 //   group's bytes are moved once.
 // - out of it: (values, meta) rows -> float32 or bfloat16 weights [R, K], bit for bit what
@@ -116,34 +116,40 @@ void q6_k_row(const uint8_t* raw, int64_t k, uint8_t* values, uint8_t* meta) {
   }
 }
 
-// (values, meta) of the [N, K] matrix whose GGUF blocks are `raw` (uint8, N rows of
-// K / 256 blocks). kind: 4 (Q4_K) or 6 (Q6_K).
-std::tuple<torch::Tensor, torch::Tensor> repack_superblocks(const torch::Tensor& raw, int64_t kind, int64_t k) {
+// (values, meta) of the [N, K] matrix whose GGUF blocks are the row blocks `parts` stacked (each
+// uint8 [rows, K / 256 * block bytes]: a fused projection's parts are read where they lie, not
+// concatenated first). kind: 4 (Q4_K) or 6 (Q6_K).
+std::tuple<torch::Tensor, torch::Tensor> repack_superblocks(const std::vector<torch::Tensor>& parts, int64_t kind,
+                                                            int64_t k) {
   TORCH_CHECK(kind == 4 || kind == 6, "repack_superblocks: kind must be 4 or 6, got ", kind);
-  TORCH_CHECK(raw.scalar_type() == torch::kUInt8 && raw.dim() == 2 && raw.is_contiguous() && raw.device().is_cpu(),
-              "repack_superblocks: raw must be contiguous uint8 [N, bytes] on the CPU");
   TORCH_CHECK(k > 0 && k % kSuper == 0, "repack_superblocks: K must be a positive multiple of 256, got ", k);
   const int64_t block_bytes = kind == 4 ? kQ4Block : kQ6Block;
-  const int64_t n = raw.size(0);
-  TORCH_CHECK(raw.size(1) == k / kSuper * block_bytes, "repack_superblocks: ", raw.size(1),
-              " bytes per row, expected ", k / kSuper * block_bytes, " for K ", k);
+  const int64_t row_bytes = k / kSuper * block_bytes;
+  std::vector<const uint8_t*> rows;
+  for (const auto& raw : parts) {
+    TORCH_CHECK(raw.scalar_type() == torch::kUInt8 && raw.dim() == 2 && raw.is_contiguous() && raw.device().is_cpu(),
+                "repack_superblocks: each part must be contiguous uint8 [rows, bytes] on the CPU");
+    TORCH_CHECK(raw.size(1) == row_bytes, "repack_superblocks: ", raw.size(1), " bytes per row, expected ", row_bytes,
+                " for K ", k);
+    const uint8_t* base = raw.data_ptr<uint8_t>();
+    for (int64_t r = 0; r < raw.size(0); ++r) rows.push_back(base + r * row_bytes);
+  }
+  const int64_t n = static_cast<int64_t>(rows.size());
   const int64_t chunks = (k + kChunk - 1) / kChunk;
   const int64_t chunk_bytes = kind == 4 ? 256 : 384;
   const int64_t row_values = chunks * chunk_bytes - (k % kChunk ? chunk_bytes / 2 : 0);
   auto values = torch::zeros({n, row_values}, torch::kUInt8);
   auto meta = torch::zeros({n, chunks * kMeta}, torch::kUInt8);
-  const uint8_t* src = raw.data_ptr<uint8_t>();
   uint8_t* vp = values.data_ptr<uint8_t>();
   uint8_t* mp = meta.data_ptr<uint8_t>();
-  const int64_t row_bytes = raw.size(1);
   {
     pybind11::gil_scoped_release no_gil;
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < n; ++r) {
       if (kind == 4)
-        q4_k_row(src + r * row_bytes, k, vp + r * row_values, mp + r * chunks * kMeta);
+        q4_k_row(rows[r], k, vp + r * row_values, mp + r * chunks * kMeta);
       else
-        q6_k_row(src + r * row_bytes, k, vp + r * row_values, mp + r * chunks * kMeta);
+        q6_k_row(rows[r], k, vp + r * row_values, mp + r * chunks * kMeta);
     }
   }
   return {values, meta};
@@ -246,7 +252,7 @@ torch::Tensor dequantize_superblocks(const torch::Tensor& values, const torch::T
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("repack_superblocks", &repack_superblocks,
-        "GGUF Q4_K / Q6_K blocks [N, bytes] -> the sbmm kernel's (values, meta) rows", py::arg("raw"),
+        "GGUF Q4_K / Q6_K row blocks [rows, bytes], stacked -> the sbmm kernel's (values, meta) rows", py::arg("parts"),
         py::arg("kind"), py::arg("k"));
   m.def("dequantize_superblocks", &dequantize_superblocks,
         "the sbmm kernel's (values, meta) rows -> float32 or bfloat16 weights [R, K]", py::arg("values"),

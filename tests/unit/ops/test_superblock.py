@@ -200,6 +200,10 @@ def test_a_weight_in_its_blocks_stays_there_until_its_integers_are_read() -> Non
     fused = concat([permuted, k, v])
     assert isinstance(permuted, RawSuperBlocks) and isinstance(padded, RawSuperBlocks) and isinstance(fused, StackedWeight)
     assert [type(p) for p in fused.parts] == [RawSuperBlocks, RawSuperBlocks] and fused.parts[0].shape == (12, 512)
+    assert len(fused.parts[0].parts) == 2  # joined without copying the blocks
+    if kernel_available():  # packed from the parts where they lie: the packing of the joined matrix
+        joined = pack(fused.parts[0])
+        assert torch.equal(joined.dequantize(), torch.cat([dequantize(q_ints)[order], dequantize(k_ints)]))
     assert q._ints is None and k._ints is None and v._ints is None
     # reading the integers decodes them, equal to the decoded matrix's
     assert torch.equal(dequantize(fused), torch.cat([dequantize(q_ints)[order], dequantize(k_ints), dequantize(v_ints)]))
