@@ -32,7 +32,7 @@ from freetoken.errors import ModelLoadError
 from freetoken.models.experts_cache import ExpertCache
 from freetoken.models.linear import apply_policy
 from freetoken.ops.qlinear import Packed, PackedWeight, grouped_matmul_available, pack, qlinear
-from freetoken.ops.quantized import QuantizedWeight, SuperBlockWeight, concat, dequantize, is_quantized
+from freetoken.ops.quantized import QuantizedWeight, SuperBlockWeight, concat, dequantize, is_quantized, on_device
 from freetoken.ops.superblock import PackedSuperBlock, grouped_matmul
 from freetoken.weights.dequant import Deferred
 
@@ -77,7 +77,7 @@ def _decoded(w: Source) -> Decoded:
 
 
 def _pack(qw: QuantizedWeight | SuperBlockWeight, device: torch.device) -> Packed:
-    return pack(qw.map_rows(lambda t: t.to(device)))
+    return pack(on_device(qw, device))
 
 
 def _float(w: Decoded, dtype: torch.dtype) -> torch.Tensor:

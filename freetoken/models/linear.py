@@ -28,6 +28,7 @@ from freetoken.ops.quantized import (
     SuperBlockWeight,
     dequantize,
     is_quantized,
+    on_device,
     quantize_int4,
     quantize_int8,
 )
@@ -69,12 +70,6 @@ def apply_policy(value: Weight, weights: str) -> Weight:
     return quantize_int8(value.float()) if weights == "int8" else quantize_int4(value.float())
 
 
-def _on(qw: Quantized, device: torch.device) -> Quantized:
-    if isinstance(qw, StackedWeight):
-        return StackedWeight([_on(p, device) for p in qw.parts])  # type: ignore[misc]
-    return qw.map_rows(lambda t: t.to(device))
-
-
 class QuantizableWeight(nn.Module):
     """The weight [out, in] shared by Linear and Embedding: a float Parameter until
     `load_quantized` swaps it for its packed form (the Parameter is then dropped)."""
@@ -98,7 +93,7 @@ class QuantizableWeight(nn.Module):
             raise ModelLoadError(f"quantized weight {tuple(qw.shape)} where {tuple(self.weight.shape)} is expected")
         device = self.weight.device
         self.weight = None
-        self.packed = pack(_on(qw, device))
+        self.packed = pack(on_device(qw, device))
 
     def restore_packed(self, packed: Packed, dense: torch.Tensor | None) -> None:
         """Take a packed matrix (and its prefill copy) as `load_quantized` and `keep_dense_copy`

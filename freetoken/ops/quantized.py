@@ -244,6 +244,16 @@ def quantize_int4(w: torch.Tensor) -> QuantizedWeight:
     return QuantizedWeight(bits=4, q=q, scale=scale, minimum=minimum)
 
 
+def on_device(qw: Quantized, device: torch.device | str) -> Quantized:
+    """`qw` with its tensors on `device`; a weight still in its blocks and already there is
+    returned as it is (its parts stay where they lie, not joined by a no-op move)."""
+    if isinstance(qw, StackedWeight):
+        return StackedWeight([on_device(p, device) for p in qw.parts])  # type: ignore[misc]
+    if isinstance(qw, RawSuperBlocks) and qw._ints is None and qw.device == torch.device(device):
+        return qw
+    return qw.map_rows(lambda t: t.to(device))
+
+
 def dequantize(qw: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The reference: float32 math, then one rounding to `dtype`. [N, K]."""
     if isinstance(qw, StackedWeight):

@@ -138,14 +138,17 @@ std::tuple<torch::Tensor, torch::Tensor> repack_superblocks(const std::vector<to
   const int64_t chunks = (k + kChunk - 1) / kChunk;
   const int64_t chunk_bytes = kind == 4 ? 256 : 384;
   const int64_t row_values = chunks * chunk_bytes - (k % kChunk ? chunk_bytes / 2 : 0);
-  auto values = torch::zeros({n, row_values}, torch::kUInt8);
-  auto meta = torch::zeros({n, chunks * kMeta}, torch::kUInt8);
+  // Not zero-filled up front (a single-threaded memset of a GB, and every page faulted twice): the
+  // row functions write every byte of values; each row's meta is cleared first (the unused bytes).
+  auto values = torch::empty({n, row_values}, torch::kUInt8);
+  auto meta = torch::empty({n, chunks * kMeta}, torch::kUInt8);
   uint8_t* vp = values.data_ptr<uint8_t>();
   uint8_t* mp = meta.data_ptr<uint8_t>();
   {
     pybind11::gil_scoped_release no_gil;
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < n; ++r) {
+      std::memset(mp + r * chunks * kMeta, 0, chunks * kMeta);
       if (kind == 4)
         q4_k_row(rows[r], k, vp + r * row_values, mp + r * chunks * kMeta);
       else
