@@ -34,11 +34,33 @@ def _read(path: str | Path, reader: Callable[[Path], T]) -> T:
         raise ModelLoadError(f"{p} is not a readable GGUF file ({type(err).__name__}: {err})") from None
 
 
+# The last file opened, by its identity: an engine start opens its model four times (memory
+# check, inventory, header, load), and a parse of a large vocabulary takes ~0.1 s.
+_last: tuple[tuple[object, ...], GGUFFile] | None = None
+
+
+def _identity(p: Path) -> tuple[object, ...] | None:
+    try:
+        st = p.stat()
+    except OSError:
+        return None
+    return (str(p.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 def open_gguf(path: str | Path) -> GGUFFile:
     """Open a GGUF file (memory-mapped), parse its header, metadata and tensor directory, and
-    check the model it describes against its tensors (`check_model`)."""
-    reader = _read(path, GGUFFile)
-    check_model(Path(path), reader)
+    check the model it describes against its tensors (`check_model`). Opening the file just
+    opened again, unchanged (same inode, size and modification time), returns the same reader
+    (read-only: callers never modify one)."""
+    global _last
+    p = Path(path)
+    key = _identity(p)
+    if key is not None and _last is not None and _last[0] == key:
+        return _last[1]
+    reader = _read(p, GGUFFile)
+    check_model(p, reader)
+    if key is not None:
+        _last = (key, reader)
     return reader
 
 

@@ -200,3 +200,26 @@ def test_metadata_only_read_ignores_a_broken_tensor_directory(small_file: Path) 
     assert read_gguf_metadata(small_file)["string.plain"] == "hello"
     with pytest.raises(ModelLoadError):
         open_gguf(small_file)
+
+
+def test_reopening_an_unchanged_file_reuses_its_parse(tmp_path: Path) -> None:
+    """An engine start opens its model several times; the parse is made once per file version."""
+    import os
+    import shutil
+
+    from freetoken.weights.source import resolve_model
+
+    copy = tmp_path / "model.gguf"
+    shutil.copyfile(resolve_model("gemma3-270m").path, copy)
+    first = open_gguf(copy)
+    assert open_gguf(copy) is first and open_gguf(str(copy)) is first
+    st = copy.stat()
+    os.utime(copy, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # rewritten, as far as anyone can tell
+    again = open_gguf(copy)
+    assert again is not first and again.metadata == first.metadata
+    other = tmp_path / "other.gguf"
+    shutil.copyfile(copy, other)
+    assert open_gguf(other) is not again
+    other.write_bytes(b"GGUF")  # a changed file is parsed again: here, refused
+    with pytest.raises(ModelLoadError):
+        open_gguf(other)
