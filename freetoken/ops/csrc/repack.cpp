@@ -146,7 +146,7 @@ std::tuple<torch::Tensor, torch::Tensor> repack_superblocks(const std::vector<to
   uint8_t* mp = meta.data_ptr<uint8_t>();
   {
     pybind11::gil_scoped_release no_gil;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, 16)  // dynamic: a core shared with another process (the API process, a client) does not hold up the other
     for (int64_t r = 0; r < n; ++r) {
       std::memset(mp + r * chunks * kMeta, 0, chunks * kMeta);
       if (kind == 4)
@@ -237,7 +237,7 @@ torch::Tensor dequantize_superblocks(const torch::Tensor& values, const torch::T
 #pragma omp parallel
     {
       std::vector<float> row(bf16 ? k : 0);
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 16)
       for (int64_t i = 0; i < r; ++i) {
         float* y = bf16 ? row.data() : static_cast<float*>(op) + i * k;
         dequantize_row(vp + i * row_values, mp + i * chunks * kMeta, kind, k, y);
