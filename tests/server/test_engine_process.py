@@ -343,3 +343,42 @@ def test_an_engine_that_cannot_load_its_model_is_down_with_the_reason(tmp_path: 
     assert state == "down" and restarts == 0
     assert reason is not None and "missing" in reason and "not restarting" in reason
     assert {p.pid for p in engine_children()} == before
+
+
+def test_a_held_engine_waits_for_its_release_or_for_its_parent_to_go() -> None:
+    from freetoken.server.process.supervisor import wait_for_go
+
+    class Go:  # a multiprocessing Event, stepped by the test
+        def __init__(self, set_after: int | None) -> None:
+            self.calls, self.set_after = 0, set_after
+
+        def wait(self, timeout: float | None = None) -> bool:
+            self.calls += 1
+            return self.set_after is not None and self.calls > self.set_after
+
+    released = Go(set_after=3)
+    assert wait_for_go(released, 100, lambda: 100) and released.calls == 4
+    parents = iter([100, 100, 1])  # reparented on the third check: the API process is gone
+    orphan = Go(set_after=None)
+    assert not wait_for_go(orphan, 100, lambda: next(parents)) and orphan.calls == 3
+
+
+def test_a_held_early_engine_is_ended_unreleased_and_serves_once_released(model_dir: Path) -> None:
+    before = {p.pid for p in engine_children()}
+
+    async def scenario() -> None:
+        held = EarlyEngine.start(engine_config(model_dir), "tiny", held=True)
+        held.abandon()  # a check refused the configuration: ended, directory removed
+        assert held.process.exitcode is not None and not Path(held.directory).exists()
+
+        early = EarlyEngine.start(engine_config(model_dir), "tiny", held=True)
+        c = EngineClient(engine_config(model_dir), served_name="tiny", early=early)
+        early.release()
+        await c.start()
+        assert await c.wait_ready(180), c.reason
+        updates = await collect(c, "h", PROMPT, GREEDY)
+        assert updates[-1].finished
+        await c.stop()
+
+    asyncio.run(scenario())
+    assert {p.pid for p in engine_children()} == before

@@ -18,7 +18,9 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import multiprocessing
 import multiprocessing.process
+import multiprocessing.synchronize
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -72,16 +74,25 @@ class EarlyEngine:
 
     directory: str
     process: multiprocessing.process.BaseProcess
+    go: multiprocessing.synchronize.Event | None = None  # set: a held process may load
 
     @staticmethod
-    def start(config: EngineConfig, served_name: str) -> EarlyEngine:
+    def start(config: EngineConfig, served_name: str, held: bool = False) -> EarlyEngine:
+        """Start the process; `held`, it imports its modules and waits for `release` before it
+        reads any weight (started before the checks that may still refuse the configuration)."""
         directory = tempfile.mkdtemp(prefix="freetoken-")  # short: ipc paths are limited to ~100 bytes
+        go = multiprocessing.get_context("spawn").Event() if held else None
         try:
-            process = start_engine_process(config, _endpoints(directory, 0), served_name, 0)
+            process = start_engine_process(config, _endpoints(directory, 0), served_name, 0, go)
         except BaseException:
             shutil.rmtree(directory, ignore_errors=True)
             raise
-        return EarlyEngine(directory, process)
+        return EarlyEngine(directory, process, go)
+
+    def release(self) -> None:
+        """Let a held process load its model."""
+        if self.go is not None:
+            self.go.set()
 
     def abandon(self) -> None:
         """The server will not run after all (a later start-up step failed): end the process."""

@@ -25,6 +25,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from freetoken.config import EngineConfig
 from freetoken.errors import EXIT_STARTUP
@@ -80,12 +81,13 @@ class ExitReport:
 
 
 def start_engine_process(config: EngineConfig, endpoints: WorkerEndpoints, served_name: str,
-                         incarnation: int) -> multiprocessing.process.BaseProcess:
+                         incarnation: int, go: GoSignal | None = None) -> multiprocessing.process.BaseProcess:
     """Start (`spawn`) one engine process on `endpoints`; returns once it is started (OSError
-    when it cannot be)."""
+    when it cannot be). With `go`, the process imports its modules and then waits for `go` to be
+    set before it reads any weight (`ft serve` starts it before its own checks are done)."""
     process = multiprocessing.get_context("spawn").Process(
         target=_engine_process_main,
-        args=(config, endpoints, served_name),
+        args=(config, endpoints, served_name, go),
         name=f"freetoken-engine-{incarnation}",
         daemon=True,  # if the API process exits without stop(), multiprocessing ends it
     )
@@ -104,13 +106,37 @@ def describe_exit(exitcode: int | None) -> str:
     return f"exited with code {exitcode}"
 
 
-def _engine_process_main(config: EngineConfig, endpoints: WorkerEndpoints, served_name: str) -> None:
+class GoSignal(Protocol):
+    """What a held engine process waits on (a multiprocessing Event)."""
+
+    def wait(self, timeout: float | None = None) -> bool: ...
+
+
+GO_POLL_S = 0.25  # how often a held engine process checks that its parent is still there
+
+
+def wait_for_go(go: GoSignal, parent_pid: int, getppid: Callable[[], int]) -> bool:
+    """Block until `go` is set (True), or until the process that started this one is gone
+    (False: reparented, `getppid` no longer `parent_pid`)."""
+    while not go.wait(GO_POLL_S):
+        if getppid() != parent_pid:
+            return False
+    return True
+
+
+def _engine_process_main(config: EngineConfig, endpoints: WorkerEndpoints, served_name: str,
+                         go: GoSignal | None = None) -> None:
     """The engine process's entry point. The worker module (and with it torch) is imported here,
-    in the engine process, so that the API process never pays for it."""
+    in the engine process, so that the API process never pays for it; a held process (`go`)
+    imports first, then waits to be released."""
+    import os
     import sys
 
+    parent = os.getppid()
     from freetoken.server.process.worker import run_worker
 
+    if go is not None and not wait_for_go(go, parent, os.getppid):
+        sys.exit(0)  # the API process went away before releasing it
     sys.exit(run_worker(config, engine_endpoint=endpoints.engine, api_endpoint=endpoints.api, served_name=served_name))
 
 
