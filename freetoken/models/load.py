@@ -28,6 +28,7 @@ from freetoken.models.snapshot import SNAPSHOT_VERSION, capture, restore
 from freetoken.ops.qlinear import signature
 from freetoken.tokenizer import Tokenizer
 from freetoken.utils.heap import return_freed_memory
+from freetoken.weights.gguf_metadata import forget_opened
 from freetoken.weights.loader import Checkpoint, ModelSource, checkpoint_files, load_checkpoint, read_header, resolve_model
 from freetoken.weights.weight_cache import WeightCache, cache_dir, code_identity, file_identity
 
@@ -172,6 +173,7 @@ def load_model(
     tokenizer = load_tokenizer(source, ckpt.metadata)
     quant_types = ckpt.quant_types
     del ckpt  # the checkpoint's temporaries: freed, then returned to the system
+    forget_opened()  # and the file's map with them (its pages would count as resident memory)
     return_freed_memory()
     formats = weight_formats(model)
     log.info("loaded %s (%s, %s, weights %s) %s in %.1f s", source.name, config.architecture, dtype, weights, how,

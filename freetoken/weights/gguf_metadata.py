@@ -35,7 +35,8 @@ def _read(path: str | Path, reader: Callable[[Path], T]) -> T:
 
 
 # The last file opened, by its identity: an engine start opens its model four times (memory
-# check, inventory, header, load), and a parse of a large vocabulary takes ~0.1 s.
+# check, inventory, header, load), and a parse of a large vocabulary takes ~0.1 s. Held until
+# `forget_opened`.
 _last: tuple[tuple[object, ...], GGUFFile] | None = None
 
 
@@ -62,6 +63,13 @@ def open_gguf(path: str | Path) -> GGUFFile:
     if key is not None:
         _last = (key, reader)
     return reader
+
+
+def forget_opened() -> None:
+    """Drop the reader `open_gguf` keeps for a reopen: its memory map would otherwise keep every
+    page the load read counted as this process's resident memory. The load calls this when done."""
+    global _last
+    _last = None
 
 
 def check_model(path: Path, reader: GGUFFile) -> None:

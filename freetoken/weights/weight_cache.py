@@ -93,7 +93,11 @@ def _checksums(path: Path, size: int) -> list[int]:
 
         def digest(which: range) -> None:
             for i in which:
-                out[i] = xxhash.xxh3_64_intdigest(view[starts[i]:starts[i] + CHUNK])
+                length = min(CHUNK, size - starts[i])
+                out[i] = xxhash.xxh3_64_intdigest(view[starts[i]:starts[i] + length])
+                # out of this process's page tables again (the page cache keeps them): a GB-sized
+                # entry read once must not count as resident memory of the engine (VmHWM)
+                mm.madvise(mmap.MADV_DONTNEED, starts[i], length)
 
         workers = [threading.Thread(target=digest, args=(range(t, len(starts), 2),)) for t in (0, 1)]
         for w in workers:

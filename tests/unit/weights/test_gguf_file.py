@@ -17,7 +17,7 @@ import pytest
 
 from freetoken.errors import ModelLoadError
 from freetoken.weights.gguf_file import GGUFFile, GGUFFormatError, parse_layout, read_gguf_metadata
-from freetoken.weights.gguf_metadata import open_gguf, read_metadata
+from freetoken.weights.gguf_metadata import forget_opened, open_gguf, read_metadata
 
 VT = gguf.GGUFValueType
 
@@ -217,6 +217,8 @@ def test_reopening_an_unchanged_file_reuses_its_parse(tmp_path: Path) -> None:
     os.utime(copy, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # rewritten, as far as anyone can tell
     again = open_gguf(copy)
     assert again is not first and again.metadata == first.metadata
+    forget_opened()  # what a finished load calls: the map is not kept alive for a reopen
+    assert open_gguf(copy) is not again
     other = tmp_path / "other.gguf"
     shutil.copyfile(copy, other)
     assert open_gguf(other) is not again
