@@ -156,6 +156,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     ld.add_argument("--model", required=True, help="a GGUF file both servers load")
     ld.add_argument("--peer", default=None, metavar="BINARY", help="a llama-server binary started on the same file (-m FILE -t N -c N)")
     ld.add_argument("--starts", type=int, default=3, help="launches of each server, alternating (default 3)")
+    ld.add_argument("--first-starts", type=int, default=1,
+                    help="how many of them are first starts (ft: each with an empty weight cache); their median is reported apart (default 1)")
     ld.add_argument("--threads", type=int, default=None, help="threads of both servers (default: the physical cores this process may use)")
     ld.add_argument("--num-tokens", type=int, default=16384, help="KV capacity of both (ft --num-tokens, peer -c; default 16384)")
     ld.add_argument("--timeout", type=float, default=600.0, help="seconds a start may take to be ready (default 600)")
@@ -221,7 +223,7 @@ def _bench(args: argparse.Namespace) -> None:
     if args.bench == "roofline":
         bench_roofline(args.model, args.threads, args.weights, args.tokens, args.repeats)
     elif args.bench == "load":
-        bench_load(args.model, args.peer, args.starts, args.threads, args.num_tokens, args.timeout, args.ft_arg)
+        bench_load(args.model, args.peer, args.starts, args.threads, args.num_tokens, args.timeout, args.ft_arg, args.first_starts)
     else:
         bench_serve(args.base_url, args.peer_url, args.paired_rounds, args.scenarios, args.concurrency, args.quick, args.out)
 

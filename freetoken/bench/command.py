@@ -8,6 +8,7 @@ import dataclasses
 import json
 import sys
 
+from freetoken.errors import ConfigError
 from freetoken.utils.hardware import default_threads
 
 
@@ -43,9 +44,11 @@ def bench_serve(base_url: str, peer_url: str | None, rounds: int, scenarios: lis
 
 
 def bench_load(model: str, peer: str | None, starts: int, threads: int | None, num_tokens: int, timeout_s: float,
-               ft_extra: list[str]) -> None:
+               ft_extra: list[str], first_starts: int = 1) -> None:
     from freetoken.bench import load
 
-    results = load.run(model, peer, starts, threads or default_threads(), num_tokens, timeout_s, ft_extra)
-    print(load.table(results))
+    if not 1 <= first_starts <= starts:
+        raise ConfigError(f"--first-starts must be in [1, --starts {starts}], got {first_starts}")
+    results = load.run(model, peer, starts, threads or default_threads(), num_tokens, timeout_s, ft_extra, first_starts)
+    print(load.table(results, first_starts))
     sys.stdout.flush()

@@ -11,11 +11,11 @@ Each start launches the server in its own session, polls `/health` every 0.1 s, 
 - `sampled_peak_mb`: the largest tree total seen by a 0.1 s sampler (a lower bound of the true peak).
 
 Starts alternate between the servers (FreeToken first on odd rounds, the peer first on even
-ones), so a cold page cache or a busy neighbour does not always fall on one side; the first
-start of each is reported apart (file pages may be cold), the rest as medians. FreeToken's starts
-share a weight cache directory of the run's own (`--weights-cache`, empty at the first start
-unless one is passed): its first start reads and packs the checkpoint and writes the cache, the
-later ones map it — a user's first and second start. Owns no server
+ones), so a cold page cache or a busy neighbour does not always fall on one side. The first
+`first_starts` of each server are reported apart (median ready time and peak), the rest as
+medians. FreeToken's first starts each get an empty weight cache directory of the run's own
+(they read and pack the checkpoint and write the cache: a user's first start); the later ones
+map the last of them (a second start). With `--weights-cache` passed, every start uses that. Owns no server
 logic: it only launches commands and reads /proc.
 """
 
@@ -147,11 +147,11 @@ def peer_command(binary: str, model: str, threads: int, num_tokens: int, port: i
 
 
 def run(model: str, peer: str | None, starts: int, threads: int, num_tokens: int, timeout_s: float,
-        ft_extra: list[str]) -> list[Start]:
-    """`starts` launches of FreeToken (and of the peer binary, alternating), in order."""
+        ft_extra: list[str], first_starts: int = 1) -> list[Start]:
+    """`starts` launches of FreeToken (and of the peer binary, alternating), in order; the first
+    `first_starts` of FreeToken's with an empty weight cache each."""
     logs = Path(tempfile.mkdtemp(prefix="ft-bench-load-"))
-    if "--weights-cache" not in ft_extra:
-        ft_extra = [*ft_extra, "--weights-cache", str(logs / "weights-cache")]
+    own_cache = "--weights-cache" not in ft_extra
     results: list[Start] = []
     for i in range(starts):
         order = ["freetoken", "peer"] if i % 2 == 0 else ["peer", "freetoken"]
@@ -159,22 +159,26 @@ def run(model: str, peer: str | None, starts: int, threads: int, num_tokens: int
             if label == "peer" and peer is None:
                 continue
             port = free_port()
-            cmd = (ft_command(model, threads, num_tokens, port, ft_extra) if label == "freetoken"
+            extra = [*ft_extra, "--weights-cache", str(logs / f"weights-cache-{min(i, first_starts - 1)}")] if own_cache else ft_extra
+            cmd = (ft_command(model, threads, num_tokens, port, extra) if label == "freetoken"
                    else peer_command(str(peer), model, threads, num_tokens, port))
             print(f"ft bench load: start {i + 1}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
             results.append(measure(label, cmd, port, timeout_s, logs / f"{label}-{i}.log"))
     return results
 
 
-def table(results: list[Start]) -> str:
-    """First start and the median of the later ones, per server; ratios FreeToken / peer."""
+def table(results: list[Start], first_starts: int = 1) -> str:
+    """The first `first_starts` starts (their median) and the median of the later ones, per
+    server; ratios FreeToken / peer."""
     labels = list(dict.fromkeys(r.label for r in results))
     rows: dict[str, dict[str, float]] = {}
+    of = "" if first_starts == 1 else f", median of {first_starts}"
     for label in labels:
         mine = [r for r in results if r.label == label]
-        later = mine[1:] or mine
+        first, later = mine[:first_starts], mine[first_starts:] or mine
         rows[label] = {
-            "first start, ready (s)": mine[0].ready_s,
+            f"first start, ready (s{of})": statistics.median(r.ready_s for r in first),
+            f"first start, peak VmHWM (MiB{of})": statistics.median(r.peak_mb for r in first),
             "later starts, ready (s, median)": statistics.median(r.ready_s for r in later),
             "RSS after two requests (MiB, median)": statistics.median(r.rss_mb for r in mine),
             "peak, sum of VmHWM (MiB, median)": statistics.median(r.peak_mb for r in mine),

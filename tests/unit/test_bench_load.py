@@ -66,3 +66,9 @@ def test_table_reports_first_and_later_starts_and_ratios() -> None:
     later = next(line for line in lines if line.startswith("| later starts"))
     assert first == "| first start, ready (s) | 10.0 | 2.0 | 5.00x |"
     assert later == "| later starts, ready (s, median) | 5.0 | 1.0 | 5.00x |"
+    # two first starts of each: their median apart, the rest after
+    lines = load.table(runs, first_starts=2).splitlines()
+    first = next(line for line in lines if line.startswith("| first start, ready"))
+    later = next(line for line in lines if line.startswith("| later starts"))
+    assert first == "| first start, ready (s, median of 2) | 7.0 | 1.5 | 4.67x |"
+    assert later == "| later starts, ready (s, median) | 6.0 | 1.5 | 4.00x |"  # too few peer starts: all of them
