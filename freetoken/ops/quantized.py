@@ -148,11 +148,15 @@ class RawSuperBlocks(SuperBlockWeight):
     the block format) and keeps the result."""
 
     def __init__(self, kind: str, parts: list[torch.Tensor], k: int,
-                 decode: Callable[[torch.Tensor, str, int], SuperBlockWeight]) -> None:
+                 decode: Callable[[torch.Tensor, str, int], SuperBlockWeight],
+                 release: Callable[[list[torch.Tensor]], None] | None = None) -> None:
         if (kind not in SUPERBLOCK_KINDS or k % SUPER or not parts
                 or any(b.dtype != torch.uint8 or b.dim() != 2 or b.shape[1] != parts[0].shape[1] for b in parts)):
             raise ValueError(f"RawSuperBlocks: kind={kind}, K={k}, parts {[(b.dtype, tuple(b.shape)) for b in parts]}")
         self.kind, self.parts, self.k, self._decode = kind, parts, k, decode
+        # once packed: lets the loader drop the blocks' file pages from the process (a part that is
+        # not in a file's map, such as a permuted copy, is left alone by it)
+        self.release = release
         self._ints: SuperBlockWeight | None = None
 
     @property
@@ -186,7 +190,7 @@ class RawSuperBlocks(SuperBlockWeight):
         blocks = fn(self.blocks)
         if blocks.device.type != "cpu":  # the decoder and the packer are CPU code: decode first
             return self.decoded().map_rows(fn)
-        return RawSuperBlocks(self.kind, [blocks], self.k, self._decode)
+        return RawSuperBlocks(self.kind, [blocks], self.k, self._decode, self.release)
 
     def cols(self, start: int, stop: int) -> SuperBlockWeight:
         return self.decoded().cols(start, stop)
@@ -289,7 +293,7 @@ def concat(parts: list[Quantized]) -> Quantized:
     if (all(isinstance(p, RawSuperBlocks) and p._ints is None and p.device.type == "cpu" for p in flat)
             and len({p.kind for p in flat}) == 1):
         raws: list[RawSuperBlocks] = flat  # type: ignore[assignment]
-        return RawSuperBlocks(raws[0].kind, [b for p in raws for b in p.parts], raws[0].k, raws[0]._decode)
+        return RawSuperBlocks(raws[0].kind, [b for p in raws for b in p.parts], raws[0].k, raws[0]._decode, raws[0].release)
     if all(isinstance(p, SuperBlockWeight) for p in flat) and len({p.kind for p in flat}) == 1:
         sbs: list[SuperBlockWeight] = flat  # type: ignore[assignment]
         cat = (lambda ts: None if ts[0] is None else torch.cat(ts))  # noqa: E731

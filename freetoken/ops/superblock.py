@@ -56,7 +56,10 @@ def pack_values(w: SuperBlockWeight) -> tuple[torch.Tensor, torch.Tensor]:
     from the blocks of a `RawSuperBlocks` not yet decoded (csrc/repack.cpp, both cores, no
     per-weight intermediates), else from the integers."""
     if _REPACK is not None and isinstance(w, RawSuperBlocks) and w._ints is None:
-        return _REPACK.repack_superblocks([b.contiguous() for b in w.parts], _KIND_CODE[w.kind], w.k)
+        packed = _REPACK.repack_superblocks([b.contiguous() for b in w.parts], _KIND_CODE[w.kind], w.k)
+        if w.release is not None:
+            w.release(w.parts)  # read once: the file's pages need not stay counted as resident
+        return packed
     n, k = w.shape
     chunks = -(-k // CHUNK)
     kp = chunks * CHUNK

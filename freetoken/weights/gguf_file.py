@@ -13,7 +13,9 @@ without its neighbours' offsets saying so), data past the end of the file.
 
 from __future__ import annotations
 
+import mmap
 import struct
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -291,10 +293,34 @@ class GGUFFile:
         self.tensors = layout.tensors
         self.alignment = layout.alignment
         self.data_offset = layout.data_offset
+        _OPEN.add(self)
 
     def tensor_data(self, info: GGUFTensorInfo) -> np.ndarray:
         """The tensor's bytes as stored: a read-only flat uint8 view of the file (no copy)."""
         return self._map[info.offset : info.offset + info.n_bytes].view(np.ndarray)
+
+    def release_pages(self, address: int, length: int) -> bool:
+        """Drop the whole pages of [address, address + length) from this process's page tables
+        if the range lies in this file's map (False otherwise). The map is shared and read only:
+        the page cache keeps the pages and a later read faults them back unchanged; until then
+        they no longer count as this process's resident memory."""
+        base = self._map.ctypes.data
+        if not base <= address <= address + length <= base + self._map.size:
+            return False
+        page = mmap.PAGESIZE
+        start, stop = -(-(address - base) // page) * page, (address + length - base) // page * page
+        if stop > start:
+            self._map._mmap.madvise(mmap.MADV_DONTNEED, start, stop - start)  # type: ignore[attr-defined]
+        return True
+
+
+_OPEN: weakref.WeakSet[GGUFFile] = weakref.WeakSet()  # the files this process has open
+
+
+def release_mapped_pages(address: int, length: int) -> bool:
+    """`GGUFFile.release_pages` on whichever open file maps [address, address + length); False
+    (nothing done) for memory no open file maps, such as a copy."""
+    return any(f.release_pages(address, length) for f in list(_OPEN))
 
 
 def read_gguf_metadata(path: str | Path) -> dict[str, object]:

@@ -41,6 +41,7 @@ from freetoken.weights.dequant import (
     type_name,
 )
 from freetoken.weights.dequant import _q6_k as _decode_q6_k
+from freetoken.weights.gguf_file import release_mapped_pages
 
 QType = gguf.GGMLQuantizationType
 
@@ -221,7 +222,13 @@ def superblock_rows(raw: np.ndarray | torch.Tensor, qtype: QType | int, shape: S
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             data = torch.from_numpy(data)
-    return RawSuperBlocks("q4_k" if qtype == QType.Q4_K else "q6_k", [data.view(n, -1)], k, _decode_blocks)
+    return RawSuperBlocks("q4_k" if qtype == QType.Q4_K else "q6_k", [data.view(n, -1)], k, _decode_blocks,
+                          _release_blocks)
+
+
+def _release_blocks(parts: list[torch.Tensor]) -> None:
+    for p in parts:
+        release_mapped_pages(p.data_ptr(), p.numel())
 
 
 def _decode_blocks(blocks: torch.Tensor, kind: str, k: int) -> SuperBlockWeight:

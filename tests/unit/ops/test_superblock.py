@@ -4,7 +4,8 @@ of dequantize + float64 matmul at every row count, fused projections of mixed ty
 part's form, and slicing for tensor parallelism keeps the form. The native paths of the load
 (csrc/repack.cpp: packing straight from the file's blocks, dequantizing the packed rows) are byte
 for byte the torch ones, and a weight kept in its blocks (`RawSuperBlocks`) stays in them through
-row slices, permutations and concatenation, decoding its integers only when something reads them.
+row slices, permutations and concatenation, decoding its integers only when something reads them;
+once packed, the file pages it was read from no longer count as the process's resident memory.
 
 Bound (as the group-32 kernel's, tests/unit/ops/test_qlinear_ops.py): activations quantized per
 32-group, so |error| <= sum_k |w_k| amax_group(x) / 254, + 1e-5 |x|.|w| (float32 sums) + the
@@ -12,6 +13,8 @@ output's rounding (bf16: 2^-8 |r|).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -215,3 +218,46 @@ def test_a_weight_in_its_blocks_stays_there_until_its_integers_are_read() -> Non
     assert torch.equal(dequantize(decoded_then_sliced), dequantize(q_ints)[2:5])
     with pytest.raises(ModelLoadError, match="bytes of Q4_K data"):
         superblock_rows(np.zeros(100, np.uint8), Q.Q4_K, (2, 512), "broken")
+
+
+def _mapping_rss_kb(path: Path) -> int:
+    """Resident kB of this process's mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5:  # a mapping's header line
+            inside = len(head) >= 6 and head[-1] == str(path)
+        elif inside and line.startswith("Rss:"):
+            total += int(head[1])
+    return total
+
+
+@pytest.mark.skipif(not kernel_available(), reason="needs the C++ kernel (AVX-512 VNNI)")
+def test_packing_drops_the_files_pages_it_read_and_never_a_copy(tmp_path: Path) -> None:
+    """A packed matrix's blocks no longer count as resident memory of the process (they stay in
+    the page cache); blocks that are not a file's (a copy) are left as they are."""
+    from freetoken.weights.gguf_file import GGUFFile
+
+    path = tmp_path / "blocks.gguf"
+    blocks = _blocks(Q.Q6_K, 512, 2048, seed=7).reshape(512, -1)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("w", blocks, raw_dtype=Q.Q6_K)  # blocks [512, 8 * 210]: a [512, 2048] Q6_K matrix
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader = GGUFFile(path)
+    info = reader.tensors[0]
+    raw = superblock_rows(reader.tensor_data(info), Q.Q6_K, (512, 2048))
+    touched = int(raw.parts[0].sum())  # reads every page of the tensor
+    assert touched > 0 and _mapping_rss_kb(path) >= info.n_bytes // 1024 - 8
+    packed = pack(raw)
+    assert _mapping_rss_kb(path) < 64  # the header's pages at most
+    assert torch.equal(packed.dequantize(), dequantize(to_superblocks(blocks.reshape(-1), Q.Q6_K, (512, 2048))))
+    assert int(raw.parts[0].sum()) == touched  # read again: the same bytes, from the page cache
+
+    copy, _ = _raw("q4_k", 64, 512, seed=9)
+    copy = copy.map_rows(lambda t: t.clone())  # anonymous memory: never dropped (that would zero it)
+    before = copy.parts[0].clone()
+    pack(copy)
+    assert torch.equal(copy.parts[0], before)
