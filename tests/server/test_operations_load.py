@@ -85,14 +85,17 @@ def test_a_hung_first_load_exits_1_naming_model_and_deadline(tiny_gemma_dir: Pat
 
 
 class HungLoads:
-    """Stands in for the supervisor's spawn context: each "engine process" is a real process
+    """Stands in for the supervisor's process start: each "engine process" is a real process
     that sleeps, so it never says Ready unless the test calls `Supervisor.ready()`."""
 
     def __init__(self) -> None:
         self.started: list[multiprocessing.process.BaseProcess] = []
 
-    def Process(self, *, target: Callable[..., object], args: tuple[object, ...], name: str, daemon: bool) -> multiprocessing.process.BaseProcess:
-        process = multiprocessing.get_context("fork").Process(target=time.sleep, args=(GUARD_S,), name=name, daemon=daemon)
+    def start(self, config: EngineConfig, endpoints: WorkerEndpoints, served_name: str,
+              incarnation: int) -> multiprocessing.process.BaseProcess:
+        process = multiprocessing.get_context("fork").Process(target=time.sleep, args=(GUARD_S,),
+                                                              name=f"hung-{incarnation}", daemon=True)
+        process.start()
         self.started.append(process)
         return process
 
@@ -110,11 +113,10 @@ def supervised(ready_incarnations: set[int], policy: RestartPolicy) -> tuple[Sup
     async def on_exit(report: ExitReport) -> None:
         reports.append(report)
 
+    loads = HungLoads()  # the fault injection: loads that never finish
     sup = Supervisor(EngineConfig(model="hung-model"), served_name="x", on_spawn=on_spawn, on_exit=on_exit,
-                     policy=policy, load_timeout_s=1.0)
+                     policy=policy, load_timeout_s=1.0, start_process=loads.start)
     holder.append(sup)
-    loads = HungLoads()
-    sup._mp = loads  # type: ignore[assignment]  # the fault injection: loads that never finish
     return sup, loads, reports
 
 

@@ -173,8 +173,11 @@ class Supervisor:
         policy: RestartPolicy | None = None,
         load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
         first: multiprocessing.process.BaseProcess | None = None,
+        start_process: Callable[[EngineConfig, WorkerEndpoints, str, int], multiprocessing.process.BaseProcess]
+        = start_engine_process,
     ) -> None:
         self._config = config
+        self._start_process = start_process  # tests put processes that never load here
         # incarnation 0, when it was started before the supervisor (`ft serve` starts it before
         # importing the web stack, so the engine's imports and load overlap the API process's)
         self._first = first
@@ -216,7 +219,7 @@ class Supervisor:
                 if self._first is not None:
                     process, self._first = self._first, None
                 else:
-                    process = start_engine_process(self._config, endpoints, self._served_name, incarnation)
+                    process = self._start_process(self._config, endpoints, self._served_name, incarnation)
             except OSError as err:
                 report = self._plan(None, None, f"could not be started ({err})", None, False)
             else:
