@@ -79,6 +79,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="how long a stored response is kept (default 3600)")
     p.add_argument("--tool-call-parser", default=None, choices=["hermes", "gemma", "gemma4", "llama3_json", "harmony"],
                    help="the tool-call format to parse (default: from the model's chat template and architecture)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM command lines and ignored: tool calling is always on")
     p.add_argument("--reasoning-parser", default=None, choices=["think", "gemma4", "none"],
                    help="split <think>...</think> (think) or <|channel>thought...<channel|> (gemma4) reasoning off the output "
                         "(default: from the model's template or vocabulary)")
@@ -96,12 +98,14 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="on SIGTERM or POST /admin/drain, how long in-flight requests may finish before they are aborted (default 30)")
     p.add_argument("--max-request-bytes", type=int, default=32 * 1024 * 1024, metavar="N",
                    help="a request body larger than this is refused with 413 before it is read or parsed (default 33554432 = 32 MiB)")
-    p.add_argument("--max-running-requests", type=int, default=16, help="requests decoded together (default 16)")
+    p.add_argument("--max-running-requests", "--max-num-seqs", type=int, default=16,
+                   help="requests decoded together (default 16; --max-num-seqs: vLLM's spelling)")
     p.add_argument("--max-waiting-requests", type=int, default=256, help="requests queued beyond the running ones; more get 429 (default 256)")
     p.add_argument("--max-prefill-length", type=int, default=1024, help="prompt tokens prefilled per step (default 1024)")
     p.add_argument("--num-tokens", type=int, default=None, help="FULL KV pool size in tokens (default: from --memory-ratio)")
     p.add_argument("--memory-ratio", type=float, default=0.3, help="share of free memory the FULL KV pool may use (default 0.3)")
-    p.add_argument("--context-length", type=int, default=None, help="cap the model's context length")
+    p.add_argument("--context-length", "--max-model-len", type=int, default=None,
+                   help="cap the model's context length (--max-model-len: vLLM's spelling)")
     p.add_argument("--cache-type", default="radix", choices=["naive", "radix", "swa_radix"], help="prefix cache (default radix; swa_radix on SWA models)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
     p.add_argument("--swa-full-tokens-ratio", type=float, default=None, help="SWA pool size as a share of the FULL pool")

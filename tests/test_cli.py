@@ -93,3 +93,21 @@ def test_chat_without_a_server_is_one_line() -> None:
         out = ft("chat", "--url", f"http://127.0.0.1:{port}", timeout=60)
     one_line_error(out, "cannot reach", str(port))
     assert out.returncode == 1
+
+
+def test_serve_takes_vllm_spellings_of_its_flags() -> None:
+    from freetoken.cli import build_parser
+
+    vllm = build_parser().parse_args(["serve", "--max-model-len", "4096", "--max-num-seqs", "8", "--enable-auto-tool-choice"])
+    ours = build_parser().parse_args(["serve", "--context-length", "4096", "--max-running-requests", "8"])
+    assert (vllm.context_length, vllm.max_running_requests) == (ours.context_length, ours.max_running_requests) == (4096, 8)
+
+
+def test_a_hub_id_is_refused_with_how_to_get_the_file() -> None:
+    out = ft("serve", "--model", "Qwen/Qwen3-8B-GGUF", timeout=60)
+    assert out.returncode == 1, out.stderr  # a model that cannot be loaded (a flag that cannot work is 2)
+    error = [line for line in out.stderr.splitlines() if line.startswith("ft serve: error:")]
+    assert len(error) == 1 and "looks like a Hugging Face id" in error[0] and "does not download" in error[0], out.stderr
+    assert "hf download Qwen/Qwen3-8B-GGUF" in error[0]
+    plain = ft("serve", "--model", "no-such-model.gguf", timeout=60)  # not an id: the plain message
+    assert plain.returncode == 1 and "Hugging Face" not in plain.stderr and "model not found" in plain.stderr

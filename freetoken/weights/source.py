@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -58,4 +59,14 @@ def resolve_model(spec: str | None) -> ModelSource:
             raise ModelLoadError(f"{path} is neither a .gguf file nor a model directory")
         return ModelSource("gguf", path, path.stem)
     known = ", ".join(SHORT_NAMES)
+    if _HUB_ID.fullmatch(spec):
+        raise ModelLoadError(
+            f"model not found: {spec} looks like a Hugging Face id, and FreeToken does not download models: "
+            f"fetch a file first (e.g. `hf download {spec} --include '*Q4_K_M*.gguf' --local-dir DIR`) "
+            f"and pass its path to --model (or one of: {known})"
+        )
     raise ModelLoadError(f"model not found: {spec} (not a file, a directory, or one of: {known})")
+
+
+# `org/name` as the hub writes it (no such path here): owner and repository of letters, digits, - _ .
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
