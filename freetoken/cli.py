@@ -64,6 +64,7 @@ def _swa_pool_tokens(value: str) -> int | str:
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (default: gemma3-270m on 127.0.0.1:1919)")
+    p.add_argument("model_arg", nargs="?", default=None, metavar="MODEL", help="the model, as --model takes it (`ft serve FILE.gguf`)")
     p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=1919, help="port to listen on (default 1919)")
@@ -238,8 +239,10 @@ def _serve(args: argparse.Namespace) -> None:
     from freetoken.server.settings import ServerConfig
     from freetoken.server.startup import start
 
+    if args.model is not None and args.model_arg is not None and args.model != args.model_arg:
+        raise ConfigError(f"the model is given twice, as {args.model_arg!r} and --model {args.model!r}: give it once")
     engine = EngineConfig(
-        model=args.model,
+        model=args.model if args.model is not None else args.model_arg,
         dtype=args.dtype,
         weights=args.weights,
         prefill_weights=args.prefill_weights,

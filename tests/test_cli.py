@@ -111,3 +111,14 @@ def test_a_hub_id_is_refused_with_how_to_get_the_file() -> None:
     assert "hf download Qwen/Qwen3-8B-GGUF" in error[0]
     plain = ft("serve", "--model", "no-such-model.gguf", timeout=60)  # not an id: the plain message
     assert plain.returncode == 1 and "Hugging Face" not in plain.stderr and "model not found" in plain.stderr
+
+
+def test_serve_takes_the_model_as_its_argument_too() -> None:
+    from freetoken.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "some.gguf", "--port", "8000"])
+    assert args.model_arg == "some.gguf" and args.model is None
+    out = ft("serve", "a.gguf", "--model", "b.gguf", timeout=60)  # two different models: refused, naming both
+    assert out.returncode == 2 and "'a.gguf'" in out.stderr and "--model 'b.gguf'" in out.stderr, out.stderr
+    out = ft("serve", "Qwen/Qwen3-8B-GGUF", timeout=60)  # the positional form reaches the same model checks
+    assert out.returncode == 1 and "looks like a Hugging Face id" in out.stderr, out.stderr
