@@ -8,6 +8,8 @@ is timed."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import multiprocessing
 import multiprocessing.process
 import re
@@ -176,5 +178,41 @@ def test_restarts_that_keep_timing_out_end_in_giving_up() -> None:
         assert all("--load-timeout 1 s" in (r.cause or "") for r in reports[1:]), reports
         assert reports[2].why_not is not None and "died more than 2 times" in reports[2].why_not, reports[2]
         assert not any(p.is_alive() for p in loads.started)
+
+    asyncio.run(scenario())
+
+
+def _killed_by_the_kernel() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer ends a load
+
+
+def test_a_load_killed_by_sigkill_is_not_retried_and_is_explained() -> None:
+    """A load the kernel kills (out of memory) would be killed again: the supervisor gives up at
+    once, saying what most likely happened and the numbers to act on."""
+
+    async def scenario() -> None:
+        started: list[multiprocessing.process.BaseProcess] = []
+
+        def start(config: EngineConfig, endpoints: WorkerEndpoints, served_name: str, incarnation: int):  # type: ignore[no-untyped-def]
+            process = multiprocessing.get_context("fork").Process(target=_killed_by_the_kernel, daemon=True)
+            process.start()
+            started.append(process)
+            return process
+
+        reports: list[ExitReport] = []
+
+        async def on_exit(report: ExitReport) -> None:
+            reports.append(report)
+
+        sup = Supervisor(EngineConfig(model="gemma3-270m"), served_name="x",
+                         on_spawn=lambda i: WorkerEndpoints(engine="ipc://unused-engine", api="ipc://unused-api"),
+                         on_exit=on_exit, policy=RestartPolicy(first_delay_s=0.01), start_process=start)
+        sup.start()
+        await wait_for(lambda: not sup.watching)
+        assert len(started) == 1 and len(reports) == 1, reports  # not restarted
+        report = reports[0]
+        assert report.how == "was killed by SIGKILL" and report.restart_in is None and report.cause is None, report
+        assert report.why_not is not None and "out-of-memory killer" in report.why_not, report
+        assert "the model's files are" in report.why_not and "GiB of memory is available" in report.why_not, report
 
     asyncio.run(scenario())

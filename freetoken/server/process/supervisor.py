@@ -25,10 +25,11 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 from freetoken.config import EngineConfig
-from freetoken.errors import EXIT_STARTUP
+from freetoken.errors import EXIT_STARTUP, FreeTokenError
 
 log = logging.getLogger("freetoken.server")
 
@@ -93,6 +94,29 @@ def start_engine_process(config: EngineConfig, endpoints: WorkerEndpoints, serve
     )
     process.start()
     return process
+
+
+def out_of_memory_hint(config: EngineConfig) -> str:
+    """Why a load killed by SIGKILL is not retried, with the numbers a user needs: the model's
+    size on disk and the memory available now."""
+    size = ""
+    try:
+        from freetoken.weights.source import resolve_model
+
+        path = resolve_model(config.model).path
+        files = [path] if path.is_file() else list(path.glob("*.safetensors"))
+        size = f"the model's files are {sum(f.stat().st_size for f in files) / 2**30:.1f} GiB, "
+    except (FreeTokenError, OSError):
+        pass
+    available = ""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = f"{int(line.split()[1]) / 2**20:.1f} GiB of memory is available now; "
+    except (OSError, ValueError, IndexError):
+        pass
+    return ("it was killed while loading the model, most likely by the kernel's out-of-memory killer (`dmesg` says); "
+            f"{size}{available}free memory, lower --num-tokens / --memory-ratio, or use a smaller quantization")
 
 
 def describe_exit(exitcode: int | None) -> str:
@@ -272,6 +296,10 @@ class Supervisor:
         if load_timed_out and not self.served:
             why_not = "no engine process has loaded the model in time yet (raise --load-timeout for a large model or a slow disk)"
             return ExitReport(pid, code, how, None, why_not, cause)
+        if code == -signal.SIGKILL and cause is None and not self.served:
+            # killed while loading, and not by the supervisor: the kernel's OOM killer, as a rule;
+            # another load would only be killed again
+            return ExitReport(pid, code, how, None, out_of_memory_hint(self._config), cause)
         now = time.monotonic()
         self._exit_times.append(now)
         delay = self.policy.next_delay(self._exit_times, now)
