@@ -30,7 +30,8 @@ from freetoken.tokenizer import Tokenizer
 from freetoken.utils.heap import return_freed_memory
 from freetoken.weights.gguf_metadata import forget_opened
 from freetoken.weights.loader import Checkpoint, ModelSource, checkpoint_files, load_checkpoint, read_header, resolve_model
-from freetoken.weights.weight_cache import WeightCache, cache_dir, code_identity, file_identity
+from freetoken.weights.source import file_identity
+from freetoken.weights.weight_cache import WeightCache, cache_dir, code_identity
 
 log = logging.getLogger("freetoken.models")
 
@@ -61,7 +62,7 @@ def load_tokenizer(source: ModelSource, metadata: dict[str, object] | None) -> T
 def _cache_key(source: ModelSource, dtype: torch.dtype, weights: str, prefill_weights: str) -> dict:
     """What decides a snapshot's content: the checkpoint's files, the code that packs them, the
     kernels this build has, torch's version and the load options."""
-    return {"snapshot": SNAPSHOT_VERSION, "source": file_identity(checkpoint_files(source)), "code": _code(),
+    return {"snapshot": SNAPSHOT_VERSION, "source": [file_identity(f) for f in checkpoint_files(source)], "code": _code(),
             "kernels": signature(), "torch": torch.__version__, "dtype": str(dtype), "weights": weights,
             "prefill_weights": prefill_weights}
 

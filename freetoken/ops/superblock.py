@@ -3,8 +3,9 @@ differently quantized row blocks a fused projection may be.
 
 Owns `PackedSuperBlock` (the packing of a `SuperBlockWeight` for csrc/qlinear.cpp's `sbmm` —
 straight from the file's blocks by csrc/repack.cpp when the weight is still `RawSuperBlocks`,
-else from its integers in plain torch, byte for byte the same — its exact inverse for embedding rows and dequantization, and the call) and `PackedStack` (one packed
-weight per row block, outputs side by side). The format math is quantized.py's; the choice of
+else from its integers in plain torch, byte for byte the same — its exact inverse for embedding
+rows and dequantization, and the call) and `PackedStack` (one packed weight per row block,
+outputs side by side). The format math is quantized.py's; the choice of
 which packed class a weight becomes is qlinear.py's `pack`.
 
 Layout (the contract with `sbmm`; csrc/qlinear.cpp says it in full): a row is padded with zero
@@ -56,10 +57,7 @@ def pack_values(w: SuperBlockWeight) -> tuple[torch.Tensor, torch.Tensor]:
     from the blocks of a `RawSuperBlocks` not yet decoded (csrc/repack.cpp, both cores, no
     per-weight intermediates), else from the integers."""
     if _REPACK is not None and isinstance(w, RawSuperBlocks) and w._ints is None:
-        packed = _REPACK.repack_superblocks([b.contiguous() for b in w.parts], _KIND_CODE[w.kind], w.k)
-        if w.release is not None:
-            w.release(w.parts)  # read once: the file's pages need not stay counted as resident
-        return packed
+        return _REPACK.repack_superblocks([b.contiguous() for b in w.parts], _KIND_CODE[w.kind], w.k)
     n, k = w.shape
     chunks = -(-k // CHUNK)
     kp = chunks * CHUNK
@@ -144,6 +142,8 @@ class PackedSuperBlock:
         self.out_features, self.in_features = w.shape
         self.kind, self.bits = w.kind, w.bits
         self.values, self.meta = pack_values(w)
+        if isinstance(w, RawSuperBlocks) and w.release is not None:
+            w.release(w.parts)  # read once: the file's pages need not stay counted as resident
         self._kernel_module = kernel
         self._code = _KIND_CODE[w.kind]
         # qlinear's two paths, as plain functions of (self, x, bias) like PackedWeight's: the

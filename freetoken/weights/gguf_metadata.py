@@ -18,6 +18,7 @@ from typing import TypeVar
 from freetoken.errors import ModelLoadError
 from freetoken.weights.gguf_config import check_tensor_shapes, hf_config_from_metadata
 from freetoken.weights.gguf_file import GGUFFile, GGUFFormatError, read_gguf_metadata
+from freetoken.weights.source import file_identity
 
 T = TypeVar("T")
 
@@ -37,21 +38,20 @@ def _read(path: str | Path, reader: Callable[[Path], T]) -> T:
 # The last file opened, by its identity: an engine start opens its model four times (memory
 # check, inventory, header, load), and a parse of a large vocabulary takes ~0.1 s. Held until
 # `forget_opened`.
-_last: tuple[tuple[object, ...], GGUFFile] | None = None
+_last: tuple[list[object], GGUFFile] | None = None
 
 
-def _identity(p: Path) -> tuple[object, ...] | None:
+def _identity(p: Path) -> list[object] | None:
     try:
-        st = p.stat()
+        return file_identity(p)
     except OSError:
         return None
-    return (str(p.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def open_gguf(path: str | Path) -> GGUFFile:
     """Open a GGUF file (memory-mapped), parse its header, metadata and tensor directory, and
     check the model it describes against its tensors (`check_model`). Opening the file just
-    opened again, unchanged (same inode, size and modification time), returns the same reader
+    opened again, unchanged (same path, size and modification time), returns the same reader
     (read-only: callers never modify one)."""
     global _last
     p = Path(path)

@@ -70,3 +70,10 @@ def resolve_model(spec: str | None) -> ModelSource:
 
 # `org/name` as the hub writes it (no such path here): owner and repository of letters, digits, - _ .
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def file_identity(path: Path) -> list[object]:
+    """[path, size, mtime_ns]: a file rewritten or replaced is another identity (the weight
+    cache's key, the GGUF reader's reuse). OSError when it cannot be read."""
+    st = path.stat()
+    return [str(path.resolve()), st.st_size, st.st_mtime_ns]

@@ -55,15 +55,6 @@ def cache_dir(setting: str | None) -> Path | None:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "freetoken" / "weights"
 
 
-def file_identity(paths: Iterable[Path]) -> list[list[object]]:
-    """[path, size, mtime_ns] per file: a file rewritten or replaced is another identity."""
-    out: list[list[object]] = []
-    for p in paths:
-        st = p.stat()
-        out.append([str(p.resolve()), st.st_size, st.st_mtime_ns])
-    return out
-
-
 def code_identity(roots: Iterable[Path]) -> str:
     """A digest of every Python and extension file under `roots`: code that packs weights
     differently is another identity (a snapshot from another version is never read)."""

@@ -2,8 +2,8 @@
 //
 // Owns two conversions of the layout superblock.py's docstring and csrc/qlinear.cpp define:
 // - into it: a matrix's rows of GGUF super-blocks (uint8 [N, K / 256 * block bytes], as the file
-//   holds them; a fused projection's parts read where they lie) -> (values, meta) uint8 rows, byte for byte what superblock.pack_values makes of
-//   requant.to_superblocks' integers. No float math, no per-weight intermediates: each 32-weight
+//   holds them; a fused projection's parts read where they lie) -> (values, meta) uint8 rows,
+//   byte for byte what superblock.pack_values makes of requant.to_superblocks' integers. No float math, no per-weight intermediates: each 32-weight
 //   group's bytes are moved once.
 // - out of it: (values, meta) rows -> float32 or bfloat16 weights [R, K], bit for bit what
 //   quantized.dequantize gives (float32 products d * sc and dmin * m, then q * scale + minimum,
@@ -146,7 +146,8 @@ std::tuple<torch::Tensor, torch::Tensor> repack_superblocks(const std::vector<to
   uint8_t* mp = meta.data_ptr<uint8_t>();
   {
     pybind11::gil_scoped_release no_gil;
-#pragma omp parallel for schedule(dynamic, 16)  // dynamic: a core shared with another process (the API process, a client) does not hold up the other
+  // dynamic: a core shared with another process (the API process, a client) does not hold up the other
+#pragma omp parallel for schedule(dynamic, 16)
     for (int64_t r = 0; r < n; ++r) {
       std::memset(mp + r * chunks * kMeta, 0, chunks * kMeta);
       if (kind == 4)

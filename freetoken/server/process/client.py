@@ -67,10 +67,11 @@ def _endpoints(directory: str, incarnation: int) -> WorkerEndpoints:
 
 @dataclass
 class EarlyEngine:
-    """An engine process started before its client exists: `ft serve` starts it right after the
-    preflight, so that its imports and model load overlap the API process's own start-up (the
-    web stack's imports, the tokenizer, uvicorn). The client adopts it as incarnation 0; until
-    then its messages wait in ZMQ (the engine connects to an endpoint nobody has bound yet)."""
+    """An engine process started before its client exists: `ft serve` starts it held as soon as
+    the model's path is known (server/startup.py) and releases it once the preflight and the bind
+    passed, so that its imports and model load overlap the API process's own start-up (the web
+    stack's imports, the tokenizer, uvicorn). The client adopts it as incarnation 0; until then
+    its messages wait in ZMQ (the engine connects to an endpoint nobody has bound yet)."""
 
     directory: str
     process: multiprocessing.process.BaseProcess

@@ -25,7 +25,6 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 from freetoken.config import EngineConfig
@@ -98,25 +97,21 @@ def start_engine_process(config: EngineConfig, endpoints: WorkerEndpoints, serve
 
 def out_of_memory_hint(config: EngineConfig) -> str:
     """Why a load killed by SIGKILL is not retried, with the numbers a user needs: the model's
-    size on disk and the memory available now."""
-    size = ""
-    try:
-        from freetoken.weights.source import resolve_model
+    size on disk and the memory available now (read only when that happens)."""
+    import psutil
 
+    from freetoken.weights.source import resolve_model
+
+    try:
         path = resolve_model(config.model).path
         files = [path] if path.is_file() else list(path.glob("*.safetensors"))
         size = f"the model's files are {sum(f.stat().st_size for f in files) / 2**30:.1f} GiB, "
     except (FreeTokenError, OSError):
-        pass
-    available = ""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                available = f"{int(line.split()[1]) / 2**20:.1f} GiB of memory is available now; "
-    except (OSError, ValueError, IndexError):
-        pass
+        size = ""
+    available = psutil.virtual_memory().available / 2**30
     return ("it was killed while loading the model, most likely by the kernel's out-of-memory killer (`dmesg` says); "
-            f"{size}{available}free memory, lower --num-tokens / --memory-ratio, or use a smaller quantization")
+            f"{size}{available:.1f} GiB of memory is available now; "
+            "free memory, lower --num-tokens / --memory-ratio, or use a smaller quantization")
 
 
 def describe_exit(exitcode: int | None) -> str:
