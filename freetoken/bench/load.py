@@ -153,17 +153,24 @@ def run(model: str, peer: str | None, starts: int, threads: int, num_tokens: int
     logs = Path(tempfile.mkdtemp(prefix="ft-bench-load-"))
     own_cache = "--weights-cache" not in ft_extra
     results: list[Start] = []
-    for i in range(starts):
-        order = ["freetoken", "peer"] if i % 2 == 0 else ["peer", "freetoken"]
-        for label in order:
-            if label == "peer" and peer is None:
-                continue
-            port = free_port()
-            extra = [*ft_extra, "--weights-cache", str(logs / f"weights-cache-{min(i, first_starts - 1)}")] if own_cache else ft_extra
-            cmd = (ft_command(model, threads, num_tokens, port, extra) if label == "freetoken"
-                   else peer_command(str(peer), model, threads, num_tokens, port))
-            print(f"ft bench load: start {i + 1}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
-            results.append(measure(label, cmd, port, timeout_s, logs / f"{label}-{i}.log"))
+    try:
+        for i in range(starts):
+            order = ["freetoken", "peer"] if i % 2 == 0 else ["peer", "freetoken"]
+            for label in order:
+                if label == "peer" and peer is None:
+                    continue
+                port = free_port()
+                cache = logs / f"weights-cache-{min(i, first_starts - 1)}"
+                extra = [*ft_extra, "--weights-cache", str(cache)] if own_cache else ft_extra
+                cmd = (ft_command(model, threads, num_tokens, port, extra) if label == "freetoken"
+                       else peer_command(str(peer), model, threads, num_tokens, port))
+                print(f"ft bench load: start {i + 1}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
+                results.append(measure(label, cmd, port, timeout_s, logs / f"{label}-{i}.log"))
+    finally:
+        # The weight caches it made are a copy of the model each (GBs); the logs stay.
+        for cache in logs.glob("weights-cache-*"):
+            shutil.rmtree(cache, ignore_errors=True)
+        print(f"ft bench load: logs in {logs}", file=sys.stderr, flush=True)
     return results
 
 

@@ -72,3 +72,27 @@ def test_table_reports_first_and_later_starts_and_ratios() -> None:
     later = next(line for line in lines if line.startswith("| later starts"))
     assert first == "| first start, ready (s, median of 2) | 7.0 | 1.5 | 4.67x |"
     assert later == "| later starts, ready (s, median) | 6.0 | 1.5 | 4.00x |"  # too few peer starts: all of them
+
+
+def test_run_removes_the_weight_caches_it_made_and_keeps_the_logs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each first start gets a weight cache of its own (a copy of the model, GBs): `run` deletes
+    them when done, even when a start fails, so repeated benchmarks do not fill the disk."""
+    monkeypatch.setattr(load.tempfile, "mkdtemp", lambda prefix: str(tmp_path))
+    made: list[Path] = []
+
+    def fake_measure(label: str, cmd: list[str], port: int, timeout_s: float, log: Path) -> load.Start:
+        log.write_text("log")
+        if label == "freetoken":
+            cache = Path(cmd[cmd.index("--weights-cache") + 1])
+            (cache / "entry").mkdir(parents=True, exist_ok=True)
+            made.append(cache)
+            if len(made) == 3:
+                raise RuntimeError("the third start failed")
+        return load.Start(label, 1.0)
+
+    monkeypatch.setattr(load, "measure", fake_measure)
+    with pytest.raises(RuntimeError, match="third start"):
+        load.run("m.gguf", "peer-binary", starts=4, threads=2, num_tokens=64, timeout_s=1, ft_extra=[], first_starts=2)
+    assert {c.name for c in made} == {"weights-cache-0", "weights-cache-1"}  # later starts reuse the last
+    assert not any(c.exists() for c in made)
+    assert (tmp_path / "freetoken-0.log").exists() and (tmp_path / "peer-0.log").exists()
