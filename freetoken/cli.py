@@ -135,6 +135,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--spec-max-draft", type=int, default=16, metavar="K", help="drafted tokens per verified chunk at most (default 16)")
     p.add_argument("--spec-ngram-min", type=int, default=2, metavar="N", help="shortest n-gram looked up (default 2)")
     p.add_argument("--spec-ngram-max", type=int, default=4, metavar="N", help="longest n-gram looked up, tried first (default 4)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="every row computed alike, alone or batched, prefilled, decoded, verified or cached: greedy outputs repeat exactly; prefill slower (docs/engine.md; default off)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="engine processes, one per rank, each holding 1/N of every layer (gloo on CPU, nccl on CUDA; default 1)")
 
@@ -269,6 +271,7 @@ def _serve(args: argparse.Namespace) -> None:
         spec_max_draft=args.spec_max_draft,
         spec_ngram_min=args.spec_ngram_min,
         spec_ngram_max=args.spec_ngram_max,
+        deterministic=args.deterministic,
     )
     engine.validate()
     check_model_heads(engine.model, engine.tensor_parallel_size)  # before listening: one line

@@ -55,6 +55,9 @@ class EngineConfig:
     spec_max_draft: int = 16  # drafted tokens per verified chunk at most (the window starts here)
     spec_ngram_min: int = 2  # n-gram sizes looked up, longest first
     spec_ngram_max: int = 4
+    # Every row computed alike whether it is prefilled, decoded or verified, alone or batched,
+    # cached or not: quantized kernels for every row count, attention query by query (docs/engine.md).
+    deterministic: bool = False
     weights_cache: str = "auto"  # auto | off | a directory: what a load made of the checkpoint, mapped on the next start (weights/weight_cache.py)
     moe_strategy: str = "resident"  # resident | offload: experts decoded at load, or an LRU cache over the file (docs/moe.md)
     expert_cache_gb: float = 4.0  # offload: the expert cache's budget (resizable: POST /admin/cache/resize)
@@ -112,9 +115,39 @@ class EngineConfig:
             raise ConfigError(
                 f"--spec-ngram-min / --spec-ngram-max must satisfy 1 <= min <= max, got {self.spec_ngram_min} / {self.spec_ngram_max}"
             )
+        if self.deterministic:
+            self._check_deterministic()
         pool = self.swa_pool_tokens
         if pool is not None and pool != "floor" and not (isinstance(pool, int) and pool >= 1):
             raise ConfigError(f"--swa-pool-tokens must be a positive number of tokens or 'floor', got {pool!r}")
+
+    def _check_deterministic(self) -> None:
+        """What --deterministic cannot keep its promise with, refused by name."""
+        if self.prefill_weights == "bf16":
+            raise ConfigError("--deterministic multiplies every row by the quantized kernels: --prefill-weights bf16 "
+                              "(a dense copy for prefill-sized batches) cannot be used with it")
+        if self.page_size % 16:
+            raise ConfigError(f"--deterministic needs --page-size a multiple of 16 (the attention's float32 lanes "
+                              f"follow key positions), got {self.page_size}")
+        if self.kv_cache_dtype not in ("auto", "bf16"):
+            raise ConfigError(f"--deterministic reads K/V in the compute dtype: --kv-cache-dtype {self.kv_cache_dtype} "
+                              "cannot be used with it")
+        if self.device is not None and self.device.startswith("cuda"):
+            raise ConfigError("--deterministic runs on CPU only (its attention is the CPU decode kernel)")
+
+    @property
+    def copies_for_prefill(self) -> str:
+        """The --prefill-weights policy the load applies: `quantized` (none) under --deterministic."""
+        return "quantized" if self.deterministic else self.prefill_weights
+
+    @property
+    def alone_max(self) -> int:
+        """Chunks of at most this many tokens are attended query by query, as decode rows are
+        (`ForwardBatch.alone_max`): every chunk under --deterministic; a verified chunk of drafted
+        tokens when speculating, so that speculation never changes a greedy output."""
+        if self.deterministic:
+            return 1 << 30
+        return self.spec_max_draft + 1 if self.speculative != "off" else 1
 
     def resolve(
         self,

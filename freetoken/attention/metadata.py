@@ -39,6 +39,11 @@ class ForwardBatch:
     sliding_window: int | None  # W the SWA columns below were computed for
     swa_first_page: torch.Tensor | None  # [B] int64, first table column a sliding query can see
     swa_num_pages: int  # table columns to gather per request for sliding layers
+    # A request's chunk of at most this many new tokens is attended query by query with the
+    # decode kernel's arithmetic, so each of its rows is computed exactly as a decode row would
+    # be (1: decode rows only; the engine: a verified chunk's length, or every chunk under
+    # --deterministic).
+    alone_max: int = 1
     # Values an attention backend derives from this batch alone (gather slots, masks), built by
     # the first layer that needs them and reused by the others; owned by the backends.
     memo: dict[object, object] = field(default_factory=dict, compare=False, repr=False)
@@ -59,6 +64,7 @@ class ForwardBatch:
         device: torch.device | str = "cpu",
         sliding_window: int | None = None,
         logits_indices: Sequence[int] | None = None,
+        alone_max: int = 1,
     ) -> ForwardBatch:
         """Form a batch from `(positions_start, num_new_tokens, full_table, swa_table)` per request.
 
@@ -66,7 +72,8 @@ class ForwardBatch:
         of only the last (prompt logprobs). `sliding_window` lets sliding layers gather only the
         table columns that can hold in-window keys; without it they gather every column.
         `logits_indices`, when given, names the rows of T that produce logits (possibly none)
-        and overrides `all_logits`.
+        and overrides `all_logits`. `alone_max`: chunks of at most this many tokens are attended
+        query by query (the field's comment).
         Raises ValueError when a table is too short or maps a new token to the NULL page.
         """
         if not requests:
@@ -165,4 +172,5 @@ class ForwardBatch:
             sliding_window=sliding_window if has_swa else None,
             swa_first_page=None if first_page is None else t64(first_page),
             swa_num_pages=swa_num_pages,
+            alone_max=alone_max,
         )

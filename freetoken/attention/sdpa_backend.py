@@ -87,6 +87,10 @@ def paged_attention(
     T, H, D = q.shape
     n_kv = k_pages.shape[2]
     B, Lq = batch.num_requests, batch.max_query_len
+    if 1 < Lq <= batch.alone_max:  # every chunk short enough to attend query by query, as decode rows
+        out = _alone(q, k_pages, v_pages, flat.view(B, S), visible, batch.token_request, batch.token_offset, scale)
+        if out is not None:
+            return out
     k = take_rows(k_pages, flat, q.dtype).view(B, S, n_kv, D).transpose(1, 2)  # [B, n_kv, S, D], dequantized
     v = take_rows(v_pages, flat, q.dtype).view(B, S, n_kv, D).transpose(1, 2)  # [B, n_kv, S, D]
 
@@ -100,7 +104,7 @@ def paged_attention(
         split = batch.memo.get(("split",))
         if split is None:
             split = batch.memo[("split",)] = _Split.of(batch)
-        return _mixed(q, k, v, k_pages, v_pages, flat.view(B, S), visible, split, scale, key, batch.memo)
+        return _mixed(q, k, v, k_pages, v_pages, flat.view(B, S), visible, split, scale, key, batch.memo, batch.alone_max)
     if B == 1:  # one prefill chunk
         return attend_chunk(q.view(1, Lq, H, D).transpose(1, 2), k, v, visible, scale).transpose(1, 2).reshape(T, H, D)
     out = F.scaled_dot_product_attention(
@@ -127,10 +131,12 @@ class _Split:
 def _mixed(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
     slots: torch.Tensor, visible: torch.Tensor, split: _Split, scale: float, key: tuple, memo: dict,
+    alone_max: int,
 ) -> torch.Tensor:
     """q [T, H, D]; k, v [B, n_kv, S, D] gathered; slots [B, S]; visible [B, 1, Lq, S] -> [T, H, D].
-    The decode rows go to the decode op (or the matmuls) together, each prefill chunk to SDPA on
-    its own rows and keys (block by block when long)."""
+    The decode rows go to the decode op (or the matmuls) together, a chunk of at most `alone_max`
+    rows to the decode op query by query (`_alone`), each other chunk to SDPA on its own rows and
+    keys (block by block when long)."""
     T, H, D = q.shape
     out = q.new_empty(T, H, D)
     device = q.device
@@ -148,6 +154,12 @@ def _mixed(
     for b in split.chunks:
         s, e = split.starts[b], split.starts[b + 1]
         L = e - s
+        if L <= alone_max:
+            rows = torch.arange(L, device=device)
+            ob = _alone(q[s:e], k_pages, v_pages, slots, visible, torch.full_like(rows, b), rows, scale)
+            if ob is not None:
+                out[s:e] = ob
+                continue
         qb = q[s:e].view(1, L, H, D).transpose(1, 2)  # [1, H, L, D]
         vis = visible[b : b + 1, :, :L]  # [1, 1, L, S]
         if L >= 2 * QUERY_BLOCK:
@@ -155,6 +167,37 @@ def _mixed(
             out[s:e] = _blocked(qb, k[b : b + 1], v[b : b + 1], vis, blocks, scale)[0]
         else:
             out[s:e] = attend_chunk(qb, k[b : b + 1], v[b : b + 1], vis, scale)[0].transpose(0, 1)
+    return out
+
+
+# Query rows per call of the decode op when a chunk is attended query by query: bounds the
+# [rows, S] copies of slots and mask each call takes.
+ALONE_ROWS = 64
+
+
+def _alone(
+    q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor,
+    request: torch.Tensor, offset: torch.Tensor, scale: float,
+) -> torch.Tensor | None:
+    """Each query row attended alone by the decode op: q [R, H, D], the row's request index and
+    its offset among that request's new tokens ([R] each), slots [B, S], visible [B, 1, Lq, S] ->
+    [R, H, D]; None where the op cannot run (the caller takes its other path).
+
+    A row's result is then the one a decode step computes for it: the op's sums run over the
+    visible keys in position order, in float32 lanes fixed by the key's index modulo 16 (a page
+    of 16 slots or a multiple keeps that index's residue the position's), so no other row, the
+    chunk it came in and the keys it does not see change a bit of it."""
+    if q.device.type != "cpu" or k_pages.dtype != q.dtype:
+        return None
+    out = q.new_empty(q.shape)
+    for r0 in range(0, q.shape[0], ALONE_ROWS):
+        b, o = request[r0 : r0 + ALONE_ROWS], offset[r0 : r0 + ALONE_ROWS]
+        got = decode_attention(
+            q[r0 : r0 + ALONE_ROWS], k_pages, v_pages, slots.index_select(0, b), visible[b, 0, o].contiguous(), scale,
+        )
+        if got is None:
+            return None
+        out[r0 : r0 + ALONE_ROWS] = got
     return out
 
 

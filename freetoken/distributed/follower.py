@@ -55,7 +55,7 @@ def run_follower(config: EngineConfig, rank: int, port: int) -> int:
     dtype = resolve_dtype(config.dtype, device)
     join_group(rank, config.tensor_parallel_size, port, device)
     try:
-        loaded = load_model(config.model, dtype, device, config.weights, config.prefill_weights,
+        loaded = load_model(config.model, dtype, device, config.weights, config.copies_for_prefill,
                             rank=rank, world=config.tensor_parallel_size, moe_strategy=config.moe_strategy,
                             expert_cache_gb=config.expert_cache_gb)
     except FreeTokenError as err:
@@ -66,7 +66,8 @@ def run_follower(config: EngineConfig, rank: int, port: int) -> int:
     exchange(RankReport(rank, loaded.formats, kv.nbytes, str(kv.dtype).removeprefix("torch.")))  # rank 0 checks it
     with torch.inference_mode():
         while (step := receive_step(device)) is not None:
-            run_model(loaded.model, kv, step.ids, build_batch(loaded.config, kv, step.specs, step.logit_rows))
+            batch = build_batch(loaded.config, kv, step.specs, step.logit_rows, alone_max=config.alone_max)
+            run_model(loaded.model, kv, step.ids, batch)
     leave_group()
     return 0
 

@@ -20,6 +20,7 @@ from freetoken.distributed.checks import check_world_fits
 from freetoken.distributed.group import rank_threads
 from freetoken.distributed.launch import Peers, start_peers
 from freetoken.distributed.report import RankReport, check_reports, exchange
+from freetoken.engine.deterministic import prepare_deterministic
 from freetoken.engine.engine import Engine
 from freetoken.engine.grammar import GrammarCompiler
 from freetoken.engine.memory_check import check_fits, report_memory
@@ -94,7 +95,8 @@ def build_engine_for(config: EngineConfig, loaded: LoadedModel, peers: Peers | N
         for report in reports:
             log.info("tensor parallelism, %s", report.line())
         check_reports(reports)  # a rank that built another model or other K/V: refused, one line
-    runner = Runner(loaded.model, loaded.config, tensors, kv, peers)
+    prepare_deterministic(loaded.model, loaded.config, loaded.dtype, config.deterministic)
+    runner = Runner(loaded.model, loaded.config, tensors, kv, peers, alone_max=config.alone_max)
     return Engine(resolved, runner, kv, GrammarCompiler(loaded.tokenizer))
 
 
@@ -108,7 +110,7 @@ def load_for(config: EngineConfig) -> LoadedModel:
     device = torch.device(config.device) if config.device else default_device()
     dtype = resolve_dtype(config.dtype, device)
     check_fits(config, dtype, device)  # before any weight is read: one line when it cannot fit
-    return load_model(config.model, dtype, device, config.weights, config.prefill_weights, world=config.tensor_parallel_size,
+    return load_model(config.model, dtype, device, config.weights, config.copies_for_prefill, world=config.tensor_parallel_size,
                       moe_strategy=config.moe_strategy, expert_cache_gb=config.expert_cache_gb,
                       weights_cache=config.weights_cache)
 

@@ -50,7 +50,7 @@ def check_fits(config: EngineConfig, dtype: torch.dtype, device: torch.device, a
     if config.moe_strategy == "offload":
         entries = [e for e in entries if not any(tag in e.name for tag in EXPERT_TAGS)]
         experts = int(config.expert_cache_gb * GIB)
-    weights = estimate_weights(entries, config.weights, config.prefill_weights, dtype) + experts
+    weights = estimate_weights(entries, config.weights, config.copies_for_prefill, dtype) + experts
     kv = 0
     if config.num_tokens is not None:
         model = config_from_hf(read_header(source).hf_config)
@@ -66,7 +66,7 @@ def check_fits(config: EngineConfig, dtype: torch.dtype, device: torch.device, a
     if need <= have:
         return
     hints = []
-    if config.prefill_weights != "quantized":
+    if config.copies_for_prefill != "quantized":
         saved = weights - estimate_weights(entries, config.weights, "quantized", dtype) - experts
         if saved > 0:
             hints.append(f"--prefill-weights quantized (saves ~{_gib(saved)})")

@@ -24,7 +24,7 @@ from freetoken.models.forward import build_batch, run_model
 class Runner:
     def __init__(
         self, model: torch.nn.Module, config: ModelConfig, kv_tensors: KVTensors, kv: KVManager,
-        peers: Peers | None = None,
+        peers: Peers | None = None, alone_max: int = 1,
     ) -> None:
         self.model = model
         self.config = config
@@ -32,6 +32,7 @@ class Runner:
         self.kv = kv
         self.device = kv_tensors.device
         self.peers = peers  # the other tensor-parallel ranks (None: this process is the whole model)
+        self.alone_max = alone_max  # chunks attended query by query (EngineConfig.alone_max)
 
     @property
     def vocab_size(self) -> int:
@@ -59,7 +60,7 @@ class Runner:
             elif item.samples:
                 logit_rows.append(offset + item.n - 1)
             offset += item.n
-        batch = build_batch(self.config, self.kv_tensors, specs, logit_rows)
+        batch = build_batch(self.config, self.kv_tensors, specs, logit_rows, self.alone_max)
         if self.peers is None:
             return run_model(self.model, self.kv_tensors, ids, batch).float().cpu()
         self.peers.sender.send(ids, specs, logit_rows)  # only a batch that builds is sent

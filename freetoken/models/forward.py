@@ -19,15 +19,18 @@ from freetoken.models.config import ModelConfig
 
 
 def build_batch(
-    config: ModelConfig, kv_tensors: KVTensors, specs: Sequence[RequestSpec], logit_rows: Sequence[int]
+    config: ModelConfig, kv_tensors: KVTensors, specs: Sequence[RequestSpec], logit_rows: Sequence[int],
+    alone_max: int = 1,
 ) -> ForwardBatch:
-    """The ForwardBatch of the requests `specs` (raises ValueError on a malformed table)."""
+    """The ForwardBatch of the requests `specs` (raises ValueError on a malformed table);
+    chunks of at most `alone_max` tokens are attended query by query (`ForwardBatch.alone_max`)."""
     return ForwardBatch.build(
         specs,
         page_size=kv_tensors.page_size,
         logits_indices=logit_rows,
         device=kv_tensors.device,
         sliding_window=config.sliding_window if config.has_swa else None,
+        alone_max=alone_max,
     )
 
 

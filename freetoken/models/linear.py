@@ -85,6 +85,9 @@ class QuantizableWeight(nn.Module):
         # The quantized matrix dequantized once to `dtype`, for prefill-sized row counts (bf16
         # GEMM beats the decode kernel ~2x from PREFILL_ROWS rows on); None: not kept.
         self.dense: torch.Tensor | None = None
+        # Multiply one row at a time (a float matrix under --deterministic: a GEMM's rounding
+        # follows its row count; engine/deterministic.py sets it).
+        self.rows_alone = False
 
     def load_quantized(self, qw: Quantized) -> None:
         if self.weight is None:
@@ -122,6 +125,8 @@ class QuantizableWeight(nn.Module):
             if self.dense is not None and x.shape[0] >= PREFILL_ROWS:
                 return dense_linear(x, self.dense, bias)
             return qlinear(x, self.packed, bias)
+        if self.rows_alone and x.shape[0] > 1:
+            return torch.cat([F.linear(row, self.weight, bias) for row in x.split(1)])
         return dense_linear(x, self.weight, bias)
 
 

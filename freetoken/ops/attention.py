@@ -34,6 +34,11 @@ def _load() -> ModuleType | None:
 _KERNEL: ModuleType | None = _load()  # decided once at import
 
 
+def kernel_available() -> bool:
+    """Whether the C++ decode attention runs here (built, and an AVX-512 CPU)."""
+    return _KERNEL is not None
+
+
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor,
     scale: float,

@@ -51,3 +51,24 @@ def test_cache_type_and_context_resolution() -> None:
     # Without --num-tokens the FULL pool is the smaller of memory and max_running x context.
     r = resolve(EngineConfig(page_size=16, max_running_requests=2, memory_ratio=0.5), context=1024)
     assert r.full_pages == 2 * 1024 // 16
+
+
+@pytest.mark.parametrize("fields,flag", [
+    ({"prefill_weights": "bf16"}, "--prefill-weights bf16"),
+    ({"page_size": 8}, "--page-size a multiple of 16"),
+    ({"kv_cache_dtype": "int8"}, "--kv-cache-dtype int8"),
+    ({"device": "cuda"}, "CPU only"),
+])
+def test_deterministic_refuses_what_would_break_it_by_name(fields: dict, flag: str) -> None:
+    EngineConfig(**fields).validate() if fields.get("device") != "cuda" else None  # fine without it
+    with pytest.raises(ConfigError, match=f"--deterministic.*{flag}|{flag}.*--deterministic"):
+        EngineConfig(deterministic=True, **fields).validate()
+
+
+def test_deterministic_attends_every_chunk_alone_and_keeps_no_prefill_copies() -> None:
+    on = EngineConfig(deterministic=True)
+    assert on.alone_max >= 1 << 20 and on.copies_for_prefill == "quantized"
+    # Without it: decode rows only, or a verified chunk's length when speculating; the flag as given.
+    assert EngineConfig().alone_max == 1
+    assert EngineConfig(speculative="ngram", spec_max_draft=5).alone_max == 6
+    assert EngineConfig(prefill_weights="bf16").copies_for_prefill == "bf16"
