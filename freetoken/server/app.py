@@ -7,8 +7,8 @@ response, CORS (`--allowed-origins`), the `x-freetoken-replica` header, and the 
 answers sent before a route runs (401, 404, 405, 413: Anthropic's body under `/v1/messages`, else
 the server's own). The routes are the routers' of the protocol packages (`openai`, `responses`,
 `anthropic`; this is the one module that imports all three) and of `admin` (health, cache status,
-metrics, drain, cache resize, router probes); `--unprefixed-routes` adds the OpenAI routes
-without `/v1`. The app reaches the engine only through its `EngineClient`; it never imports torch.
+metrics, drain, cache resize, router probes, the dashboard page at `/`, which needs no key);
+`--unprefixed-routes` adds the OpenAI routes without `/v1`. The app reaches the engine only through its `EngineClient`; it never imports torch.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from freetoken import __version__
+from freetoken.server.admin.dashboard import DASHBOARD_PATH
 from freetoken.server.admin.probes import probe_router
 from freetoken.server.admin.routes import admin_router
 from freetoken.server.anthropic.errors import ANTHROPIC_DIALECT
@@ -43,7 +44,7 @@ from freetoken.server.responses.routes import responses_router
 log = logging.getLogger(__name__)
 
 UNPREFIXED_EXCLUDED = ("/v1/messages", "/v1/cache", "/v1/tokenize", "/v1/detokenize")  # not OpenAI routes
-OPEN_PATHS = ("/health", "/metrics", *PROBE_PATHS)  # with --unprefixed-routes, every other path needs the key
+OPEN_PATHS = ("/health", "/metrics", DASHBOARD_PATH, *PROBE_PATHS)  # with --unprefixed-routes, every other path needs the key
 KEYED_PREFIXES = ("/v1", "/admin")  # paths that need the API key (when one is set)
 
 

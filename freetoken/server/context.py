@@ -1,4 +1,5 @@
-"""What every route needs: the engine client, the tokenizer, the settings and the metrics.
+"""What every route needs: the engine client, the tokenizer, the settings, the metrics and the
+recent activity (the dashboard's).
 
 Owns `ServingContext` and the checks that come before any generation: the model name (404), the
 engine's readiness (503), the drain gate (503 while shutting down) and the admission limit (429
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from freetoken.server.errors import APIError
+from freetoken.server.operations.activity import Activity
 from freetoken.server.operations.drain import DrainGate
 from freetoken.server.operations.metrics import Metrics
 from freetoken.server.process.messages import Ready
@@ -32,6 +34,7 @@ class ServingContext:
     metrics: Metrics
     served_name: str
     drain: DrainGate = field(default_factory=DrainGate)
+    activity: Activity = field(default_factory=Activity)  # the dashboard's recent requests and tok/s
     on_drained: Callable[[], None] | None = None  # serve.py: stop the HTTP server once drained
 
     def begin_drain(self, why: str) -> bool:

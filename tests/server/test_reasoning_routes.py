@@ -141,6 +141,8 @@ def test_unprefixed_routes(think_server: ServeProcess) -> None:
         assert c.post("/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1}).status_code == 200
     assert httpx.post(f"{think_server.base}/chat/completions", json={"model": MODEL, "messages": USER}).status_code == 401
     assert httpx.get(f"{think_server.base}/health").status_code == 200
+    assert httpx.get(f"{think_server.base}/").status_code == 200  # the dashboard page is open; its data is not
+    assert httpx.get(f"{think_server.base}/admin/activity").status_code == 401
 
 
 def claude_code_request() -> dict[str, Any]:

@@ -22,6 +22,7 @@ from serving import ServeProcess
 from freetoken.server.core.generation import Clock, Piece
 from freetoken.server.core.streaming import Tally
 from freetoken.server.core.tool_calling import ToolStream
+from freetoken.server.operations.activity import Activity
 from freetoken.server.operations.metrics import Metrics
 from freetoken.server.process.client import EngineUnavailable
 from freetoken.server.responses.items import items_to_messages
@@ -363,7 +364,7 @@ def test_a_failure_mid_stream_is_an_error_event_then_response_failed() -> None:
         raise EngineUnavailable("the engine process exited")
 
     stored: list[Any] = []
-    ctx: Any = SimpleNamespace(client=SimpleNamespace(state="down"), metrics=Metrics())
+    ctx: Any = SimpleNamespace(client=SimpleNamespace(state="down"), metrics=Metrics(), activity=Activity())
 
     def body(status: str, output: list[dict[str, Any]], usage_doc: dict[str, Any] | None) -> dict[str, Any]:
         return response_body("resp_1", 0, MODEL, {"tools": [], "tool_choice": "auto", "parallel_tool_calls": True}, status=status,
@@ -531,7 +532,7 @@ def test_unstreamed_logprobs_are_the_streamed_ones(texts: list[str], parser: str
             return ToolStream(None, True, reasoning_stream("think", in_reasoning=True), incremental=True)
         return ToolStream(make_tool_parser("hermes", ["f"]).stream(), True, incremental=True)
 
-    ctx: Any = SimpleNamespace(client=SimpleNamespace(state="ready"), metrics=Metrics())
+    ctx: Any = SimpleNamespace(client=SimpleNamespace(state="ready"), metrics=Metrics(), activity=Activity())
 
     def body(status: str, output: list[dict[str, Any]], usage_doc: dict[str, Any] | None) -> dict[str, Any]:
         return response_body("resp_1", 0, MODEL, {"tools": [], "tool_choice": "auto", "parallel_tool_calls": True}, status=status,

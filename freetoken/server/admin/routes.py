@@ -1,11 +1,14 @@
-"""The operator routes as one `APIRouter`: health, cache status, metrics, drain, cache resize.
+"""The operator routes as one `APIRouter`: health, cache status, metrics, drain, cache resize,
+and the dashboard.
 
 Owns `GET /health` (200 while serving; 503 with the reason while loading, restarting, down or
 draining), `GET /v1/cache/status` (the engine's status document, status.py), `GET /metrics`
 (Prometheus text, refreshed from the engine when it is up), `POST /admin/drain` (202: stop
 admitting, finish in-flight requests, then stop; docs/operations.md) and `POST
-/admin/cache/resize` (operations/admin_cache.py). The API key guards `/admin/...` and `/v1/...`
-(the app's gate); `/health` and `/metrics` stay open. It reaches the engine only through the
+/admin/cache/resize` (operations/admin_cache.py); `GET /` (the dashboard page, dashboard.py) and
+`GET /admin/activity` (its JSON: tok/s history, recent requests, totals; activity.py). The API key
+guards `/admin/...` and `/v1/...`
+(the app's gate); `/health`, `/metrics` and the page `/` stay open. It reaches the engine only through the
 serving context's client.
 """
 
@@ -17,6 +20,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from freetoken.errors import FreeTokenError
+from freetoken.server.admin.activity import activity_document
+from freetoken.server.admin.dashboard import DASHBOARD_PATH, dashboard_page, dashboard_response
 from freetoken.server.admin.status import engine_status
 from freetoken.server.context import ServingContext
 from freetoken.server.errors import APIError
@@ -65,6 +70,15 @@ async def metrics_text(ctx: ServingContext) -> Response:
 
 def admin_router(ctx: ServingContext) -> APIRouter:
     router = APIRouter()
+    page = dashboard_page()
+
+    @router.get(DASHBOARD_PATH, include_in_schema=False)
+    async def dashboard() -> Response:
+        return dashboard_response(page)
+
+    @router.get("/admin/activity")
+    async def admin_activity() -> dict[str, Any]:
+        return activity_document(ctx)
 
     @router.post("/admin/cache/resize")
     async def admin_cache_resize(request: Request) -> Response:

@@ -4,8 +4,9 @@ Owns `Run` and `start`: one engine choice per prompt and `n` (choice `p * n + j`
 holding the request id, its seed `seed + j`), their pieces merged as they come, and the request's
 tally and clock; `Run.collect` for a whole response (the request's metrics recorded as it ends),
 `Run.first` then `Run.events` for a stream (the first piece before the headers go out, so that a
-refusal is still an HTTP error; then the protocol's framing of the pieces, core/streaming.py). Starting a run sends nothing: the engine sees the request when its pieces are
-first read. Response bodies and stream events are the protocols'; this module builds none.
+refusal is still an HTTP error; then the protocol's framing of the pieces, core/streaming.py),
+its tokens counted in the dashboard's tok/s as they come (`metered`). Starting a run sends
+nothing: the engine sees the request when its pieces are first read. Response bodies and stream events are the protocols'; this module builds none.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ from dataclasses import dataclass, replace
 
 from freetoken.request import SamplingParams
 from freetoken.server.context import ServingContext
-from freetoken.server.core.generation import ChoiceResult, ChoiceSpec, Clock, Piece, collect, first_piece, merge, run_choice
+from freetoken.server.operations.activity import Throughput
+from freetoken.server.core.generation import (
+    ChoiceResult, ChoiceSpec, Clock, Piece, _close, collect, first_piece, merge, run_choice,
+)
 from freetoken.server.core.recipe import Prepared
 from freetoken.server.core.streaming import Framing, Tally, event_stream, record
 from freetoken.server.request_hygiene import engine_rid
@@ -51,6 +55,23 @@ def seeded(params: SamplingParams, choice: int) -> SamplingParams:
     return params if params.seed is None or choice == 0 else replace(params, seed=params.seed + choice)
 
 
+async def metered(pieces: AsyncIterator[Piece], specs: list[ChoiceSpec], throughput: Throughput) -> AsyncIterator[Piece]:
+    """`pieces` as they come, their tokens counted in the dashboard's tok/s: a choice's prompt
+    past its cache hit as prefill when its first piece comes, every generated token as decode.
+    Closing this closes (aborts) `pieces`."""
+    started = [False] * len(specs)
+    try:
+        async for piece in pieces:
+            prefill = 0
+            if not started[piece.index]:
+                started[piece.index] = True
+                prefill = max(0, len(specs[piece.index].prompt_ids) - piece.cached_tokens)
+            throughput.add(prefill=prefill, decode=len(piece.token_ids))
+            yield piece
+    finally:
+        await _close(pieces)
+
+
 def start(ctx: ServingContext, endpoint: str, prepared: Prepared, request_id: str, response_id: str, clock: Clock) -> Run:
     n = prepared.num_choices
     eos = frozenset(ctx.tokenizer.stop_ids)
@@ -63,5 +84,5 @@ def start(ctx: ServingContext, endpoint: str, prepared: Prepared, request_id: st
         for j in range(n)
     ]
     tally = Tally([len(prompt.ids) for prompt in prepared.prompts], [spec.index // n for spec in specs])
-    pieces = merge([run_choice(ctx.client, spec, ctx.tokenizer) for spec in specs])
+    pieces = metered(merge([run_choice(ctx.client, spec, ctx.tokenizer) for spec in specs]), specs, ctx.activity.throughput)
     return Run(ctx, endpoint, specs, pieces, tally, clock)

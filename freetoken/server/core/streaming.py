@@ -1,8 +1,9 @@
 """Server-sent event streams and usage accounting shared by the routes.
 
 Owns `Tally` (prompt, completion and cache-hit tokens of one HTTP request, its speculative
-drafts, and its `usage` object), the metrics each request records when it ends (`record`), and
-`event_stream`: the one loop every streamed response runs -- pieces counted as they come, a
+drafts, its choices' finish reasons, and its `usage` object), the metrics and the dashboard's line
+each request records when it ends (`record`), and `event_stream`: the one loop every streamed
+response runs -- pieces counted as they come, a
 failed choice or an engine failure after the stream started ending it with the protocol's error
 event, a client that goes away aborting the request, the metrics recorded at the end -- with a
 `Framing` that says how its protocol writes the events. `DataFraming` is the
@@ -24,6 +25,7 @@ from fastapi.responses import StreamingResponse
 from freetoken.errors import FreeTokenError
 from freetoken.server.context import ServingContext
 from freetoken.server.errors import APIError
+from freetoken.server.operations.activity import FinishedRequest
 from freetoken.server.core.generation import DONE_EVENT, ChoiceResult, Clock, Piece, _close, engine_error, failed_choice, sse
 
 CLIENT_CLOSED = 499  # the status recorded for a client that went away mid-stream
@@ -39,12 +41,14 @@ class Tally:
     cached: list[int] = field(default_factory=list)
     misses: list[tuple[int, str | None]] = field(default_factory=list)  # per choice: (matched, reason)
     drafts: list[tuple[int, int]] = field(default_factory=list)  # per choice: (drafted, accepted) so far
+    finish: list[str | None] = field(default_factory=list)  # per choice: its finish reason, once it ended
 
     def __post_init__(self) -> None:
         self.completion = [0] * len(self.choice_prompt)
         self.cached = [0] * len(self.choice_prompt)
         self.misses = [(0, None)] * len(self.choice_prompt)
         self.drafts = [(0, 0)] * len(self.choice_prompt)
+        self.finish = [None] * len(self.choice_prompt)
 
     def add(self, piece: Piece) -> None:
         self.completion[piece.index] += len(piece.token_ids)
@@ -53,6 +57,8 @@ class Tally:
             self.drafts[piece.index] = (piece.drafted_tokens, piece.accepted_tokens)
         if piece.miss_reason is not None:
             self.misses[piece.index] = (piece.matched_tokens, piece.miss_reason)
+        if piece.finish_reason is not None:
+            self.finish[piece.index] = piece.finish_reason
 
     def add_results(self, results: list[ChoiceResult]) -> None:
         for i, res in enumerate(results):
@@ -60,6 +66,7 @@ class Tally:
             self.cached[i] = res.cached_tokens
             self.misses[i] = (res.matched_tokens, res.miss_reason)
             self.drafts[i] = (res.drafted_tokens, res.accepted_tokens)
+            self.finish[i] = res.finish_reason
 
     @property
     def prompt_tokens(self) -> int:
@@ -111,6 +118,7 @@ class Tally:
 
 def record(ctx: ServingContext, endpoint: str, status: int, tally: Tally, clock: Clock) -> None:
     now = time.perf_counter()
+    ctx.activity.finished(finished_request(endpoint, status, tally, clock, now))
     ctx.metrics.record_request(
         endpoint,
         status,
@@ -120,6 +128,17 @@ def record(ctx: ServingContext, endpoint: str, status: int, tally: Tally, clock:
         miss_reasons=[r for _, r in tally.prompt_misses() if r is not None] if status == 200 else [],
         ttft_s=None if clock.first_token is None else clock.first_token - clock.start,
         latency_s=now - clock.start if status == 200 else None,
+    )
+
+
+def finished_request(endpoint: str, status: int, tally: Tally, clock: Clock, now: float) -> FinishedRequest:
+    """The dashboard's line for a request that ended (operations/activity.py)."""
+    reasons = [r for r in dict.fromkeys(tally.finish) if r is not None]
+    misses = tally.prompt_misses()
+    return FinishedRequest(
+        at=time.time(), endpoint=endpoint, status=status, prompt_tokens=tally.prompt_tokens, cached_tokens=tally.cached_tokens,
+        completion_tokens=tally.completion_tokens, ttft_s=None if clock.first_token is None else clock.first_token - clock.start,
+        latency_s=now - clock.start, finish_reason=",".join(reasons) or None, miss_reason=misses[0][1] if misses else None,
     )
 
 
