@@ -25,22 +25,27 @@ from freetoken.errors import FreeTokenError
 from freetoken.server.context import ServingContext
 from freetoken.server.errors import APIError
 from freetoken.server.core.generation import DONE_EVENT, ChoiceResult, Clock, Piece, _close, engine_error, failed_choice, sse
+from freetoken.server.operations.request_log import RequestEnd, log_request
 
 CLIENT_CLOSED = 499  # the status recorded for a client that went away mid-stream
 
 
 @dataclass
 class Tally:
-    """Token counts of one request. `choice_prompt[i]` is the prompt index of choice i."""
+    """Token counts of one request. `choice_prompt[i]` is the prompt index of choice i;
+    `request_id` and the choices' finish reasons are for the request's log line."""
 
     prompt_lens: list[int]
     choice_prompt: list[int]
+    request_id: str = "-"
     completion: list[int] = field(default_factory=list)
     cached: list[int] = field(default_factory=list)
     misses: list[tuple[int, str | None]] = field(default_factory=list)  # per choice: (matched, reason)
     drafts: list[tuple[int, int]] = field(default_factory=list)  # per choice: (drafted, accepted) so far
+    finish: list[str | None] = field(default_factory=list)  # per choice: its finish reason, once it finished
 
     def __post_init__(self) -> None:
+        self.finish = [None] * len(self.choice_prompt)
         self.completion = [0] * len(self.choice_prompt)
         self.cached = [0] * len(self.choice_prompt)
         self.misses = [(0, None)] * len(self.choice_prompt)
@@ -53,6 +58,8 @@ class Tally:
             self.drafts[piece.index] = (piece.drafted_tokens, piece.accepted_tokens)
         if piece.miss_reason is not None:
             self.misses[piece.index] = (piece.matched_tokens, piece.miss_reason)
+        if piece.finish_reason is not None:
+            self.finish[piece.index] = piece.finish_reason
 
     def add_results(self, results: list[ChoiceResult]) -> None:
         for i, res in enumerate(results):
@@ -60,6 +67,7 @@ class Tally:
             self.cached[i] = res.cached_tokens
             self.misses[i] = (res.matched_tokens, res.miss_reason)
             self.drafts[i] = (res.drafted_tokens, res.accepted_tokens)
+            self.finish[i] = res.finish_reason
 
     @property
     def prompt_tokens(self) -> int:
@@ -110,7 +118,13 @@ class Tally:
 
 
 def record(ctx: ServingContext, endpoint: str, status: int, tally: Tally, clock: Clock) -> None:
+    """The request's metrics and its log line, as it ends."""
     now = time.perf_counter()
+    ttft_s = None if clock.first_token is None else clock.first_token - clock.start
+    log_request(RequestEnd(
+        endpoint, status, tally.request_id, tally.prompt_tokens, tally.cached_tokens, tally.completion_tokens, ttft_s,
+        None if clock.first_token is None else now - clock.first_token, tally.finish,
+    ))
     ctx.metrics.record_request(
         endpoint,
         status,
@@ -118,7 +132,7 @@ def record(ctx: ServingContext, endpoint: str, status: int, tally: Tally, clock:
         completion_tokens=tally.completion_tokens,
         cached_tokens=tally.cached_tokens,
         miss_reasons=[r for _, r in tally.prompt_misses() if r is not None] if status == 200 else [],
-        ttft_s=None if clock.first_token is None else clock.first_token - clock.start,
+        ttft_s=ttft_s,
         latency_s=now - clock.start if status == 200 else None,
     )
 
