@@ -268,6 +268,7 @@ def run_worker(config: EngineConfig, *, engine_endpoint: str, api_endpoint: str,
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     parent_pid = os.getppid()
+    log.debug("engine process %d starting with %s", os.getpid(), config)  # ft serve -v reaches this process
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.setsockopt(zmq.RCVHWM, 0)
