@@ -3,8 +3,10 @@ the tokenizer, start the engine client, build the app, run uvicorn, and exit wit
 says what happened.
 
 Owns the API process's start-up after startup.py (the tokenizer and the `--chat-template`
-override, the client adopting the early engine process, the app) and uvicorn's lifetime on the
-socket startup.py bound, with its signals:
+override, the client adopting the early engine process, the app), what the terminal shows while
+it starts (console.py's loading bar, fed by the client from the engine's heartbeats, and the
+ready block when the engine first says Ready; uvicorn logs through the root handler, without its
+"running on" line) and uvicorn's lifetime on the socket startup.py bound, with its signals:
 
 - the first SIGTERM or SIGINT starts a drain (operations/drain.py): no new requests, in-flight ones finish
   up to `--shutdown-timeout`, the rest are aborted, the engine stops, `run_server` returns (exit 0);

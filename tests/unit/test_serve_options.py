@@ -98,3 +98,16 @@ def test_serve_help_is_grouped_with_examples_and_says_flags_win() -> None:
 def _serve_parser():  # type: ignore[no-untyped-def]
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     return sub.choices["serve"]  # type: ignore[attr-defined]
+
+
+def test_the_flag_table_in_server_md_matches_serve_help() -> None:
+    """Every option of `ft serve --help` is in docs/server.md's flag table, and the table names no
+    option the parser lacks."""
+    import re
+
+    text = (ROOT / "docs" / "server.md").read_text()
+    table = text.split("## Flags", 1)[1].split("\n\n", 2)[1]
+    documented = set(re.findall(r"`(-{1,2}[a-z][a-z0-9-]*)", table))
+    parser_flags = {s for a in _serve_parser()._actions for s in a.option_strings} - {"-h", "--help"}
+    assert parser_flags - documented == set(), "in --help, not in docs/server.md"
+    assert documented - parser_flags == set(), "in docs/server.md, not in --help"
