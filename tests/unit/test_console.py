@@ -82,3 +82,33 @@ def test_the_bar_counts_tensors_when_no_byte_total_is_known() -> None:
     out = FakeTTY()
     LoadBar(out, "m", clock=lambda: 0.0).update(1, 4, 0, 0)
     assert out.getvalue() == CLEAR_LINE + "loading m [######..................]  25%  1/4 tensors  0 s"
+
+
+def test_the_client_feeds_loading_beats_to_the_bar_and_the_503_reason_and_calls_on_ready(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """No engine process: the client's dispatch is handed encoded messages as the receiver would."""
+    import asyncio
+
+    from freetoken.config import EngineConfig
+    from freetoken.server.process import client as client_module
+    from freetoken.server.process.messages import Heartbeat, Ready, encode
+
+    monkeypatch.setattr(client_module, "freeze_startup_heap", lambda: None)
+    counts: list[tuple[int, int, int, int]] = []
+    readies: list[Ready] = []
+
+    async def scenario() -> None:
+        c = client_module.EngineClient(EngineConfig(), served_name="m", on_load_progress=lambda *n: counts.append(n),
+                                       on_ready=readies.append)
+        c._set_loading("the engine is loading the model")
+        c._dispatch(encode(Heartbeat(pid=7, phase="loading", steps=0)))  # no count yet (imports, or the weight cache)
+        assert c.reason == "the engine is loading the model" and counts == []
+        c._dispatch(encode(Heartbeat(pid=7, phase="loading", steps=0, load_tensors=5, load_tensors_total=10,
+                                     load_bytes=250_000_000, load_bytes_total=1_000_000_000)))
+        assert counts == [(5, 10, 250_000_000, 1_000_000_000)]
+        assert c.reason == "the engine is loading the model (5/10 tensors, 0.25/1.00 GB read)"
+        c._dispatch(encode(Ready("m", "llama", 100, 512, "radix", 16, 7)))
+        assert c.state == "ready" and c.reason is None and [r.pid for r in readies] == [7]
+        c._dispatch(encode(Heartbeat(pid=7, phase="serving", steps=3)))  # serving beats draw nothing
+        assert len(counts) == 1
+
+    asyncio.run(scenario())
