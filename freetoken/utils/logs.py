@@ -25,7 +25,8 @@ FORMATS = ("text", "json")
 CLEAR_LINE = "\r\x1b[K"  # carriage return, erase to the end of the line
 
 # the attributes every LogRecord has: anything else on a record came in `extra`
-_STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
+# (and uvicorn's `color_message`, its message again with terminal colours)
+_STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName", "color_message"}
 
 
 @dataclass(frozen=True)

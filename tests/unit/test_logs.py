@@ -66,7 +66,8 @@ def test_on_a_terminal_each_line_clears_the_line_it_starts_on() -> None:
 def test_json_lines_are_objects_with_the_extra_fields() -> None:
     out = io.StringIO()
     logs.configure(logs.LogSettings(format="json"), "api", out)
-    logging.getLogger("freetoken.requests").info("chat 200 ...", extra={"route": "chat", "prompt_tokens": 12})
+    logging.getLogger("freetoken.requests").info("chat 200 ...", extra={"route": "chat", "prompt_tokens": 12,
+                                                                      "color_message": "\x1b[1mchat\x1b[0m"})  # uvicorn's: dropped
     try:
         raise ValueError("boom")
     except ValueError:
@@ -74,6 +75,7 @@ def test_json_lines_are_objects_with_the_extra_fields() -> None:
     first, second = (json.loads(line) for line in out.getvalue().splitlines())
     assert first["level"] == "INFO" and first["process"] == "api" and first["logger"] == "freetoken.requests"
     assert first["message"] == "chat 200 ..." and first["route"] == "chat" and first["prompt_tokens"] == 12
+    assert "color_message" not in first
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", first["ts"]) and isinstance(first["pid"], int)
     assert second["level"] == "ERROR" and "ValueError: boom" in second["exception"]
 
