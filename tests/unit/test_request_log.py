@@ -52,12 +52,13 @@ def test_throughput_line_every_period_while_busy_and_none_when_idle() -> None:
     for _ in range(3):  # idle: no period opens
         clock.now += 20
         assert tl.observe(busy=False, running=0, waiting=0, totals=Totals()) is None
-    assert tl.observe(busy=True, running=1, waiting=0, totals=Totals(0, 100, 0)) is None  # work: a period begins
+    # work: a period begins; the prompt that brought it (added before this turn) counts in it
+    assert tl.observe(busy=True, running=1, waiting=0, totals=Totals(0, 100, 0)) is None
     clock.now += 9.9
     assert tl.observe(busy=True, running=2, waiting=1, totals=Totals(50, 300, 0)) is None  # not yet
     clock.now += 0.1
     text = tl.observe(busy=True, running=2, waiting=1, totals=Totals(100, 300, 1))
-    assert text == "busy: 2 running, 1 waiting; last 10 s: 100 tokens generated (10.0 tok/s), 200 prompt tokens in, 1 requests finished"
+    assert text == "busy: 2 running, 1 waiting; last 10 s: 100 tokens generated (10.0 tok/s), 300 prompt tokens in, 1 requests finished"
     assert lines[0][1]["generated_tokens_per_s"] == 10.0 and lines[0][1]["waiting"] == 1
     clock.now += 5
     tl.observe(busy=False, running=0, waiting=0, totals=Totals(150, 300, 2))  # went idle mid-period

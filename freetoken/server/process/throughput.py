@@ -44,8 +44,10 @@ class ThroughputLog:
         """One turn of the worker's loop; returns the line when one was written."""
         now = self.clock()
         if self._since is None:
-            if busy:  # work arrived: a period begins
-                self._since, self._base = now, totals
+            if busy:  # work arrived: a period begins, counted from the last idle turn (the new prompts in it)
+                self._since = now
+            else:
+                self._base = totals
             return None
         elapsed = now - self._since
         if elapsed < self.period_s:
