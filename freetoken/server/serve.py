@@ -115,7 +115,7 @@ class _Console:
         self.bar.clear()
         self.readies += 1
         if self.readies > 1:  # a restarted engine: the block was shown once
-            log.info("engine process %d ready again (restart %d): %s", info.pid, self.readies - 1, info.model_name)
+            log.info("engine process %d ready again: %s", info.pid, info.model_name)
             return
         text, fields = ready_block(
             self.started.served_name, self.config.host, self.port, architecture=info.architecture,
