@@ -33,6 +33,7 @@ from freetoken.errors import EXIT_STARTUP, FreeTokenError
 from freetoken.kv.tensors import KVTensors
 from freetoken.models.forward import build_batch, run_model
 from freetoken.models.load import load_model
+from freetoken.utils import logs
 from freetoken.utils.hardware import default_device, resolve_dtype
 
 log = logging.getLogger("freetoken.engine")
@@ -47,8 +48,8 @@ def _exit_with_parent(parent: int) -> None:
             os._exit(1)
 
 
-def run_follower(config: EngineConfig, rank: int, port: int) -> int:
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank}[%(process)d] %(levelname)s %(message)s")
+def run_follower(config: EngineConfig, rank: int, port: int, log_settings: logs.LogSettings | None = None) -> int:
+    logs.configure(log_settings or logs.LogSettings(), f"rank{rank}")
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     torch.set_num_threads(rank_threads(config))
     device = rank_device(torch.device(config.device) if config.device else default_device(), rank)
@@ -74,4 +75,5 @@ def run_follower(config: EngineConfig, rank: int, port: int) -> int:
 
 if __name__ == "__main__":
     fields = json.loads(sys.argv[1])
-    sys.exit(run_follower(EngineConfig(**fields), int(sys.argv[2]), int(sys.argv[3])))
+    settings = logs.LogSettings(**json.loads(sys.argv[4])) if len(sys.argv) > 4 else None
+    sys.exit(run_follower(EngineConfig(**fields), int(sys.argv[2]), int(sys.argv[3]), settings))

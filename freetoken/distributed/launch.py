@@ -25,6 +25,7 @@ from freetoken.config import EngineConfig
 from freetoken.distributed.group import free_loopback_port, join_group, leave_group
 from freetoken.distributed.step import StepSender
 from freetoken.errors import EXIT_FAILED, EXIT_STARTUP
+from freetoken.utils import logs
 
 log = logging.getLogger("freetoken.engine")
 
@@ -84,8 +85,9 @@ def start_peers(config: EngineConfig, device: torch.device) -> Peers:
     world = config.tensor_parallel_size
     port = free_loopback_port()
     spec = json.dumps(dataclasses.asdict(config))
+    log_spec = json.dumps(dataclasses.asdict(logs.current()))  # the ranks log as the engine process does
     procs = [
-        subprocess.Popen([sys.executable, "-m", "freetoken.distributed.follower", spec, str(rank), str(port)])
+        subprocess.Popen([sys.executable, "-m", "freetoken.distributed.follower", spec, str(rank), str(port), log_spec])
         for rank in range(1, world)
     ]
     peers = Peers(procs, StepSender(device))

@@ -32,6 +32,7 @@ from freetoken.models.config import ModelConfig
 from freetoken.models.experts_cache import GIB
 from freetoken.models.load import LoadedModel, load_model
 from freetoken.utils.hardware import default_device, resolve_dtype
+from freetoken.weights.progress import ProgressCallback
 
 log = logging.getLogger("freetoken.engine")
 
@@ -100,7 +101,7 @@ def build_engine_for(config: EngineConfig, loaded: LoadedModel, peers: Peers | N
     return Engine(resolved, runner, kv, GrammarCompiler(loaded.tokenizer))
 
 
-def load_for(config: EngineConfig) -> LoadedModel:
+def load_for(config: EngineConfig, progress: ProgressCallback | None = None) -> LoadedModel:
     config.validate()
     if config.tensor_parallel_size > 1 and not torch.distributed.is_initialized():
         raise ConfigError("--tensor-parallel-size above 1 needs build_engine (ft serve), which starts the other ranks")
@@ -112,15 +113,16 @@ def load_for(config: EngineConfig) -> LoadedModel:
     check_fits(config, dtype, device)  # before any weight is read: one line when it cannot fit
     return load_model(config.model, dtype, device, config.weights, config.copies_for_prefill, world=config.tensor_parallel_size,
                       moe_strategy=config.moe_strategy, expert_cache_gb=config.expert_cache_gb,
-                      weights_cache=config.weights_cache)
+                      weights_cache=config.weights_cache, progress=progress)
 
 
-def build_engine(config: EngineConfig) -> tuple[Engine, LoadedModel]:
+def build_engine(config: EngineConfig, progress: ProgressCallback | None = None) -> tuple[Engine, LoadedModel]:
+    """The engine for `config`, its model loaded (`progress` after each tensor read; ft serve's loading bar)."""
     peers = None
     if config.tensor_parallel_size > 1:
         config.validate()
         device = torch.device(config.device) if config.device else default_device()
         check_world_fits(config.tensor_parallel_size, device.type == "cuda", torch.cuda.device_count())
         peers = start_peers(config, device)
-    loaded = load_for(config)
+    loaded = load_for(config, progress)
     return build_engine_for(config, loaded, peers), loaded

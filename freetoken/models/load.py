@@ -30,6 +30,7 @@ from freetoken.tokenizer import Tokenizer
 from freetoken.utils.heap import return_freed_memory
 from freetoken.weights.gguf_metadata import forget_opened
 from freetoken.weights.loader import Checkpoint, ModelSource, checkpoint_files, load_checkpoint, read_header, resolve_model
+from freetoken.weights.progress import ProgressCallback
 from freetoken.weights.source import file_identity
 from freetoken.weights.weight_cache import WeightCache, cache_dir, code_identity
 
@@ -135,7 +136,7 @@ def _from_snapshot(source: ModelSource, cache: WeightCache, key: dict, dtype: to
 def load_model(
     spec: str | None, dtype: torch.dtype, device: torch.device, weights: str = "bf16", prefill_weights: str = "quantized",
     rank: int = 0, world: int = 1, moe_strategy: str = "resident", expert_cache_gb: float = 0.0,
-    weights_cache: str | None = None,
+    weights_cache: str | None = None, progress: ProgressCallback | None = None,
 ) -> LoadedModel:
     """Resolve `spec`, read its weights, build the model on `device` with activations in `dtype`
     and each matrix as the `weights` policy says (`models.linear.apply_policy`; `bf16`, the
@@ -148,7 +149,8 @@ def load_model(
     them on demand into an LRU cache of `expert_cache_gb` GiB (models/experts.py).
     `weights_cache` (`auto`, a directory, or `off` / None) is where what the load made of the
     checkpoint is kept and, on the next load with the same file, code and options, memory-mapped
-    instead of read and packed again (weights/weight_cache.py; CPU, one rank, resident experts)."""
+    instead of read and packed again (weights/weight_cache.py; CPU, one rank, resident experts).
+    `progress` is called after each tensor read from the checkpoint (not from the weight cache)."""
     check_policy(weights)
     t0 = time.perf_counter()
     source = resolve_model(spec)
@@ -163,7 +165,7 @@ def load_model(
         how = "from the weight cache"
     else:
         ckpt, config, model, plan = _from_checkpoint(source, dtype, device, weights, prefill_weights, rank, world,
-                                                     moe_strategy, expert_cache_gb)
+                                                     moe_strategy, expert_cache_gb, progress)
         how = "from the checkpoint"
         if cache is not None:
             writer = _write_behind(cache, key, model)
@@ -187,10 +189,10 @@ def load_model(
 
 def _from_checkpoint(
     source: ModelSource, dtype: torch.dtype, device: torch.device, weights: str, prefill_weights: str, rank: int,
-    world: int, moe_strategy: str, expert_cache_gb: float,
+    world: int, moe_strategy: str, expert_cache_gb: float, progress: ProgressCallback | None = None,
 ) -> tuple[Checkpoint, ModelConfig, torch.nn.Module, shard.ShardPlan | None]:
     """Read the checkpoint and load its tensors into a new model (the shard's, under a plan)."""
-    ckpt = load_checkpoint(source, dtype, keep_quantized=weights != "bf16")
+    ckpt = load_checkpoint(source, dtype, keep_quantized=weights != "bf16", progress=progress)
     config = config_from_hf(ckpt.hf_config)
     tensors = ckpt.tensors
     plan = None

@@ -3,8 +3,10 @@ the tokenizer, start the engine client, build the app, run uvicorn, and exit wit
 says what happened.
 
 Owns the API process's start-up after startup.py (the tokenizer and the `--chat-template`
-override, the client adopting the early engine process, the app) and uvicorn's lifetime on the
-socket startup.py bound, with its signals:
+override, the client adopting the early engine process, the app), what the terminal shows while
+it starts (console.py's loading bar, fed by the client from the engine's heartbeats, and the
+ready block when the engine first says Ready; uvicorn logs through the root handler, without its
+"running on" line) and uvicorn's lifetime on the socket startup.py bound, with its signals:
 
 - the first SIGTERM or SIGINT starts a drain (operations/drain.py): no new requests, in-flight ones finish
   up to `--shutdown-timeout`, the rest are aborted, the engine stops, `run_server` returns (exit 0);
@@ -20,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
+import time
 from pathlib import Path
 from types import FrameType
 
@@ -28,8 +32,10 @@ import uvicorn
 from freetoken.config import EngineConfig
 from freetoken.errors import ConfigError, FreeTokenError
 from freetoken.server.app import build_app
+from freetoken.server.console import LoadBar, ready_block
 from freetoken.server.context import ServingContext
 from freetoken.server.operations.metrics import Metrics
+from freetoken.server.process.messages import Ready
 from freetoken.server.settings import ServerConfig
 from freetoken.server.startup import Started, start
 from freetoken.tokenizer import Tokenizer
@@ -87,6 +93,38 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
 
+class _UvicornNoise(logging.Filter):
+    """uvicorn's "Uvicorn running on ..." comes before the model is ready and names an address
+    that may not open (0.0.0.0): the ready block says where to connect, once it is true."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Uvicorn running on")
+
+
+class _Console:
+    """The loading bar and the ready block of one `ft serve` (server/console.py)."""
+
+    def __init__(self, server_config: ServerConfig, started: Started, port: int) -> None:
+        self.config = server_config
+        self.started = started
+        self.port = port
+        self.bar = LoadBar(sys.stderr, started.served_name)
+        self.readies = 0
+
+    def ready(self, info: Ready) -> None:
+        self.bar.clear()
+        self.readies += 1
+        if self.readies > 1:  # a restarted engine: the block was shown once
+            log.info("engine process %d ready again: %s", info.pid, info.model_name)
+            return
+        text, fields = ready_block(
+            self.started.served_name, self.config.host, self.port, architecture=info.architecture,
+            context_length=info.context_length, api_key=self.config.api_key is not None,
+            seconds=time.monotonic() - self.started.began,
+        )
+        log.info(text, extra=fields)
+
+
 def run_server(engine_config: EngineConfig, server_config: ServerConfig, started: Started | None = None) -> None:
     """Serve until drained (returns) or the engine cannot be kept up (raises EngineGaveUp).
     Raises ConfigError / ModelLoadError before listening. `started` is what startup.start
@@ -95,6 +133,8 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, started
 
     if started is None:
         started = start(engine_config, server_config)
+    port = started.sock.getsockname()[1]
+    console = _Console(server_config, started, port)
     try:
         tokenizer = load_tokenizer(started, server_config)
         served_name = started.served_name
@@ -103,6 +143,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, started
             engine_config, served_name=served_name, hang_timeout_s=server_config.engine_hang_timeout_s,
             load_timeout_s=server_config.load_timeout_s,
             on_give_up=lambda reason: holder[0].give_up(reason), early=started.engine,
+            on_ready=console.ready, on_load_progress=console.bar.update,
         )
         ctx = ServingContext(client, tokenizer, server_config, Metrics(served_name), served_name)
         app = build_app(ctx, manage_client=True)
@@ -111,7 +152,8 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, started
             host=server_config.host,
             port=server_config.port,
             log_level="info",
-            access_log=False,
+            log_config=None,  # uvicorn's loggers go to the root handler: one format (utils/logs.py)
+            access_log=False,  # the request log line (operations/request_log.py) replaces the access log
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
             lifespan="on",
         )
@@ -121,9 +163,12 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, started
         raise
     holder.append(server)
     ctx.on_drained = server.drained
-    port = started.sock.getsockname()[1]
-    log.info("serving %s on http://%s:%d (the engine loads in the background; /health says when it is ready)",
-             served_name, server_config.host, port)
-    server.run(sockets=[started.sock])
+    logging.getLogger("uvicorn.error").addFilter(_UvicornNoise())
+    log.info("listening on %s:%d; the engine process loads %s (/health answers 503 until it is ready)",
+             server_config.host, port, served_name)
+    try:
+        server.run(sockets=[started.sock])
+    finally:
+        console.bar.clear()
     if server.gave_up is not None:
         raise EngineGaveUp(server.gave_up)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import socket
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -38,6 +39,7 @@ class Started:
     served_name: str
     sock: socket.socket  # listening (early connections wait in its backlog); uvicorn serves on it
     engine: EarlyEngine | None
+    began: float = 0.0  # time.monotonic() when `start` began (the ready block says how long a start took)
 
     def abandon(self) -> None:
         """A later start-up step failed: end the engine process and free the port."""
@@ -77,6 +79,7 @@ def start(engine_config: EngineConfig, server_config: ServerConfig, *, start_eng
     `start_engine`) start the engine process. Raises ConfigError / ModelLoadError before any
     weight is read: the engine process is started held as soon as the flags and the model's path
     are known (its ~1.4 s of imports overlap the checks), and released only once they passed."""
+    began = time.monotonic()
     engine_config.validate()
     server_config.validate()
     source = resolve_model(engine_config.model)
@@ -93,4 +96,4 @@ def start(engine_config: EngineConfig, server_config: ServerConfig, *, start_eng
         raise
     if engine is not None:
         engine.release()
-    return Started(source, metadata, served_name, sock, engine)
+    return Started(source, metadata, served_name, sock, engine, began)

@@ -11,7 +11,6 @@ ModelLoadError.
 from __future__ import annotations
 
 import re
-import sys
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from freetoken.errors import ModelLoadError
 from freetoken.ops.quantized import QuantizedWeight, SuperBlockWeight
@@ -35,6 +33,7 @@ from freetoken.weights.gguf_config import architecture_of, hf_config_from_metada
 from freetoken.weights.gguf_file import GGUFFile, GGUFTensorInfo
 from freetoken.weights.gguf_metadata import metadata_of, open_gguf
 from freetoken.weights.names import HFTensorAssembler, hf_target
+from freetoken.weights.progress import ProgressCallback
 from freetoken.weights.requant import INTEGER_TYPES, SUPERBLOCK_TYPES, QType, superblock_rows, to_quantized
 
 # Stacked expert matrices kept in their file form (`keep_quantized`): integer types and MXFP4.
@@ -71,9 +70,6 @@ def expert_stack(data: np.ndarray, qtype: int, shape: tuple[int, ...], name: str
     return [Deferred((N, K), per, lambda e=e: decode(e)) for e in range(E)]
 
 
-# Called after each tensor with (tensors done, tensors in the file, GGUF name of the tensor).
-ProgressCallback = Callable[[int, int, str], None]
-
 
 @dataclass
 class GGUFCheckpoint:
@@ -83,20 +79,6 @@ class GGUFCheckpoint:
     tensors: dict[str, torch.Tensor | QuantizedWeight]  # HF name -> dequantized tensor, or kept in integer form
     metadata: dict[str, object]  # every GGUF key/value, decoded
     quant_types: dict[str, int]  # GGML type name -> number of tensors stored in it
-
-
-def tqdm_progress(description: str = "loading weights") -> ProgressCallback:
-    """A ProgressCallback that draws a tqdm bar on stderr and closes it after the last tensor."""
-    bars: list[tqdm] = []
-
-    def update(done: int, total: int, name: str) -> None:
-        if not bars:
-            bars.append(tqdm(total=total, desc=description, unit="tensor", file=sys.stderr, leave=False))
-        bars[0].update(1)
-        if done == total:
-            bars[0].close()
-
-    return update
 
 
 def quant_type_counts(reader: GGUFFile) -> dict[str, int]:
@@ -162,6 +144,8 @@ def load_gguf(
         dtype,
     )
     total = len(reader.tensors)
+    total_bytes = sum(t.n_bytes for t in reader.tensors)
+    done_bytes = 0
     for i, t in enumerate(reader.tensors):
         try:
             data = reader.tensor_data(t)
@@ -177,8 +161,9 @@ def load_gguf(
                 assembler.add(t.name, values)
         except ModelLoadError as err:
             raise ModelLoadError(f"{p}: {err}") from None
+        done_bytes += t.n_bytes
         if progress is not None:
-            progress(i + 1, total, t.name)
+            progress(i + 1, total, done_bytes, total_bytes)
     try:
         tensors = assembler.finish()
     except ModelLoadError as err:

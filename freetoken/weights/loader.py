@@ -14,6 +14,7 @@ import torch
 
 from freetoken.errors import ModelLoadError
 from freetoken.ops.quantized import QuantizedWeight
+from freetoken.weights.progress import ProgressCallback
 from freetoken.weights.safetensors import load_safetensors_dir, shard_files
 from freetoken.weights.source import DEFAULT_MODEL, SHORT_NAMES, ModelSource, resolve_model
 
@@ -39,14 +40,15 @@ def read_hf_config(directory: Path) -> dict[str, object]:
     return config
 
 
-def load_checkpoint(source: ModelSource, dtype: torch.dtype, keep_quantized: bool = False) -> Checkpoint:
+def load_checkpoint(source: ModelSource, dtype: torch.dtype, keep_quantized: bool = False,
+                    progress: ProgressCallback | None = None) -> Checkpoint:
     """Read the checkpoint's config and tensors (for GGUF: dequantized to `dtype`, or with
-    `keep_quantized` the integer-typed matrices as QuantizedWeights)."""
+    `keep_quantized` the integer-typed matrices as QuantizedWeights); `progress` after each tensor."""
     if source.kind == "safetensors":
-        return Checkpoint(source, read_hf_config(source.path), load_safetensors_dir(source.path, dtype))
+        return Checkpoint(source, read_hf_config(source.path), load_safetensors_dir(source.path, dtype, progress))
     from freetoken.weights.gguf import load_gguf
 
-    ckpt = load_gguf(source.path, dtype=dtype, keep_quantized=keep_quantized)
+    ckpt = load_gguf(source.path, dtype=dtype, keep_quantized=keep_quantized, progress=progress)
     return Checkpoint(source, ckpt.hf_config, ckpt.tensors, ckpt.metadata, ckpt.quant_types)
 
 

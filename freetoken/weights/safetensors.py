@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 
 from freetoken.errors import ModelLoadError
+from freetoken.weights.progress import ProgressCallback
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -34,20 +35,38 @@ def shard_files(directory: str | Path) -> list[Path]:
     return files
 
 
-def load_safetensors_dir(directory: str | Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def load_safetensors_dir(
+    directory: str | Path, dtype: torch.dtype | None = None, progress: ProgressCallback | None = None,
+) -> dict[str, torch.Tensor]:
     """All tensors of the directory by HF name; floating tensors cast to `dtype` when given.
+    `progress(tensors read, tensors, bytes read, bytes)` after each tensor (bytes as stored; the
+    total is the shard files' size, headers included, and the last call reports it whole).
 
     Files are opened memory-mapped; a tensor is materialised only when it is read (or cast).
     """
     tensors: dict[str, torch.Tensor] = {}
-    for path in shard_files(directory):
+    files = shard_files(directory)
+    total = total_bytes = done = done_bytes = 0
+    if progress is not None:  # the headers only: cheap
+        for path in files:
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    total += len(list(f.keys()))
+            except Exception as err:
+                raise ModelLoadError(f"{path} is not a readable safetensors file ({err})") from None
+            total_bytes += path.stat().st_size
+    for path in files:
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
                     t = f.get_tensor(name)
+                    done += 1
+                    done_bytes += t.numel() * t.element_size()
                     if dtype is not None and t.is_floating_point():
                         t = t.to(dtype)
                     tensors[name] = t
+                    if progress is not None:
+                        progress(done, total, total_bytes if done == total else min(done_bytes, total_bytes), total_bytes)
         except ModelLoadError:
             raise
         except Exception as err:

@@ -58,7 +58,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 SERVER_LAYERS: tuple[tuple[str, ...], ...] = (
     ("process", "__init__"),
     (  # plumbing: what every route is handed or passes through
-        "settings", "errors", "context", "preflight", "startup", "middleware", "request_body", "request_hygiene", "operations",
+        "settings", "errors", "context", "preflight", "startup", "console", "middleware", "request_body", "request_hygiene",
+        "operations",
     ),
     ("core",),
     ("openai", "responses", "anthropic", "admin"),

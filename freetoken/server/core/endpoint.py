@@ -27,6 +27,7 @@ from pydantic import BaseModel
 from freetoken.errors import FreeTokenError
 from freetoken.server.context import ServingContext
 from freetoken.server.errors import APIError
+from freetoken.server.operations.request_log import log_refused
 from freetoken.server.core.generation import sse
 from freetoken.server.request_body import parse_body
 from freetoken.server.request_hygiene import CLIENT_CLOSED, Deadline, cancel_on_disconnect, request_id_of
@@ -74,10 +75,13 @@ async def run_endpoint(
             response = await deadline.run(cancel_on_disconnect(request, handler(ctx, body, request_id)))
     except APIError as err:
         ctx.metrics.record_request(endpoint, err.status)
+        log_refused(endpoint, err.status, request_id, err.message)
         return dialect.response(err, request_id)
     except FreeTokenError as exc:  # e.g. the engine went away between the checks and the call
         ctx.metrics.record_request(endpoint, 503)
-        return dialect.response(APIError(503, f"engine unavailable: {exc}", code="engine_unavailable"), request_id)
+        err = APIError(503, f"engine unavailable: {exc}", code="engine_unavailable")
+        log_refused(endpoint, 503, request_id, err.message)
+        return dialect.response(err, request_id)
     except Exception as exc:
         if not dialect.answers_unexpected:
             raise
@@ -86,5 +90,5 @@ async def run_endpoint(
         return dialect.response(APIError(500, f"internal server error: {type(exc).__name__}: {exc}"), request_id)
     if response.status_code == CLIENT_CLOSED:
         ctx.metrics.record_request(endpoint, CLIENT_CLOSED)
-        log.info("%s request %s: the client disconnected; the request was aborted", endpoint, request_id)
+        log_refused(endpoint, CLIENT_CLOSED, request_id, "the client disconnected; the request was aborted")
     return deadline.bound_stream(response, lambda err: dialect.stream_error(err, request_id))

@@ -83,6 +83,6 @@ def start(ctx: ServingContext, endpoint: str, prepared: Prepared, request_id: st
         for p, prompt in enumerate(prepared.prompts)
         for j in range(n)
     ]
-    tally = Tally([len(prompt.ids) for prompt in prepared.prompts], [spec.index // n for spec in specs])
+    tally = Tally([len(prompt.ids) for prompt in prepared.prompts], [spec.index // n for spec in specs], request_id)
     pieces = metered(merge([run_choice(ctx.client, spec, ctx.tokenizer) for spec in specs]), specs, ctx.activity.throughput)
     return Run(ctx, endpoint, specs, pieces, tally, clock)

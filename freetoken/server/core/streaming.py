@@ -27,16 +27,19 @@ from freetoken.server.context import ServingContext
 from freetoken.server.errors import APIError
 from freetoken.server.operations.activity import FinishedRequest
 from freetoken.server.core.generation import DONE_EVENT, ChoiceResult, Clock, Piece, _close, engine_error, failed_choice, sse
+from freetoken.server.operations.request_log import RequestEnd, log_request
 
 CLIENT_CLOSED = 499  # the status recorded for a client that went away mid-stream
 
 
 @dataclass
 class Tally:
-    """Token counts of one request. `choice_prompt[i]` is the prompt index of choice i."""
+    """Token counts of one request. `choice_prompt[i]` is the prompt index of choice i;
+    `request_id` and the choices' finish reasons are for the request's log line."""
 
     prompt_lens: list[int]
     choice_prompt: list[int]
+    request_id: str = "-"
     completion: list[int] = field(default_factory=list)
     cached: list[int] = field(default_factory=list)
     misses: list[tuple[int, str | None]] = field(default_factory=list)  # per choice: (matched, reason)
@@ -117,8 +120,14 @@ class Tally:
 
 
 def record(ctx: ServingContext, endpoint: str, status: int, tally: Tally, clock: Clock) -> None:
+    """The request's metrics and its log line, as it ends."""
     now = time.perf_counter()
     ctx.activity.finished(finished_request(endpoint, status, tally, clock, now))
+    ttft_s = None if clock.first_token is None else clock.first_token - clock.start
+    log_request(RequestEnd(
+        endpoint, status, tally.request_id, tally.prompt_tokens, tally.cached_tokens, tally.completion_tokens, ttft_s,
+        None if clock.first_token is None else now - clock.first_token, tally.finish,
+    ))
     ctx.metrics.record_request(
         endpoint,
         status,
@@ -126,7 +135,7 @@ def record(ctx: ServingContext, endpoint: str, status: int, tally: Tally, clock:
         completion_tokens=tally.completion_tokens,
         cached_tokens=tally.cached_tokens,
         miss_reasons=[r for _, r in tally.prompt_misses() if r is not None] if status == 200 else [],
-        ttft_s=None if clock.first_token is None else clock.first_token - clock.start,
+        ttft_s=ttft_s,
         latency_s=now - clock.start if status == 200 else None,
     )
 

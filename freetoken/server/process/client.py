@@ -116,6 +116,8 @@ class EngineClient:
         load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
         on_give_up: Callable[[str], None] | None = None,
         early: EarlyEngine | None = None,
+        on_ready: Callable[[Ready], None] | None = None,
+        on_load_progress: Callable[[int, int, int, int], None] | None = None,
     ) -> None:
         self.config = config
         self._early = early  # incarnation 0, already started (`EarlyEngine`)
@@ -125,6 +127,9 @@ class EngineClient:
         self.heartbeat = HeartbeatWatch(hang_timeout_s)  # of the current incarnation
         self.hangs = 0  # engine processes killed for missing their heartbeat
         self._on_give_up = on_give_up
+        self._on_ready = on_ready  # every Ready (the first: ft serve's ready block)
+        self._on_load_progress = on_load_progress  # a loading beat's count (ft serve's loading bar)
+        self._loading_reason = ""  # the state's reason while loading, before the load's count
         self._watchdog: asyncio.Task[None] | None = None
         self.state = "down"
         self.reason: str | None = "the engine has not been started"
@@ -171,7 +176,7 @@ class EngineClient:
             self.config, served_name=self.served_name, on_spawn=self._on_spawn, on_exit=self._on_exit,
             policy=self._policy, load_timeout_s=self.load_timeout_s, first=early.process if early is not None else None,
         )
-        self._set_state("loading", "the engine is loading the model")
+        self._set_loading("the engine is loading the model")
         self._supervisor.start()
         self._watchdog = asyncio.get_running_loop().create_task(self._watch_heartbeat(), name="freetoken-heartbeat-watch")
 
@@ -225,6 +230,21 @@ class EngineClient:
         self._set_state("down", "the server is exiting")
         if self._supervisor is not None:
             self._supervisor.kill_now()
+
+    def _set_loading(self, reason: str) -> None:
+        self._loading_reason = reason
+        self._set_state("loading", reason)
+
+    def _loading_beat(self, beat: Heartbeat) -> None:
+        """A beat of a loading engine: its count goes into the 503's reason and to the bar."""
+        if self.state != "loading" or beat.load_tensors_total <= 0:
+            return
+        count = f"{beat.load_tensors}/{beat.load_tensors_total} tensors"
+        if beat.load_bytes_total:
+            count += f", {beat.load_bytes / 1e9:.2f}/{beat.load_bytes_total / 1e9:.2f} GB"
+        self.reason = f"{self._loading_reason} ({count} read)"
+        if self._on_load_progress is not None:
+            self._on_load_progress(beat.load_tensors, beat.load_tensors_total, beat.load_bytes, beat.load_bytes_total)
 
     def _set_state(self, state: str, reason: str | None) -> None:
         self.state = state
@@ -354,7 +374,7 @@ class EngineClient:
         self.heartbeat = HeartbeatWatch(self.hang_timeout_s)
         self._receiver = asyncio.get_running_loop().create_task(self._receive(pull), name="freetoken-engine-receiver")
         if incarnation > 0:
-            self._set_state("loading", f"the engine is restarting (restart {incarnation}): loading the model")
+            self._set_loading(f"the engine is restarting (restart {incarnation}): loading the model")
         return endpoints
 
     async def _on_exit(self, report: ExitReport) -> None:
@@ -465,6 +485,8 @@ class EngineClient:
                 queue.put_nowait(msg)
         elif isinstance(msg, Heartbeat):
             self.heartbeat.saw(msg, asyncio.get_running_loop().time())
+            if msg.phase == "loading":
+                self._loading_beat(msg)
         elif isinstance(msg, StatusReply):
             future = self._status_waiters.get(msg.query_id)
             if future is not None and not future.done():
@@ -474,8 +496,11 @@ class EngineClient:
             if self._supervisor is not None:
                 self._supervisor.ready()
             self.info = msg
-            log.info("engine process %d ready: %s (%s), context %d", msg.pid, msg.model_name, msg.architecture, msg.context_length)
+            log.log(logging.DEBUG if self._on_ready is not None else logging.INFO, "engine process %d ready: %s (%s), context %d",
+                    msg.pid, msg.model_name, msg.architecture, msg.context_length)
             self._set_state("ready", None)
+            if self._on_ready is not None:
+                self._on_ready(msg)
             freeze_startup_heap()  # the API process's startup objects too (tokenizer, templates)
         elif isinstance(msg, EngineError):
             log.error("engine error: %s", msg.message)

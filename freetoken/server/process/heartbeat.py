@@ -44,11 +44,21 @@ class Progress:
     phase: str = "loading"  # loading | serving
     steps: int = 0
     step_started: float | None = None  # time.monotonic() when the running step began; None between steps
+    # the load's count (tensors read, in the checkpoint, bytes read, of tensor data): one tuple,
+    # replaced whole, so that the sender thread never reads half of an update
+    load: tuple[int, int, int, int] = (0, 0, 0, 0)
+
+    def loaded(self, tensors: int, tensors_total: int, done_bytes: int, total_bytes: int) -> None:
+        """The weight loader's progress callback (weights/gguf.py, weights/safetensors.py)."""
+        self.load = (tensors, tensors_total, done_bytes, total_bytes)
 
     def beat(self, pid: int) -> Heartbeat:
         started = self.step_started
         running = 0.0 if started is None else time.monotonic() - started
-        return Heartbeat(pid=pid, phase=self.phase, steps=self.steps, step_running_s=round(running, 3))
+        tensors, tensors_total, done_bytes, total_bytes = self.load if self.phase == "loading" else (0, 0, 0, 0)
+        return Heartbeat(pid=pid, phase=self.phase, steps=self.steps, step_running_s=round(running, 3),
+                         load_tensors=tensors, load_tensors_total=tensors_total, load_bytes=done_bytes,
+                         load_bytes_total=total_bytes)
 
 
 class HeartbeatSender:

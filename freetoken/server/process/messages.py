@@ -124,6 +124,12 @@ class Heartbeat:
     phase: str  # loading | serving
     steps: int  # engine steps completed
     step_running_s: float = 0.0  # how long the step now running has run (0 between steps)
+    # while loading from the checkpoint: tensors read / in the checkpoint, bytes read / of tensor
+    # data (0 / 0: no count yet, or a load that does not read tensor by tensor: the weight cache)
+    load_tensors: int = 0
+    load_tensors_total: int = 0
+    load_bytes: int = 0
+    load_bytes_total: int = 0
 
 
 @dataclass

@@ -29,6 +29,7 @@ from typing import Protocol
 
 from freetoken.config import EngineConfig
 from freetoken.errors import EXIT_STARTUP, FreeTokenError
+from freetoken.utils import logs
 
 log = logging.getLogger("freetoken.server")
 
@@ -87,7 +88,7 @@ def start_engine_process(config: EngineConfig, endpoints: WorkerEndpoints, serve
     set before it reads any weight (`ft serve` starts it before its own checks are done)."""
     process = multiprocessing.get_context("spawn").Process(
         target=_engine_process_main,
-        args=(config, endpoints, served_name, go),
+        args=(config, endpoints, served_name, go, logs.current()),  # it logs as this process was told to (-v, --log-format)
         name=f"freetoken-engine-{incarnation}",
         daemon=True,  # if the API process exits without stop(), multiprocessing ends it
     )
@@ -144,13 +145,14 @@ def wait_for_go(go: GoSignal, parent_pid: int, getppid: Callable[[], int]) -> bo
 
 
 def _engine_process_main(config: EngineConfig, endpoints: WorkerEndpoints, served_name: str,
-                         go: GoSignal | None = None) -> None:
+                         go: GoSignal | None = None, log_settings: logs.LogSettings | None = None) -> None:
     """The engine process's entry point. The worker module (and with it torch) is imported here,
     in the engine process, so that the API process never pays for it; a held process (`go`)
-    imports first, then waits to be released."""
+    imports first, then waits to be released. It logs in the API process's format and level."""
     import os
     import sys
 
+    logs.configure(log_settings or logs.LogSettings(), "engine")
     parent = os.getppid()
     from freetoken.server.process.worker import run_worker
 

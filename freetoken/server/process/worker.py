@@ -1,11 +1,11 @@
 """The engine process's main: build the engine, then serve messages and step until told to stop.
 
 Owns the engine side of the wire: turning messages into engine calls (add, abort, finish, status)
-and engine updates into `TokenUpdate` messages, the serving counters, the periodic audit while
-busy, and what a failure means. An exception inside a step ends the requests that were running
-with an error and serving goes on if the KV audit then passes; otherwise, and for an integrity
-error that `debug_kv` makes fatal, the process reports `EngineError` and exits non-zero (the
-supervisor restarts it). From its first line the process also runs the heartbeat thread
+and engine updates into `TokenUpdate` messages, the serving counters (and from them the periodic
+throughput line, throughput.py), the periodic audit while busy, and what a failure means. An
+exception inside a step ends the requests that were running with an error and serving goes on
+if the KV audit then passes; otherwise, and for an integrity error that `debug_kv` makes fatal,
+the process reports `EngineError` and exits non-zero (the supervisor restarts it). From its first line the process also runs the heartbeat thread
 (heartbeat.py), which beats on its own socket whatever the step loop is doing; the loop only
 publishes its step counter and when the running step began. `run_worker` is the one start-up
 function (sockets, heartbeat, engine, Ready). It never tokenizes, and it never decides HTTP
@@ -35,6 +35,7 @@ from freetoken.server.process.messages import (
     AbortRequest, AddRequest, EngineError, FinishRequest, Ready, Refused, ResizeCache, Shutdown, StatusQuery, StatusReply,
     TokenUpdate, decode, encode,
 )
+from freetoken.server.process.throughput import ThroughputLog, Totals
 from freetoken.utils.heap import freeze_startup_heap
 
 log = logging.getLogger("freetoken.engine")
@@ -91,10 +92,12 @@ def _param_of(err: Exception) -> str | None:
 class WorkerLoop:
     """Applies messages to an engine and steps it; `send` puts a message on the wire."""
 
-    def __init__(self, engine: Engine, send: Callable[[object], None], progress: Progress | None = None) -> None:
+    def __init__(self, engine: Engine, send: Callable[[object], None], progress: Progress | None = None,
+                 throughput: ThroughputLog | None = None) -> None:
         self.engine = engine
         self.send = send
         self.progress = progress or Progress()
+        self.throughput = throughput or ThroughputLog()  # the periodic line while busy
         self.progress.phase = "serving"
         self.requests_added = 0
         self.requests_finished = 0
@@ -185,6 +188,9 @@ class WorkerLoop:
     def tick(self) -> None:
         """One engine step (if there is work) and, while busy, the periodic audit. Raises
         EngineFatal (or KVIntegrityError under debug_kv) when serving cannot go on."""
+        sched = self.engine.scheduler
+        self.throughput.observe(busy=self.engine.has_work(), running=len(sched.running), waiting=len(sched.waiting),
+                                totals=Totals(self.tokens_generated, self.prompt_tokens, self.requests_finished))
         if not self.engine.has_work():
             self._next_audit = time.monotonic() + AUDIT_INTERVAL_S  # idle steps audit already
             return
@@ -256,12 +262,13 @@ def serve(loop: WorkerLoop, pull: zmq.Socket, parent_pid: int) -> int:  # type: 
 def run_worker(config: EngineConfig, *, engine_endpoint: str, api_endpoint: str, served_name: str) -> int:
     """The engine process: bind `engine_endpoint` (PULL), connect `api_endpoint` (PUSH), start
     the heartbeat, build the engine, send Ready, serve. Returns the process's exit code."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine[%(process)d] %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.INFO)  # a no-op in an engine process, which configured its logging first (supervisor.py)
     # Ctrl-C and a SIGTERM to the process group reach the API process, which sends Shutdown
     # (and escalates to SIGKILL if that is not obeyed).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     parent_pid = os.getppid()
+    log.debug("engine process %d starting with %s", os.getpid(), config)  # ft serve -v reaches this process
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.setsockopt(zmq.RCVHWM, 0)
@@ -279,7 +286,8 @@ def run_worker(config: EngineConfig, *, engine_endpoint: str, api_endpoint: str,
     heartbeat.start()  # from now on, through the model load and every step
     try:
         try:
-            engine, loaded = build_engine(config)  # sets torch's threads (--threads or the physical cores)
+            # sets torch's threads (--threads or the physical cores); the load's count goes out in the heartbeats (the loading bar)
+            engine, loaded = build_engine(config, progress.loaded)
         except FreeTokenError as err:
             log.error("the engine cannot start: %s", err)
             send(EngineError(str(err)))

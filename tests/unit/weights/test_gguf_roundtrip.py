@@ -216,10 +216,12 @@ def test_load_in_bfloat16_and_progress(tmp_path: Path) -> None:
     tensors = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"]}
     kv = common_kv(cfg) | {"feed_forward_length": 8}
     path = write_gguf(tmp_path / "tiny.gguf", "llama", kv, {k: np32(v) for k, v in tensors.items()})
-    calls: list[tuple[int, int, str]] = []
-    ck = load_gguf(path, dtype=torch.bfloat16, progress=lambda done, total, name: calls.append((done, total, name)))
+    calls: list[tuple[int, int, int, int]] = []
+    ck = load_gguf(path, dtype=torch.bfloat16, progress=lambda *count: calls.append(count))
     assert all(t.dtype == torch.bfloat16 for t in ck.tensors.values())
     assert torch.equal(ck.tensors["model.embed_tokens.weight"], sd["model.embed_tokens.weight"].to(torch.bfloat16))
-    assert [c[:2] for c in calls] == [(1, 2), (2, 2)]
-    assert {c[2] for c in calls} == set(tensors)
+    # (tensors read, tensors, bytes read, bytes): the bytes are the tensors' float32 data as stored
+    total = sum(t.numel() * 4 for t in tensors.values())
+    assert [c[:2] for c in calls] == [(1, 2), (2, 2)] and all(c[3] == total for c in calls)
+    assert 0 < calls[0][2] < calls[1][2] == total
     assert ck.hf_config["head_dim"] == 8  # hidden / heads when the file has no rope.dimension_count

@@ -1,0 +1,10 @@
+"""The weight loaders' progress callback type: one call after each tensor read, with (tensors
+read, tensors in the checkpoint, bytes of tensor data read, bytes of tensor data in all). `ft
+serve`'s loading bar is drawn from it (server/process/heartbeat.py carries the count to the API
+process, server/console.py draws it)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+ProgressCallback = Callable[[int, int, int, int], None]

@@ -1,0 +1,76 @@
+"""The per-request log line (server/operations/request_log.py) and the engine's periodic
+throughput line (server/process/throughput.py), driven by a fake clock: nothing is timed."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from freetoken.server.operations.request_log import RequestEnd, log_refused, log_request
+from freetoken.server.process.throughput import ThroughputLog, Totals
+
+
+def test_a_request_line_has_route_tokens_ttft_speed_finish_and_id() -> None:
+    end = RequestEnd("chat", 200, "req-1", 512, 480, 65, 0.1234, 2.0, ["stop"])
+    assert end.line() == "chat 200 id=req-1 prompt=512 cached=480 generated=65 ttft=0.123s tok/s=32.0 finish=stop"
+    fields = end.fields()
+    assert fields["tokens_per_s"] == 32.0 and fields["ttft_s"] == 0.1234 and fields["finish_reason"] == "stop"
+    assert fields["prompt_tokens"] == 512 and fields["cached_tokens"] == 480 and fields["request_id"] == "req-1"
+
+
+def test_a_request_line_without_tokens_or_with_several_choices() -> None:
+    none = RequestEnd("completions", 499, "r", 10, 0, 0, None, None, [None])
+    assert none.line() == "completions 499 id=r prompt=10 cached=0 generated=0 ttft=- tok/s=- finish=none"
+    one = RequestEnd("messages", 200, "r", 10, 0, 1, 0.5, 0.0, ["length"])
+    assert one.tokens_per_s is None  # one token: no decode speed
+    assert RequestEnd("chat", 200, "r", 1, 0, 4, 0.1, 1.0, ["stop", "length"]).finish == "stop,length"
+    assert RequestEnd("chat", 200, "r", 1, 0, 4, 0.1, 1.0, ["stop", "stop"]).finish == "stop"
+
+
+def test_log_request_and_log_refused_write_one_line_each(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="freetoken.requests"):
+        log_request(RequestEnd("chat", 200, "a", 3, 0, 2, 0.01, 0.1, ["stop"]))
+        log_refused("chat", 429, "b", "the engine's waiting queue is full")
+    first, second = caplog.records
+    assert first.getMessage().startswith("chat 200 id=a") and first.route == "chat"  # type: ignore[attr-defined]
+    assert second.getMessage() == "chat 429 id=b error=\"the engine's waiting queue is full\""
+    assert second.error == "the engine's waiting queue is full" and second.status == 429  # type: ignore[attr-defined]
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_throughput_line_every_period_while_busy_and_none_when_idle() -> None:
+    clock, lines = FakeClock(), []
+    tl = ThroughputLog(period_s=10.0, clock=clock, emit=lambda text, fields: lines.append((text, fields)))
+    for _ in range(3):  # idle: no period opens
+        clock.now += 20
+        assert tl.observe(busy=False, running=0, waiting=0, totals=Totals()) is None
+    # work: a period begins; the prompt that brought it (added before this turn) counts in it
+    assert tl.observe(busy=True, running=1, waiting=0, totals=Totals(0, 100, 0)) is None
+    clock.now += 9.9
+    assert tl.observe(busy=True, running=2, waiting=1, totals=Totals(50, 300, 0)) is None  # not yet
+    clock.now += 0.1
+    text = tl.observe(busy=True, running=2, waiting=1, totals=Totals(100, 300, 1))
+    assert text == "busy: 2 running, 1 waiting; last 10 s: 100 tokens generated (10.0 tok/s), 300 prompt tokens in, 1 requests finished"
+    assert lines[0][1]["generated_tokens_per_s"] == 10.0 and lines[0][1]["waiting"] == 1
+    clock.now += 5
+    tl.observe(busy=False, running=0, waiting=0, totals=Totals(150, 300, 2))  # went idle mid-period
+    clock.now += 5
+    text = tl.observe(busy=False, running=0, waiting=0, totals=Totals(150, 300, 2))  # the period's tail is still told
+    assert text is not None and "50 tokens generated (5.0 tok/s)" in text and "1 requests finished" in text
+    for _ in range(5):  # idle again: quiet
+        clock.now += 10
+        assert tl.observe(busy=False, running=0, waiting=0, totals=Totals(150, 300, 2)) is None
+    assert len(lines) == 2
+
+
+def test_throughput_period_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="period must be positive"):
+        ThroughputLog(period_s=0)
