@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -36,7 +36,7 @@ from freetoken.kv.errors import KVIntegrityError
 from freetoken.kv.manager import KVManager
 from freetoken.models.experts import expert_cache, expert_status
 from freetoken.reasoning_budget import ReasoningState
-from freetoken.request import FinishReason, Request, RequestStatus, TokenLogprob
+from freetoken.request import CacheReport, FinishReason, Request, RequestStatus, TokenLogprob
 
 log = logging.getLogger("freetoken.engine")
 
@@ -60,22 +60,21 @@ class RequestUpdate:
     finished: bool = False
     finish_reason: FinishReason | None = None
     error: str | None = None
-    cached_tokens: int = 0  # prefix-cache hit of the request's (first) admission
-    matched_tokens: int = 0  # whole prompt pages the cache held then (kv/miss.py)
-    miss_reason: str | None = None  # why the hit stopped there
-    cache_creation_tokens: int = 0  # prompt tokens past the hit that the request's pins keep
+    report: CacheReport = CacheReport()  # the request's, as of this step (none: an end outside a step)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first update, when asked
-    drafted_tokens: int = 0  # speculative decoding, over the request so far: tokens drafted
-    accepted_tokens: int = 0  # ... and accepted by the verification
+
+    @property
+    def drafted_tokens(self) -> int:
+        return self.report.drafted_tokens
+
+    @property
+    def accepted_tokens(self) -> int:
+        return self.report.accepted_tokens
 
 
 def _update_of(req: Request) -> RequestUpdate:
-    """A new update of `req`, carrying its admission's cache report."""
-    return RequestUpdate(
-        req.rid, cached_tokens=req.cached_tokens, matched_tokens=req.matched_tokens, miss_reason=req.miss_reason,
-        cache_creation_tokens=req.cache_creation_tokens, drafted_tokens=req.drafted_tokens,
-        accepted_tokens=req.accepted_tokens,
-    )
+    """A new update of `req`, carrying its cache report."""
+    return RequestUpdate(req.rid, report=req.report)
 
 
 class Engine:
@@ -299,9 +298,12 @@ class Engine:
         """A verified chunk's statistics, and its seeded generator put back where one draw per
         kept token leaves it (engine/speculative.py)."""
         req = item.req
-        req.drafted_tokens += len(item.draft)
-        req.accepted_tokens += accepted
-        upd.drafted_tokens, upd.accepted_tokens = req.drafted_tokens, req.accepted_tokens
+        report = req.report
+        req.report = replace(
+            report, drafted_tokens=report.drafted_tokens + len(item.draft),
+            accepted_tokens=report.accepted_tokens + accepted,
+        )
+        upd.report = req.report
         self.drafted_tokens += len(item.draft)
         self.accepted_tokens += accepted
         if self.scheduler.speculator is not None:
@@ -316,9 +318,11 @@ class Engine:
             end, ttl_s = req.pins[req.pins_done]
             req.pins_done += 1
             pinned = self.kv.pin(req.prompt_ids, int(end), float(ttl_s))
-            req.cache_creation_tokens = max(req.cache_creation_tokens, pinned - req.cached_tokens)
+            report = req.report
+            created = max(report.cache_creation_tokens, pinned - report.cached_tokens)
+            req.report = replace(report, cache_creation_tokens=created)
         if req.rid in updates:
-            updates[req.rid].cache_creation_tokens = req.cache_creation_tokens
+            updates[req.rid].report = req.report
 
     @torch.inference_mode()  # the logits are the runner's inference tensors, masked and sampled in place
     def _sample(

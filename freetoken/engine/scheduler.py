@@ -11,7 +11,7 @@ never an exception. It does not run the model or sample.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from freetoken.config import ResolvedConfig
 from freetoken.engine.hold import TestHold
@@ -119,9 +119,8 @@ class Scheduler:
             self.kv.release(req.rid)  # the lease goes back in the same step
             return None
         if not req.admitted_once:
-            req.cached_tokens = cached
-            if miss is not None:
-                req.matched_tokens, req.miss_reason = miss.matched, miss.reason
+            matched, reason = (0, None) if miss is None else (miss.matched, miss.reason)
+            req.report = replace(req.report, cached_tokens=cached, matched_tokens=matched, miss_reason=reason)
             req.admitted_once = True
         req.num_computed = cached
         return ScheduledItem(req, cached, n)
