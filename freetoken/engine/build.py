@@ -94,7 +94,7 @@ def build_engine_for(config: EngineConfig, loaded: LoadedModel, peers: Peers | N
         for report in reports:
             log.info("tensor parallelism, %s", report.line())
         check_reports(reports)  # a rank that built another model or other K/V: refused, one line
-    runner = Runner(loaded.model, loaded.config, tensors, kv, peers)
+    runner = Runner(loaded.model, loaded.config, tensors, peers)
     return Engine(resolved, runner, kv, GrammarCompiler(loaded.tokenizer))
 
 
