@@ -224,7 +224,9 @@ class Engine:
         return logits
 
     @torch.inference_mode()  # the logits are the runner's inference tensors, masked and sampled in place
-    def _sample(self, items: list[ScheduledItem], logits: torch.Tensor, updates: dict[str, RequestUpdate]) -> list[Kept]:
+    def _sample(
+        self, items: list[ScheduledItem], logits: torch.Tensor, updates: dict[str, RequestUpdate],
+    ) -> list[Kept]:
         """The tokens each sampling item keeps: the grammar's mask, then one token per sampling row
         (an item's last `sample_rows` logit rows); a verified chunk keeps its accepted drafts and
         the token after them, and a seeded one's generator is put back where one draw per kept
