@@ -85,7 +85,7 @@ def bench_scheduler(steps: int = 100) -> list[str]:
                        window=window if cfg.has_swa else None, cache_type="radix")
         layout = KVLayout(tuple(False for _ in range(1)), 1, 8)
         tensors = KVTensors(layout, 1, 0, 16, torch.float32, "cpu")
-        engine = Engine(resolved, Runner(NullModel(cfg.vocab_size), cfg, tensors, kv), kv)
+        engine = Engine(resolved, Runner(NullModel(cfg.vocab_size), cfg, tensors), kv)
         for i, p in enumerate(prompts(16, 200, 30000, 99)):
             engine.add_request(Request(f"r{i}", p, SamplingParams(max_tokens=10_000, temperature=0.7, seed=i)))
         while any(r.num_computed < len(r.prompt_ids) for r in engine.requests.values()):

@@ -121,12 +121,12 @@ class LLM:
                     token_ids=list(req.output_ids),
                     text=text,
                     finish_reason=reason.value if reason is not None else None,
-                    cached_tokens=req.cached_tokens,
+                    cached_tokens=req.report.cached_tokens,
                     logprobs=req.logprobs if req.params.logprobs is not None else None,
                     prompt_logprobs=req.prompt_logprobs if req.params.prompt_logprobs is not None else None,
                     error=req.error,
-                    drafted_tokens=req.drafted_tokens,
-                    accepted_tokens=req.accepted_tokens,
+                    drafted_tokens=req.report.drafted_tokens,
+                    accepted_tokens=req.report.accepted_tokens,
                 )
             )
         return outputs

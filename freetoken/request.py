@@ -1,7 +1,10 @@
-"""What a request asks for and where it stands: SamplingParams, Request, FinishReason, outputs.
+"""What a request asks for and where it stands: SamplingParams, Request, FinishReason, outputs,
+and the cache report.
 
 Owns the per-request state the scheduler and sampler read and write (token ids, how many have
-K/V written, finish reason). It holds no KV pages itself: the KV manager owns the page tables.
+K/V written, finish reason) and `CacheReport`, the one value that says what the prefix cache and
+speculative decoding did for a request, carried whole from the engine to the HTTP usage. It holds
+no KV pages itself: the KV manager owns the page tables.
 """
 
 from __future__ import annotations
@@ -123,6 +126,34 @@ class TokenLogprob:
     top: list[tuple[int, float]] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class CacheReport:
+    """What the prefix cache and speculative decoding did for one request: its hit at its first
+    admission (and, where the hit fell short, why), what its pins keep, and its verified drafts.
+    A request's report only grows; each change makes a new one (`dataclasses.replace`)."""
+
+    cached_tokens: int = 0  # prefix-cache hit at (first) admission
+    matched_tokens: int = 0  # whole pages of the prompt the prefix cache held then (kv/miss.py)
+    miss_reason: str | None = None  # why the hit stopped there; None: no prefix cache used
+    cache_creation_tokens: int = 0  # prompt tokens past the hit that the request's pins keep
+    drafted_tokens: int = 0  # speculative decoding, over the request so far: tokens drafted and verified
+    accepted_tokens: int = 0  # ... of which the verification accepted
+
+    def after(self, later: CacheReport) -> CacheReport:
+        """This report brought up to `later`, a later report of the same request. The counts only
+        grow, so each keeps its largest, and the miss is the latest one stated: an update that
+        carries no report (an end the engine reported outside a step) changes nothing."""
+        stated = later if later.miss_reason is not None else self
+        return CacheReport(
+            max(self.cached_tokens, later.cached_tokens),
+            stated.matched_tokens,
+            stated.miss_reason,
+            max(self.cache_creation_tokens, later.cache_creation_tokens),
+            max(self.drafted_tokens, later.drafted_tokens),
+            max(self.accepted_tokens, later.accepted_tokens),
+        )
+
+
 @dataclass
 class Request:
     """One sequence being served. `num_computed` tokens of `all_ids` have K/V written."""
@@ -134,12 +165,9 @@ class Request:
     boundaries: tuple[int, ...] = ()  # marked token offsets (end of each chat message)
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
-    cached_tokens: int = 0  # prefix-cache hit at (first) admission
-    matched_tokens: int = 0  # whole pages of the prompt the prefix cache held at (first) admission
-    miss_reason: str | None = None  # why the hit stopped there (kv/miss.py); None: no prefix cache used
+    report: CacheReport = CacheReport()  # set at (first) admission, grown by pins and verified drafts
     pins: tuple[tuple[int, float], ...] = ()  # retention pins: (prompt position, TTL seconds), ascending
     pins_done: int = 0  # pins already applied (each once, when its prefix is committed)
-    cache_creation_tokens: int = 0  # prompt tokens past the hit that this request's pins keep
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     error: str | None = None
@@ -148,8 +176,6 @@ class Request:
     generator: torch.Generator | None = None  # the request's own, when it has a seed
     admitted_once: bool = False
     preemptions: int = 0
-    drafted_tokens: int = 0  # speculative decoding: tokens drafted and verified
-    accepted_tokens: int = 0  # ... of which the verification accepted
     reasoning: ReasoningState | None = None  # set by the engine when params.reasoning_budget is
 
     @property
@@ -164,6 +190,18 @@ class Request:
         if end <= n:
             return self.prompt_ids[start:end]
         return self.prompt_ids[start:] + self.output_ids[: end - n]
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.report.cached_tokens
+
+    @property
+    def drafted_tokens(self) -> int:
+        return self.report.drafted_tokens
+
+    @property
+    def accepted_tokens(self) -> int:
+        return self.report.accepted_tokens
 
     @property
     def num_tokens(self) -> int:

@@ -97,7 +97,7 @@ def build_engine_for(config: EngineConfig, loaded: LoadedModel, peers: Peers | N
             log.info("tensor parallelism, %s", report.line())
         check_reports(reports)  # a rank that built another model or other K/V: refused, one line
     prepare_deterministic(loaded.model, loaded.config, loaded.dtype, config.deterministic)
-    runner = Runner(loaded.model, loaded.config, tensors, kv, peers, alone_max=config.alone_max)
+    runner = Runner(loaded.model, loaded.config, tensors, peers, alone_max=config.alone_max)
     return Engine(resolved, runner, kv, GrammarCompiler(loaded.tokenizer))
 
 

@@ -1,9 +1,9 @@
-"""The engine loop: `step()` = schedule -> forward -> sample -> commit -> release.
+"""The engine loop: `step()` = schedule -> forward -> sample -> emit -> commit -> release.
 
 With `--speculative ngram` a decode row may be a verified chunk (the last token + k drafted
 ones, scheduler.py): its 1 + k rows are sampled as usual, the longest confirmed prefix and the
-token after it are kept (speculative.py), and `KVManager.accept` releases the pages only rejected
-tokens were written to before anything is committed.
+token after it are kept (speculative.py), and the step's release starts with `KVManager.accept`,
+which gives back the pages only rejected tokens were written to (commits cover kept tokens only).
 
 A request with a reasoning budget (freetoken/reasoning_budget.py) whose budget is spent gets the
 close of its reasoning forced: its row is sampled as usual and the forced token replaces the draw.
@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -36,7 +36,7 @@ from freetoken.kv.errors import KVIntegrityError
 from freetoken.kv.manager import KVManager
 from freetoken.models.experts import expert_cache, expert_status
 from freetoken.reasoning_budget import ReasoningState
-from freetoken.request import FinishReason, Request, RequestStatus, TokenLogprob
+from freetoken.request import CacheReport, FinishReason, Request, RequestStatus, TokenLogprob
 
 log = logging.getLogger("freetoken.engine")
 
@@ -60,22 +60,26 @@ class RequestUpdate:
     finished: bool = False
     finish_reason: FinishReason | None = None
     error: str | None = None
-    cached_tokens: int = 0  # prefix-cache hit of the request's (first) admission
-    matched_tokens: int = 0  # whole prompt pages the cache held then (kv/miss.py)
-    miss_reason: str | None = None  # why the hit stopped there
-    cache_creation_tokens: int = 0  # prompt tokens past the hit that the request's pins keep
+    report: CacheReport = CacheReport()  # the request's, as of this step (none: an end outside a step)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first update, when asked
-    drafted_tokens: int = 0  # speculative decoding, over the request so far: tokens drafted
-    accepted_tokens: int = 0  # ... and accepted by the verification
+
+    @property
+    def drafted_tokens(self) -> int:
+        return self.report.drafted_tokens
+
+    @property
+    def accepted_tokens(self) -> int:
+        return self.report.accepted_tokens
+
+
+# Per sampling item, the tokens it keeps and their logprobs (engine/speculative.py: a verified
+# chunk keeps its accepted drafts and the token after them).
+Kept = tuple[ScheduledItem, list[int], list[TokenLogprob | None]]
 
 
 def _update_of(req: Request) -> RequestUpdate:
-    """A new update of `req`, carrying its admission's cache report."""
-    return RequestUpdate(
-        req.rid, cached_tokens=req.cached_tokens, matched_tokens=req.matched_tokens, miss_reason=req.miss_reason,
-        cache_creation_tokens=req.cache_creation_tokens, drafted_tokens=req.drafted_tokens,
-        accepted_tokens=req.accepted_tokens,
-    )
+    """A new update of `req`, carrying its cache report."""
+    return RequestUpdate(req.rid, report=req.report)
 
 
 class Engine:
@@ -191,67 +195,113 @@ class Engine:
             self._integrity_failure(KVIntegrityError(report.violations), updates)
 
     def _step(self, updates: dict[str, RequestUpdate]) -> None:
+        """schedule -> forward -> sample -> emit -> commit -> release."""
         hold = self.scheduler.hold  # a test hook, None unless EngineConfig.test_hold (hold.py)
         if hold is not None:
             hold.wait_while_step_held()
-        items = self.scheduler.schedule()
+        items = self.scheduler.schedule()  # sealed: each item's logit rows and page tables
         if not items:
             if hold is not None:
                 hold.idle_wait()
             return
         self.steps += 1
-        # Read before any token is appended: `samples` compares against the request's length.
-        samples = [item.samples for item in items]
-        prefill = [item.start < len(item.req.prompt_ids) for item in items]
-        logits = self.runner.forward(items)  # one row per item that samples (+ prompt rows)
+        logits = self._forward(items)
+        kept = self._sample(items, logits, updates)
+        self._emit(kept, updates)
+        self._commit(items, updates)
+        self._release(items)
+
+    def _forward(self, items: list[ScheduledItem]) -> torch.Tensor:
+        """Write the K/V of every item's chunk; the logits of their rows (`item.logit_rows` each,
+        in order). A chunk that asks for prompt logprobs has them recorded from its rows."""
+        logits = self.runner.forward(items)
+        row = 0
+        for item in items:
+            item.req.num_computed += item.n  # a verified chunk: set again per token kept (_emit)
+            if item.all_logits:
+                self._record_prompt_logprobs(item, logits[row : row + item.n])
+            row += item.logit_rows
+        return logits
+
+    @torch.inference_mode()  # the logits are the runner's inference tensors, masked and sampled in place
+    def _sample(
+        self, items: list[ScheduledItem], logits: torch.Tensor, updates: dict[str, RequestUpdate],
+    ) -> list[Kept]:
+        """The tokens each sampling item keeps: the grammar's mask, then one token per sampling row
+        (an item's last `sample_rows` logit rows); a verified chunk keeps its accepted drafts and
+        the token after them, and a seeded one's generator is put back where one draw per kept
+        token leaves it (engine/speculative.py). A row the grammar leaves no token ends its
+        request with an error and is dropped."""
         sampling: list[ScheduledItem] = []  # one entry per sampling row (a verified chunk: 1 + k)
         rows: list[int] = []
-        drafted = False
-        offset = 0
-        for item, samples_now in zip(items, samples):
-            item.req.num_computed += item.n  # a verified chunk: set again per token kept
-            if item.all_logits:
-                chunk = logits[offset : offset + item.n]
-                offset += item.n
-                self._record_prompt_logprobs(item, chunk)
-                if samples_now:
-                    sampling.append(item)
-                    rows.append(offset - 1)
-            elif item.draft:
-                drafted = True
-                sampling.extend([item] * item.n)
-                rows.extend(range(offset, offset + item.n))
-                offset += item.n
-            elif samples_now:
-                sampling.append(item)
-                rows.append(offset)
-                offset += 1
-        if sampling:
-            states = _generator_states(items) if drafted else {}
-            sampling, result = self._sample(logits, rows, sampling, updates)
-        if sampling and not drafted:
-            for item, tok, lp in zip(sampling, result.token_ids, result.logprobs):
-                req = item.req
-                upd = updates.setdefault(req.rid, _update_of(req))
-                if not req.output_ids and req.params.prompt_logprobs is not None:
-                    upd.prompt_logprobs = req.prompt_logprobs
-                self._emit(req, tok, lp, upd, updates)
-        elif sampling:
-            self._emit_verified(sampling, result, updates, states)
-        for item, prompt_chunk in zip(items, prefill):
+        end = 0
+        for item in items:
+            end += item.logit_rows
+            if item.sample_rows:
+                sampling.extend([item] * item.sample_rows)
+                rows.extend(range(end - item.sample_rows, end))
+        if not sampling:
+            return []
+        states = _generator_states(items)  # before the sampler draws one uniform per row
+        chosen = _rows_of(logits, rows)  # [S, V]; logits is not read again
+        dead = set(self.grammars.mask(chosen, [it.req.rid for it in sampling]))
+        for i in sorted(dead):
+            self._end_with_error(sampling[i].req, "the grammar allows no next token", updates)
+        if dead:
+            keep = [i for i in range(len(sampling)) if i not in dead]
+            sampling, chosen = [sampling[i] for i in keep], chosen[keep]
+        if not sampling:
+            return []
+        forced = _forced_tokens(chosen, sampling)  # before `sample` edits the rows in place
+        result = sample(chosen, [it.req for it in sampling])
+        for i, tok, lp in forced:
+            result.token_ids[i], result.logprobs[i] = tok, lp
+        kept = list(_verified(sampling, result))
+        for item, toks, _ in kept:
+            state = states.get(item.req.rid)
+            if state is not None and item.req.generator is not None:
+                rewind(item.req.generator, state, len(toks))
+        return kept
+
+    def _emit(self, kept: list[Kept], updates: dict[str, RequestUpdate]) -> None:
+        """Append each item's kept tokens to its request and its update, ending the requests they
+        finish; through a verified chunk `num_computed` counts the K/V written for the tokens kept
+        so far."""
+        for item, toks, lps in kept:
             req = item.req
-            if req.finished or req.status is not RequestStatus.RUNNING:
-                continue
-            # A prompt chunk's K/V becomes reusable now (the last one too: a request sharing the
-            # whole prompt can hit it while this one decodes); decode steps commit at finish.
-            if prompt_chunk:
+            upd = updates.setdefault(req.rid, _update_of(req))
+            if not req.output_ids and req.params.prompt_logprobs is not None:
+                upd.prompt_logprobs = req.prompt_logprobs
+            if item.draft:
+                self._count_draft(item, len(toks) - 1, upd)
+            for m, (tok, lp) in enumerate(zip(toks, lps)):
+                if item.draft:  # K/V is written for the last token and the m drafts kept so far
+                    req.num_computed = item.start + 1 + m
+                if self._append(req, tok, lp, upd, updates):
+                    break
+
+    def _commit(self, items: list[ScheduledItem], updates: dict[str, RequestUpdate]) -> None:
+        """A prompt chunk's K/V becomes reusable now (the last one too: a request sharing the whole
+        prompt can hit it while this one decodes), and the pins it reaches apply; decode steps
+        commit at finish."""
+        for item in items:
+            req = item.req
+            if item.prompt_chunk and req.status is RequestStatus.RUNNING:
                 self.kv.commit(req.rid, req.all_ids[: req.num_computed], boundaries=req.boundaries)
                 self._pin(req, updates)
-            elif item.draft:
-                self.kv.accept(req.rid, req.num_computed)  # rejected drafts' pages go back
+
+    def _release(self, items: list[ScheduledItem]) -> None:
+        """A verified chunk's pages that only rejected drafts were written to, then the SWA pages
+        out of every running request's window, go back."""
+        for item in items:
+            req = item.req
+            if req.status is not RequestStatus.RUNNING:
+                continue  # finished (released whole) or preempted
+            if item.draft:
+                self.kv.accept(req.rid, req.num_computed)
             self.kv.release_out_of_window(req.rid, req.num_computed)
 
-    def _emit(
+    def _append(
         self, req: Request, tok: int, lp: TokenLogprob | None, upd: RequestUpdate, updates: dict[str, RequestUpdate],
     ) -> bool:
         """Append one sampled token to `req` and its update; True when that ended the request."""
@@ -274,41 +324,20 @@ class Engine:
             return True
         return False
 
-    def _emit_verified(
-        self, sampling: list[ScheduledItem], result: SampleResult, updates: dict[str, RequestUpdate],
-        states: dict[str, torch.Tensor],
-    ) -> None:
-        """`_emit` for a step with verified chunks: each chunk's accepted drafts and the token
-        after them, with `num_computed` counting the K/V written for the tokens kept so far."""
-        for item, toks, lps in _verified(sampling, result):
-            req = item.req
-            upd = updates.setdefault(req.rid, _update_of(req))
-            if not req.output_ids and req.params.prompt_logprobs is not None:
-                upd.prompt_logprobs = req.prompt_logprobs
-            if item.draft:
-                self._count_draft(item, len(toks) - 1, upd, states)
-            for m, (tok, lp) in enumerate(zip(toks, lps)):
-                if item.draft:  # K/V is written for the last token and the m drafts kept so far
-                    req.num_computed = item.start + 1 + m
-                if self._emit(req, tok, lp, upd, updates):
-                    break
-
-    def _count_draft(
-        self, item: ScheduledItem, accepted: int, upd: RequestUpdate, states: dict[str, torch.Tensor],
-    ) -> None:
-        """A verified chunk's statistics, and its seeded generator put back where one draw per
-        kept token leaves it (engine/speculative.py)."""
+    def _count_draft(self, item: ScheduledItem, accepted: int, upd: RequestUpdate) -> None:
+        """A verified chunk's statistics: the request's report, the engine's counters and the
+        speculator's next window."""
         req = item.req
-        req.drafted_tokens += len(item.draft)
-        req.accepted_tokens += accepted
-        upd.drafted_tokens, upd.accepted_tokens = req.drafted_tokens, req.accepted_tokens
-        self.drafted_tokens += len(item.draft)
+        drafted = len(item.draft)
+        report = req.report
+        req.report = replace(
+            report, drafted_tokens=report.drafted_tokens + drafted, accepted_tokens=report.accepted_tokens + accepted,
+        )
+        upd.report = req.report
+        self.drafted_tokens += drafted
         self.accepted_tokens += accepted
         if self.scheduler.speculator is not None:
-            self.scheduler.speculator.observe(req.rid, len(item.draft), accepted)
-        state = states.get(req.rid)
-        if state is not None and req.generator is not None:
-            rewind(req.generator, state, accepted + 1)
+            self.scheduler.speculator.observe(req.rid, drafted, accepted)
 
     def _pin(self, req: Request, updates: dict[str, RequestUpdate]) -> None:
         """Apply the request's retention pins whose prefix is now committed (kv/pins.py)."""
@@ -316,30 +345,11 @@ class Engine:
             end, ttl_s = req.pins[req.pins_done]
             req.pins_done += 1
             pinned = self.kv.pin(req.prompt_ids, int(end), float(ttl_s))
-            req.cache_creation_tokens = max(req.cache_creation_tokens, pinned - req.cached_tokens)
+            report = req.report
+            created = max(report.cache_creation_tokens, pinned - report.cached_tokens)
+            req.report = replace(report, cache_creation_tokens=created)
         if req.rid in updates:
-            updates[req.rid].cache_creation_tokens = req.cache_creation_tokens
-
-    @torch.inference_mode()  # the logits are the runner's inference tensors, masked and sampled in place
-    def _sample(
-        self, logits: torch.Tensor, rows: list[int], sampling: list[ScheduledItem], updates: dict[str, RequestUpdate],
-    ) -> tuple[list[ScheduledItem], SampleResult | None]:
-        """The grammar's mask, then one token per sampling row (rows `rows` of logits); a row the
-        grammar leaves no token ends its request with an error and is dropped."""
-        chosen = _rows_of(logits, rows)  # [S, V]; logits is not read again
-        dead = set(self.grammars.mask(chosen, [it.req.rid for it in sampling]))
-        for i in sorted(dead):
-            self._end_with_error(sampling[i].req, "the grammar allows no next token", updates)
-        if dead:
-            keep = [i for i in range(len(sampling)) if i not in dead]
-            sampling, chosen = [sampling[i] for i in keep], chosen[keep]
-        if not sampling:
-            return sampling, None
-        forced = _forced_tokens(chosen, sampling)  # before `sample` edits the rows in place
-        result = sample(chosen, [it.req for it in sampling])
-        for i, tok, lp in forced:
-            result.token_ids[i], result.logprobs[i] = tok, lp
-        return sampling, result
+            updates[req.rid].report = req.report
 
     def _record_prompt_logprobs(self, item: ScheduledItem, chunk: torch.Tensor) -> None:
         prompt = item.req.prompt_ids
@@ -459,9 +469,7 @@ def _generator_states(items: list[ScheduledItem]) -> dict[str, torch.Tensor]:
     }
 
 
-def _verified(
-    sampling: list[ScheduledItem], result: SampleResult
-) -> Iterator[tuple[ScheduledItem, list[int], list[TokenLogprob | None]]]:
+def _verified(sampling: list[ScheduledItem], result: SampleResult) -> Iterator[Kept]:
     """Per sampling item, the tokens it keeps: one per plain row; a verified chunk's 1 + k rows
     (consecutive in `sampling`) give its accepted drafts and the token drawn after them."""
     i = 0

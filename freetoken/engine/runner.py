@@ -2,9 +2,10 @@
 
 Owns the model, the physical K/V tensors and the translation of scheduled items into request
 specs and logit rows — one forward over the whole batch, never a Python loop over requests; the
-batch itself is built and run by `models/forward.py`. It reads page tables from the KV manager and
-never changes ownership of a page. Under tensor parallelism (rank 0 only) it first broadcasts the
-step to the other ranks, which run the same `build_batch` and `run_model` on it.
+batch itself is built and run by `models/forward.py`. It does not decide which rows give logits
+or read the KV manager: each item comes sealed by the scheduler with its logit rows and page
+tables, and no page changes owner here. Under tensor parallelism (rank 0 only) it first broadcasts
+the step to the other ranks, which run the same `build_batch` and `run_model` on it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import torch
 
 from freetoken.distributed.launch import Peers
 from freetoken.engine.scheduler import ScheduledItem
-from freetoken.kv.manager import KVManager
 from freetoken.kv.tensors import KVTensors
 from freetoken.models.config import ModelConfig
 from freetoken.models.forward import build_batch, run_model
@@ -23,13 +23,12 @@ from freetoken.models.forward import build_batch, run_model
 
 class Runner:
     def __init__(
-        self, model: torch.nn.Module, config: ModelConfig, kv_tensors: KVTensors, kv: KVManager,
-        peers: Peers | None = None, alone_max: int = 1,
+        self, model: torch.nn.Module, config: ModelConfig, kv_tensors: KVTensors, peers: Peers | None = None,
+        alone_max: int = 1,
     ) -> None:
         self.model = model
         self.config = config
         self.kv_tensors = kv_tensors
-        self.kv = kv
         self.device = kv_tensors.device
         self.peers = peers  # the other tensor-parallel ranks (None: this process is the whole model)
         self.alone_max = alone_max  # chunks attended query by query (EngineConfig.alone_max)
@@ -40,26 +39,22 @@ class Runner:
 
     @torch.inference_mode()
     def forward(self, items: Sequence[ScheduledItem]) -> torch.Tensor:
-        """Logits [N, vocab] (float32): for each item in order, every row of its chunk when it
-        asks for prompt logprobs or is a verified chunk, else its last row when it samples, else
-        nothing."""
+        """Logits [N, vocab] (float32): for each item in order, the last `item.logit_rows` rows
+        of its chunk (ScheduledItem.seal decided them)."""
         ids: list[int] = []
         specs = []
         logit_rows: list[int] = []
-        offset = 0
+        end = 0
         for item in items:
             if item.draft:  # a verified chunk: the last token, then the drafted ones
                 ids.extend(item.req.token_slice(item.start, item.start + 1))
                 ids.extend(item.draft)
             else:
                 ids.extend(item.req.token_slice(item.start, item.start + item.n))
-            full, swa = self.kv.page_tables(item.req.rid)
+            full, swa = item.tables
             specs.append((item.start, item.n, full, swa))
-            if item.all_logits or item.draft:
-                logit_rows.extend(range(offset, offset + item.n))
-            elif item.samples:
-                logit_rows.append(offset + item.n - 1)
-            offset += item.n
+            end += item.n
+            logit_rows.extend(range(end - item.logit_rows, end))
         batch = build_batch(self.config, self.kv_tensors, specs, logit_rows, self.alone_max)
         if self.peers is None:
             return run_model(self.model, self.kv_tensors, ids, batch).float().cpu()

@@ -5,39 +5,63 @@ Owns the waiting and running queues, admission over both KV pools, chunked prefi
 turning decode rows into verified chunks of 1 + k tokens once every other need of the step is
 met: a draft's pages may come from evicting the prefix cache, never from a preemption. Running out of a pool
 is a scheduling condition here: a request waits, or the youngest running one is preempted; it is
-never an exception. It does not run the model or sample.
+never an exception. Once a step's batch is final it seals each item: which rows of the forward
+give logits and which of those are sampled, and the request's page tables, decided once here and
+read by the runner and the engine. It does not run the model or sample.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from freetoken.config import ResolvedConfig
 from freetoken.engine.hold import TestHold
 from freetoken.engine.speculative import Speculator
-from freetoken.kv.manager import KVManager
+from freetoken.kv.manager import KVManager, PageTables
 from freetoken.request import Request, RequestStatus
 
 
 @dataclass
 class ScheduledItem:
     """One request's share of a step: K/V for tokens [start, start + n) gets computed. A
-    verified chunk is the request's last token followed by its `draft` (n = 1 + len(draft))."""
+    verified chunk is the request's last token followed by its `draft` (n = 1 + len(draft)).
+
+    `seal` decides, once the step's batch is final, what the runner and the engine read: the
+    last `logit_rows` rows of the chunk give logits (every row of a chunk that asks for prompt
+    logprobs or is a verified chunk, else the last row when the item samples, else none); the
+    last `sample_rows` of those are sampled (all 1 + k of a verified chunk, else one or none);
+    `tables` are the request's FULL and SWA page tables as the forward reads them."""
 
     req: Request
     start: int
     n: int
     draft: tuple[int, ...] = ()  # no allocation per decode row when nothing is drafted
+    logit_rows: int = 0  # set by `seal`
+    sample_rows: int = 0
+    tables: PageTables | None = None
 
     @property
     def samples(self) -> bool:
-        """True when this step computes the request's last known token, so it gets a new one."""
+        """True when this step computes the request's last known token, so it gets a new one
+        (read before the step appends any token: `seal` keeps the answer as `sample_rows`)."""
         return self.start + self.n - len(self.draft) == self.req.num_tokens
 
     @property
     def all_logits(self) -> bool:
-        return self.req.params.prompt_logprobs is not None and self.start < len(self.req.prompt_ids)
+        """True for a prompt chunk of a request that asks for prompt logprobs."""
+        return self.req.params.prompt_logprobs is not None and self.prompt_chunk
+
+    @property
+    def prompt_chunk(self) -> bool:
+        """True when the chunk computes prompt tokens (its K/V is committed at the step's end)."""
+        return self.start < len(self.req.prompt_ids)
+
+    def seal(self, tables: PageTables) -> None:
+        samples = int(self.samples)
+        self.logit_rows = self.n if self.all_logits or self.draft else samples
+        self.sample_rows = self.n if self.draft else samples
+        self.tables = tables
 
 
 class Scheduler:
@@ -72,7 +96,14 @@ class Scheduler:
     # -- one step ---------------------------------------------------------------------------
 
     def schedule(self) -> list[ScheduledItem]:
-        """The batch of the next step: running requests first (oldest first), then admissions."""
+        """The batch of the next step, each item sealed (its rows and page tables decided)."""
+        items = self._batch()
+        for item in items:
+            item.seal(self.kv.page_tables(item.req.rid))
+        return items
+
+    def _batch(self) -> list[ScheduledItem]:
+        """Running requests first (oldest first), then admissions, then drafts."""
         budget = self.config.engine.max_prefill_length
         items: list[ScheduledItem] = []
         preempted_before = self.preemptions
@@ -106,7 +137,7 @@ class Scheduler:
         if self.speculator is not None:
             self._draft(items, self.speculator)
         if not items and self.waiting and not self.running and self.kv.release_pins():
-            return self.schedule()  # pins held the pages the first waiting request needs alone
+            return self._batch()  # pins held the pages the first waiting request needs alone
         return items
 
     def _admit(self, req: Request, budget: int) -> ScheduledItem | None:
@@ -119,9 +150,8 @@ class Scheduler:
             self.kv.release(req.rid)  # the lease goes back in the same step
             return None
         if not req.admitted_once:
-            req.cached_tokens = cached
-            if miss is not None:
-                req.matched_tokens, req.miss_reason = miss.matched, miss.reason
+            matched, reason = (0, None) if miss is None else (miss.matched, miss.reason)
+            req.report = replace(req.report, cached_tokens=cached, matched_tokens=matched, miss_reason=reason)
             req.admitted_once = True
         req.num_computed = cached
         return ScheduledItem(req, cached, n)

@@ -9,7 +9,8 @@ Every step of a request, in the order the engine calls it:
     cached = kv.admit(rid, prompt)            # hit rule; takes the request's lease at once
     if not kv.extend(rid, cached + chunk):    # grow both tables; evicts as needed; all-or-nothing
         kv.release(rid)                       # does not fit: lease released in the same step
-    full, swa = kv.page_tables(rid)           # int32 tables for the forward (0 = NULL)
+    full, swa = kv.page_tables(rid)           # int32 tables for the forward (0 = NULL), read once
+                                              # the step's batch is final (after any extend_draft)
     ... forward writes K/V of the chunk, samples ...
     kv.commit(rid, tokens_written, boundaries)  # tree takes its own references
     kv.release_out_of_window(rid, next_pos)   # SWA pages no later query can see
@@ -45,6 +46,7 @@ from freetoken.kv.tree import RadixTree
 from freetoken.kv.window import first_window_page, floor_to_page, num_pages
 
 CACHE_TYPES = ("naive", "radix", "swa_radix")
+PageTables = tuple[np.ndarray, np.ndarray | None]  # a request's FULL table and its SWA one (None: no SWA pool)
 EVICT_BATCH_DIVISOR = 32
 
 
@@ -228,7 +230,7 @@ class KVManager:
                 return False
         return self.full_pool.num_free >= need
 
-    def page_tables(self, rid: str) -> tuple[np.ndarray, np.ndarray | None]:
+    def page_tables(self, rid: str) -> PageTables:
         """int32 [num_pages] FULL table and the SWA table of the same length (0 = NULL)."""
         req = self._req(rid)
         full = np.asarray(req.full, dtype=np.int32)

@@ -144,7 +144,9 @@ def message_body(
         "content": content,
         "stop_reason": tool_stop_reason(reason, len(parsed.tool_calls)),
         "stop_sequence": sequence,
-        "usage": usage(len(prepared.prompt.ids), result.cached_tokens, len(result.token_ids), result.cache_creation_tokens),
+        "usage": usage(
+            len(prepared.prompt.ids), result.report.cached_tokens, len(result.token_ids), result.report.cache_creation_tokens,
+        ),
     }
 
 
@@ -190,8 +192,8 @@ class MessageFraming:
         self._stop_string: str | None = None
 
     def opening(self, first: Piece | None) -> list[str]:
-        cached = 0 if first is None else first.cached_tokens
-        self._created = 0 if first is None else first.cache_creation_tokens  # pins are applied before the first token
+        cached = 0 if first is None else first.report.cached_tokens
+        self._created = 0 if first is None else first.report.cache_creation_tokens  # pins are applied before the first token
         start_usage = usage(self._prompt_tokens, cached, 0, self._created)
         start = {**self._head, "content": [], "stop_reason": None, "stop_sequence": None, "usage": start_usage}
         return [event("message_start", {"type": "message_start", "message": start})]

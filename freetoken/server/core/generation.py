@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from freetoken.errors import FreeTokenError
-from freetoken.request import SamplingParams
+from freetoken.request import CacheReport, SamplingParams
 from freetoken.server.errors import APIError, bad_request
 from freetoken.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -52,14 +52,9 @@ class Piece:
     logprobs: list[Any] = field(default_factory=list)  # per token: None or [id, logprob, [[id, lp], ...]]
     finish_reason: str | None = None
     error: str | None = None
-    cached_tokens: int = 0
+    report: CacheReport = CacheReport()  # the engine's, as of this update
     prompt_logprobs: list[Any] | None = None
     stop_string: str | None = None  # the stop string that ended the choice (finish_reason "stop")
-    matched_tokens: int = 0  # the cache report: prompt pages the cache held at admission
-    miss_reason: str | None = None  # and why the hit stopped there (kv/miss.py)
-    cache_creation_tokens: int = 0  # prompt tokens past the hit that the request's pins keep
-    drafted_tokens: int = 0  # speculative decoding, over the choice so far
-    accepted_tokens: int = 0
 
 
 @dataclass
@@ -70,14 +65,9 @@ class ChoiceResult:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Any] = field(default_factory=list)
     finish_reason: str | None = None
-    cached_tokens: int = 0
+    report: CacheReport = CacheReport()  # brought up to each piece's (CacheReport.after)
     prompt_logprobs: list[Any] | None = None
     stop_string: str | None = None
-    matched_tokens: int = 0
-    miss_reason: str | None = None
-    cache_creation_tokens: int = 0
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
     pieces: list[Piece] = field(default_factory=list)  # as they came, for a route that parses piece by piece
 
     def add(self, piece: Piece) -> None:
@@ -85,12 +75,7 @@ class ChoiceResult:
         self.text += piece.text
         self.token_ids += piece.token_ids
         self.logprobs += piece.logprobs
-        self.cached_tokens = max(self.cached_tokens, piece.cached_tokens)
-        self.cache_creation_tokens = max(self.cache_creation_tokens, piece.cache_creation_tokens)
-        self.drafted_tokens = max(self.drafted_tokens, piece.drafted_tokens)
-        self.accepted_tokens = max(self.accepted_tokens, piece.accepted_tokens)
-        if piece.miss_reason is not None:
-            self.matched_tokens, self.miss_reason = piece.matched_tokens, piece.miss_reason
+        self.report = self.report.after(piece.report)
         if piece.prompt_logprobs is not None:
             self.prompt_logprobs = piece.prompt_logprobs
         if piece.finish_reason is not None:
@@ -119,12 +104,7 @@ async def run_choice(client: EngineClient, spec: ChoiceSpec, tokenizer: Tokenize
     finished = False
     try:
         async for upd in stream:
-            piece = Piece(
-                spec.index, cached_tokens=upd.cached_tokens, prompt_logprobs=upd.prompt_logprobs,
-                matched_tokens=upd.matched_tokens, miss_reason=upd.miss_reason,
-                cache_creation_tokens=upd.cache_creation_tokens, drafted_tokens=upd.drafted_tokens,
-                accepted_tokens=upd.accepted_tokens,
-            )
+            piece = Piece(spec.index, report=upd.report, prompt_logprobs=upd.prompt_logprobs)
             if not detok.stopped:
                 piece.text = detok.add_many(upd.token_ids).text
                 piece.token_ids = list(upd.token_ids)

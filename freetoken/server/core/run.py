@@ -65,7 +65,7 @@ async def metered(pieces: AsyncIterator[Piece], specs: list[ChoiceSpec], through
             prefill = 0
             if not started[piece.index]:
                 started[piece.index] = True
-                prefill = max(0, len(specs[piece.index].prompt_ids) - piece.cached_tokens)
+                prefill = max(0, len(specs[piece.index].prompt_ids) - piece.report.cached_tokens)
             throughput.add(prefill=prefill, decode=len(piece.token_ids))
             yield piece
     finally:

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 from fastapi.responses import StreamingResponse
 
 from freetoken.errors import FreeTokenError
+from freetoken.request import CacheReport
 from freetoken.server.context import ServingContext
 from freetoken.server.errors import APIError
 from freetoken.server.operations.activity import FinishedRequest
@@ -41,34 +42,24 @@ class Tally:
     choice_prompt: list[int]
     request_id: str = "-"
     completion: list[int] = field(default_factory=list)
-    cached: list[int] = field(default_factory=list)
-    misses: list[tuple[int, str | None]] = field(default_factory=list)  # per choice: (matched, reason)
-    drafts: list[tuple[int, int]] = field(default_factory=list)  # per choice: (drafted, accepted) so far
+    reports: list[CacheReport] = field(default_factory=list)  # per choice, so far
     finish: list[str | None] = field(default_factory=list)  # per choice: its finish reason, once it ended
 
     def __post_init__(self) -> None:
         self.completion = [0] * len(self.choice_prompt)
-        self.cached = [0] * len(self.choice_prompt)
-        self.misses = [(0, None)] * len(self.choice_prompt)
-        self.drafts = [(0, 0)] * len(self.choice_prompt)
+        self.reports = [CacheReport()] * len(self.choice_prompt)
         self.finish = [None] * len(self.choice_prompt)
 
     def add(self, piece: Piece) -> None:
         self.completion[piece.index] += len(piece.token_ids)
-        self.cached[piece.index] = max(self.cached[piece.index], piece.cached_tokens)
-        if piece.drafted_tokens:
-            self.drafts[piece.index] = (piece.drafted_tokens, piece.accepted_tokens)
-        if piece.miss_reason is not None:
-            self.misses[piece.index] = (piece.matched_tokens, piece.miss_reason)
+        self.reports[piece.index] = self.reports[piece.index].after(piece.report)
         if piece.finish_reason is not None:
             self.finish[piece.index] = piece.finish_reason
 
     def add_results(self, results: list[ChoiceResult]) -> None:
         for i, res in enumerate(results):
             self.completion[i] = len(res.token_ids)
-            self.cached[i] = res.cached_tokens
-            self.misses[i] = (res.matched_tokens, res.miss_reason)
-            self.drafts[i] = (res.drafted_tokens, res.accepted_tokens)
+            self.reports[i] = res.report
             self.finish[i] = res.finish_reason
 
     @property
@@ -84,17 +75,17 @@ class Tally:
         """Per prompt the best hit among its choices (they share the prompt), summed over prompts."""
         best = [0] * len(self.prompt_lens)
         for i, p in enumerate(self.choice_prompt):
-            best[p] = max(best[p], self.cached[i])
+            best[p] = max(best[p], self.reports[i].cached_tokens)
         return sum(best)
 
     def prompt_misses(self) -> list[tuple[int, str | None]]:
         """Per prompt, the cache report of its best-hit choice: (matched tokens, miss reason)."""
-        best: list[int | None] = [None] * len(self.prompt_lens)
+        best: list[CacheReport | None] = [None] * len(self.prompt_lens)
         for i, p in enumerate(self.choice_prompt):
-            j = best[p]
-            if j is None or self.cached[i] > self.cached[j]:
-                best[p] = i
-        return [(0, None) if j is None else self.misses[j] for j in best]
+            r = best[p]
+            if r is None or self.reports[i].cached_tokens > r.cached_tokens:
+                best[p] = self.reports[i]
+        return [(0, None) if r is None else (r.matched_tokens, r.miss_reason) for r in best]
 
     def usage(self, cache_report: bool) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -110,9 +101,9 @@ class Tally:
                 "matched_tokens": sum(m for m, _ in misses),
                 "miss_reason": reasons[0] if len(reasons) == 1 else reasons,
             }
-        drafted = sum(d for d, _ in self.drafts)
+        drafted = sum(r.drafted_tokens for r in self.reports)
         if drafted:  # --speculative: OpenAI's predicted-output counts (drafted tokens kept / thrown away)
-            accepted = sum(a for _, a in self.drafts)
+            accepted = sum(r.accepted_tokens for r in self.reports)
             out["completion_tokens_details"] = {
                 "accepted_prediction_tokens": accepted, "rejected_prediction_tokens": drafted - accepted,
             }

@@ -3,7 +3,9 @@
 Owns the message dataclasses and their msgpack encoding: `encode(msg) -> bytes`,
 `decode(bytes) -> msg`. Every message is a plain dataclass of ints, floats, strings, lists and
 dicts; the type travels as its class name from a closed registry (no pickling, no string RPC
-beyond that tag). It knows nothing of sockets or processes.
+beyond that tag). A request's `CacheReport` travels flat, its fields beside the others of a
+`TokenUpdate` (`report_fields` writes them, `TokenUpdate.report` reads them back whole). It knows
+nothing of sockets or processes.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+
+from freetoken.request import CacheReport
 
 # -- API process -> engine process ---------------------------------------------------------
 
@@ -91,13 +95,25 @@ class TokenUpdate:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # the cache report's fields (freetoken/request.py, CacheReport)
     prompt_logprobs: list[Any] | None = None
-    matched_tokens: int = 0  # the cache report (kv/miss.py)
+    matched_tokens: int = 0
     miss_reason: str | None = None
-    cache_creation_tokens: int = 0  # prompt tokens past the hit that the request's pins keep
-    drafted_tokens: int = 0  # speculative decoding, over the request so far: tokens drafted
-    accepted_tokens: int = 0  # ... and accepted by the verification
+    cache_creation_tokens: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+
+    @property
+    def report(self) -> CacheReport:
+        return CacheReport(**{name: getattr(self, name) for name in _REPORT_FIELDS})
+
+
+_REPORT_FIELDS = tuple(f.name for f in dataclasses.fields(CacheReport))
+
+
+def report_fields(report: CacheReport) -> dict[str, Any]:
+    """A `CacheReport` as the `TokenUpdate` fields it travels in."""
+    return {name: getattr(report, name) for name in _REPORT_FIELDS}
 
 
 @dataclass

@@ -33,7 +33,7 @@ from freetoken.request import FinishReason, Request, SamplingParams, TokenLogpro
 from freetoken.server.process.heartbeat import HeartbeatSender, Progress
 from freetoken.server.process.messages import (
     AbortRequest, AddRequest, EngineError, FinishRequest, Ready, Refused, ResizeCache, Shutdown, StatusQuery, StatusReply,
-    TokenUpdate, decode, encode,
+    TokenUpdate, decode, encode, report_fields,
 )
 from freetoken.server.process.throughput import ThroughputLog, Totals
 from freetoken.utils.heap import freeze_startup_heap
@@ -68,13 +68,8 @@ def token_update(u: RequestUpdate) -> TokenUpdate:
         finished=u.finished,
         finish_reason=u.finish_reason.value if u.finish_reason is not None else None,
         error=u.error,
-        cached_tokens=u.cached_tokens,
         prompt_logprobs=None if u.prompt_logprobs is None else [flat_logprob(lp) for lp in u.prompt_logprobs],
-        matched_tokens=u.matched_tokens,
-        miss_reason=u.miss_reason,
-        cache_creation_tokens=u.cache_creation_tokens,
-        drafted_tokens=u.drafted_tokens,
-        accepted_tokens=u.accepted_tokens,
+        **report_fields(u.report),
     )
 
 
