@@ -28,6 +28,7 @@
 #include <array>
 #include <utility>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -318,14 +319,12 @@ constexpr int kQ4K = 4, kQ6K = 6;
 // 0.87x. Intel Xeon with AMX (2 vCPU, 2026-12-06; M = 1, two threads, twelve copies of one matrix
 // read in turn, GB/s for q4_k 16384 x 2048 / q6_k 2048 x 8192 / q4_k 2048 x 8192): 0 ahead 21.0 /
 // 20.4 / 25.8, 2 KB 21.3 / 27.2 / 37.6, 4 KB 27.0 / 33.9 / 32.1, 6 KB 28.0 / 26.2 / 36.2, 8 KB
-// 25.9 / 29.0 / 43.7 (a noisy machine; 4 KB the best overall). FT_SB_PREFETCH_BYTES overrides.
+// 25.9 / 29.0 / 43.7 (a noisy machine; 4 KB the best overall). The environment variable
+// FT_SB_PREFETCH_BYTES, read once when the extension loads, overrides (for measuring).
 inline int64_t sb_prefetch_bytes() {
-#ifdef FT_SB_PREFETCH_BYTES
-  return FT_SB_PREFETCH_BYTES;
-#else
+  if (const char* env = std::getenv("FT_SB_PREFETCH_BYTES")) return std::max<int64_t>(0, std::atoll(env)) / 64 * 64;
   __builtin_cpu_init();
   return __builtin_cpu_is("amd") ? 0 : 4096;
-#endif
 }
 const int64_t kSbPrefetchBytes = sb_prefetch_bytes();
 template <int KIND> constexpr int64_t sb_chunk_bytes() { return KIND == kQ4K ? 256 : 384; }
