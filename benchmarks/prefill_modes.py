@@ -5,7 +5,7 @@
 Loads FILE with `LLM(prefill_weights=MODE)` on two threads, then prefills four prompts of random
 words (max_tokens 1, no shared prefix) one at a time and prints the load time, the median of the
 last three prefills, and the process's RSS and VmHWM. Run the settings alternately (as above) on
-an idle machine and compare within a run (docs/kernels.md, "Prefill copies").
+an idle machine and compare within a run (docs/engineering/kernels.md, "Prefill copies").
 """
 
 from __future__ import annotations

@@ -137,7 +137,7 @@ HEAD = "lm_head.weight"
 
 def _kernel_keeps_up(packed: Packed) -> bool:
     """Whether `packed` multiplies a prefill batch about as fast through the kernel as through a
-    bf16 copy. Measured (docs/kernels.md, "Prefill copies"): q4_k's sbmm at 512 rows of a 1.1B's shapes
+    bf16 copy. Measured (docs/engineering/kernels.md, "Prefill copies"): q4_k's sbmm at 512 rows of a 1.1B's shapes
     is 0.9-1.0x the bf16 GEMM's time; q6_k's is ~1.9x (its scale epilogue per 16 weights), and the
     group-32 kernel's ~2x. A fused projection keeps up only if every part does."""
     if isinstance(packed, PackedStack):

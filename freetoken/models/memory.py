@@ -20,7 +20,7 @@ The estimate's rules, per matrix (2-D tensor; 1-D ones are kept as float32):
   integers fit 5 bits), `int4` 0.625.
 Measured against `weight_bytes` under auto/auto, auto/quantized and int8: within 5% on the
 Gemma 3 270M and SmolLM2 files (tests/model/test_memory_estimate.py), on the 1.1B Q4_K_M and on
-the Qwen3-MoE-shaped Q4_K_M (benchmarks/make_model.py; docs/benchmarks.md).
+the Qwen3-MoE-shaped Q4_K_M (benchmarks/make_model.py; docs/engineering/benchmarks.md).
 """
 
 from __future__ import annotations

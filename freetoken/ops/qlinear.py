@@ -10,7 +10,7 @@ output. It must not keep a bfloat16 copy of a weight between calls. An 8-bit wei
 Paths (CPU): M < PREFILL_ROWS -> the AVX-512 VNNI kernel when it was built and the CPU has the
 features; otherwise torch's `_weight_int4pack_mm_for_cpu` for 4-bit weights with bfloat16
 activations, or dequantize + F.linear. M >= PREFILL_ROWS -> the kernel as well (it beats
-dequantize-in-tiles + bf16 GEMM at the shapes measured; see docs/kernels.md). Other devices:
+dequantize-in-tiles + bf16 GEMM at the shapes measured; see docs/engineering/kernels.md). Other devices:
 dequantize + F.linear.
 """
 
