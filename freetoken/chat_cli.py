@@ -40,8 +40,8 @@ DEFAULT_URL = "http://127.0.0.1:1919"  # ft serve's default --host and --port
 DIM = "\x1b[2m"
 RESET = "\x1b[0m"
 HELP = (
-    "Enter sends. A line ending in \\ continues on the next line; a line that starts with \"\"\" opens a block\n"
-    "that a line ending in \"\"\" closes. Ctrl-C cancels the answer being written (or the line being typed);\n"
+    'Enter sends. A line ending in \\ continues on the next line; a line that starts with """ opens a block\n'
+    'that a line ending in """ closes. Ctrl-C cancels the answer being written (or the line being typed);\n'
     "Ctrl-D or /exit quits. Commands: /reset (forget the conversation), /system TEXT (set the system prompt;\n"
     "/system alone clears it), /save FILE (the conversation as JSON), /help, /exit. Start a message\n"
     "with // to send one that begins with /."
@@ -88,7 +88,9 @@ class HTTPTransport:
             raise ChatHTTPError(_error_message(err.read(), err.code)) from None
         except (urllib.error.URLError, OSError) as err:
             reason = getattr(err, "reason", err)
-            raise FreeTokenError(f"cannot reach {self.url} ({reason}); is `ft serve` running? (or pass --model)") from None
+            raise FreeTokenError(
+                f"cannot reach {self.url} ({reason}); is `ft serve` running? (or pass --model)"
+            ) from None
 
     def models(self) -> list[str]:
         """The ids `/v1/models` lists (also the check that the server is there)."""
@@ -354,8 +356,9 @@ class ChildServer:
     """`ft serve --model M` on a free port of 127.0.0.1, in its own session (the terminal's Ctrl-C
     does not reach it), its output in a temporary log file shown if it fails to start."""
 
-    def __init__(self, model: str, serve_args: list[str] | None = None, ready_timeout_s: float = 900.0,
-                 log: TextIO | None = None) -> None:
+    def __init__(
+        self, model: str, serve_args: list[str] | None = None, ready_timeout_s: float = 900.0, log: TextIO | None = None
+    ) -> None:
         self.model = model
         self.serve_args = list(serve_args or [])
         self.ready_timeout_s = ready_timeout_s
@@ -375,13 +378,25 @@ class ChildServer:
 
     def __enter__(self) -> ChildServer:
         self.port = free_port()
-        cmd = [sys.executable, "-m", "freetoken.cli", "serve", "--model", self.model,
-               "--host", "127.0.0.1", "--port", str(self.port), *self.serve_args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "freetoken.cli",
+            "serve",
+            "--model",
+            self.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *self.serve_args,
+        ]
         self._log_file = tempfile.NamedTemporaryFile(prefix="ft-chat-serve-", suffix=".log", delete=False)  # noqa: SIM115
         self.log.write(f"starting ft serve --model {self.model} on {self.url} (log: {self._log_file.name})\n")
         self.log.flush()
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._log_file, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=self._log_file, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             self._wait_ready()
         except BaseException:
@@ -394,7 +409,9 @@ class ChildServer:
         end = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < end:
             if self.proc.poll() is not None:
-                raise FreeTokenError(f"ft serve exited with {self.proc.returncode} before it was ready:\n{self._log_tail()}")
+                raise FreeTokenError(
+                    f"ft serve exited with {self.proc.returncode} before it was ready:\n{self._log_tail()}"
+                )
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:  # noqa: S310 - our child
                     if resp.status == 200:
@@ -430,8 +447,17 @@ def _input_with_history() -> Callable[[str], str]:
     return input
 
 
-def run_chat(url: str | None, model: str | None, api_key: str | None, system: str | None, max_tokens: int | None,
-             temperature: float | None, tools_file: str | None, serve_args: list[str], timeout_s: float) -> None:
+def run_chat(
+    url: str | None,
+    model: str | None,
+    api_key: str | None,
+    system: str | None,
+    max_tokens: int | None,
+    temperature: float | None,
+    tools_file: str | None,
+    serve_args: list[str],
+    timeout_s: float,
+) -> None:
     """What `ft chat` does with its arguments."""
     tools = None
     if tools_file:
@@ -453,8 +479,7 @@ def run_chat(url: str | None, model: str | None, api_key: str | None, system: st
         name = names[0] if names else "default"
         sys.stderr.write(f"ft chat: {name} at {base_url}; /help for commands, /exit or Ctrl-D to quit\n")
         sys.stderr.flush()
-        ChatREPL(transport, model=name, system=system, params=params, tools=tools,
-                 input_fn=_input_with_history()).run()
+        ChatREPL(transport, model=name, system=system, params=params, tools=tools, input_fn=_input_with_history()).run()
 
     if model is not None:
         with ChildServer(model, serve_args + (["--api-key", api_key] if api_key else [])) as child:

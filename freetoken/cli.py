@@ -29,32 +29,79 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="auto = bfloat16 where the hardware is fast at it, else float32")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: the physical cores this process may use)")
-    p.add_argument("--weights", default="auto", choices=["auto", "bf16", "int8", "int4"],
-                   help="what matrices run as: auto = the file's precision class (4-bit types int4, 5/6/8-bit int8, float bf16), bf16 = the --dtype, int8/int4 = quantized (default auto)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="auto = bfloat16 where the hardware is fast at it, else float32",
+    )
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: the physical cores this process may use)"
+    )
+    p.add_argument(
+        "--weights",
+        default="auto",
+        choices=["auto", "bf16", "int8", "int4"],
+        help="what matrices run as: auto = the file's precision class (4-bit types int4, 5/6/8-bit int8, float bf16), bf16 = the --dtype, int8/int4 = quantized (default auto)",
+    )
 
 
 def _add_chat(sub: argparse._SubParsersAction) -> None:
-    p = _subparser(sub, "chat", help="chat with a model in the terminal, streamed, through its chat template (a running server, or --model)")
+    p = _subparser(
+        sub,
+        "chat",
+        help="chat with a model in the terminal, streamed, through its chat template (a running server, or --model)",
+    )
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--url", default=None, help="the server to talk to (default http://127.0.0.1:1919, ft serve's default)")
-    where.add_argument("--model", default=None, help="start `ft serve --model M` on a free local port for this chat instead of using --url; " + MODEL_HELP)
-    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY' (with --model: the child server requires it)")
+    where.add_argument(
+        "--url", default=None, help="the server to talk to (default http://127.0.0.1:1919, ft serve's default)"
+    )
+    where.add_argument(
+        "--model",
+        default=None,
+        help="start `ft serve --model M` on a free local port for this chat instead of using --url; " + MODEL_HELP,
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="sent as 'Authorization: Bearer KEY' (with --model: the child server requires it)",
+    )
     p.add_argument("--system", default=None, help="the system prompt to start with (/system changes it)")
-    p.add_argument("--max-tokens", type=int, default=None, help="per answer (default: the server's, the rest of the context)")
+    p.add_argument(
+        "--max-tokens", type=int, default=None, help="per answer (default: the server's, the rest of the context)"
+    )
     p.add_argument("--temperature", type=float, default=None, help="default: the server's")
-    p.add_argument("--tools", default=None, metavar="FILE.json", help="a JSON list of OpenAI tool definitions sent with every turn; calls are shown")
-    p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
-                   help="with --model: an extra `ft serve` argument (repeatable, e.g. --serve-arg=--threads --serve-arg=2)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the server's next bytes (default 600)")
+    p.add_argument(
+        "--tools",
+        default=None,
+        metavar="FILE.json",
+        help="a JSON list of OpenAI tool definitions sent with every turn; calls are shown",
+    )
+    p.add_argument(
+        "--serve-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="with --model: an extra `ft serve` argument (repeatable, e.g. --serve-arg=--threads --serve-arg=2)",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds to wait for the server's next bytes (default 600)"
+    )
 
 
 def _add_inspect(sub: argparse._SubParsersAction) -> None:
-    p = _subparser(sub, "inspect", help="print a model's architecture, layer kinds, vocabulary, quant types, size and what each weight runs as")
+    p = _subparser(
+        sub,
+        "inspect",
+        help="print a model's architecture, layer kinds, vocabulary, quant types, size and what each weight runs as",
+    )
     p.add_argument("--model", default=None, help=MODEL_HELP)
-    p.add_argument("--weights", default="auto", choices=["auto", "bf16", "int8", "int4"],
-                   help="what matrices run as: auto = the file's precision class (4-bit types int4, 5/6/8-bit int8, float bf16), bf16 = the --dtype, int8/int4 = quantized (default auto)")
+    p.add_argument(
+        "--weights",
+        default="auto",
+        choices=["auto", "bf16", "int8", "int4"],
+        help="what matrices run as: auto = the file's precision class (4-bit types int4, 5/6/8-bit int8, float bf16), bf16 = the --dtype, int8/int4 = quantized (default auto)",
+    )
 
 
 def _swa_pool_tokens(value: str) -> int | str:
@@ -86,134 +133,372 @@ then: ft chat (a terminal chat), ft launch codex|claude|opencode (a coding agent
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="serve a model over OpenAI- and Anthropic-compatible HTTP APIs (default: gemma3-270m on 127.0.0.1:1919)",
-                       description="Serve a model over OpenAI- and Anthropic-compatible HTTP APIs.",
-                       epilog=SERVE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "serve",
+        help="serve a model over OpenAI- and Anthropic-compatible HTTP APIs (default: gemma3-270m on 127.0.0.1:1919)",
+        description="Serve a model over OpenAI- and Anthropic-compatible HTTP APIs.",
+        epilog=SERVE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     g = p.add_argument_group("model")
-    g.add_argument("model_arg", nargs="?", default=None, metavar="MODEL", help="the model, as --model takes it (`ft serve FILE.gguf`)")
-    g.add_argument("--model", default=None, help="a .gguf file, a directory with config.json + safetensors + tokenizer.json, "
-                   "or a short name: gemma3-270m, smollm2-135m-instruct (default: $FT_MODEL, else gemma3-270m)")
-    g.add_argument("--served-model-name", default=None, help="the model name clients send (default: the short name or file stem)")
-    g.add_argument("--chat-template", default=None, metavar="FILE", help="a jinja2 chat template overriding the model's")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="auto = bfloat16 where the hardware is fast at it, else float32")
-    g.add_argument("--weights", default="auto", choices=["auto", "bf16", "int8", "int4"],
-                   help="what matrices run as: auto = the file's precision class (4-bit types int4, 5/6/8-bit int8, float bf16), bf16 = the --dtype, int8/int4 = quantized (default auto)")
-    g.add_argument("--prefill-weights", default="auto", choices=["auto", "bf16", "quantized"],
-                   help="which quantized linear layers also keep a --dtype copy for prefill batches: auto = where the kernel is slower than the copy (q6_k, group-32; not q4_k or the LM head), bf16 = all (~2 bytes per weight more), quantized = none (default auto)")
-    g.add_argument("--weights-cache", default="auto", metavar="auto|off|DIR",
-                   help="where what a load makes of the checkpoint is kept, memory-mapped on the next start with the same file, options and version: auto = ~/.cache/freetoken/weights (or $FREETOKEN_CACHE_DIR/weights), off = none (docs/operations.md; default auto)")
-    g.add_argument("--moe-strategy", default="resident", choices=["resident", "offload"],
-                   help="MoE experts: resident = all decoded at load; offload = kept in the file, the hot ones in an LRU cache of --expert-cache-gb (docs/moe.md; default resident)")
-    g.add_argument("--threads", type=int, default=None, help="the engine process's torch threads (default: the physical cores it may use)")
-    g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
-                   help="engine processes, one per rank, each holding 1/N of every layer (gloo on CPU, nccl on CUDA; default 1)")
+    g.add_argument(
+        "model_arg",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the model, as --model takes it (`ft serve FILE.gguf`)",
+    )
+    g.add_argument(
+        "--model",
+        default=None,
+        help="a .gguf file, a directory with config.json + safetensors + tokenizer.json, "
+        "or a short name: gemma3-270m, smollm2-135m-instruct (default: $FT_MODEL, else gemma3-270m)",
+    )
+    g.add_argument(
+        "--served-model-name", default=None, help="the model name clients send (default: the short name or file stem)"
+    )
+    g.add_argument(
+        "--chat-template", default=None, metavar="FILE", help="a jinja2 chat template overriding the model's"
+    )
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="auto = bfloat16 where the hardware is fast at it, else float32",
+    )
+    g.add_argument(
+        "--weights",
+        default="auto",
+        choices=["auto", "bf16", "int8", "int4"],
+        help="what matrices run as: auto = the file's precision class (4-bit types int4, 5/6/8-bit int8, float bf16), bf16 = the --dtype, int8/int4 = quantized (default auto)",
+    )
+    g.add_argument(
+        "--prefill-weights",
+        default="auto",
+        choices=["auto", "bf16", "quantized"],
+        help="which quantized linear layers also keep a --dtype copy for prefill batches: auto = where the kernel is slower than the copy (q6_k, group-32; not q4_k or the LM head), bf16 = all (~2 bytes per weight more), quantized = none (default auto)",
+    )
+    g.add_argument(
+        "--weights-cache",
+        default="auto",
+        metavar="auto|off|DIR",
+        help="where what a load makes of the checkpoint is kept, memory-mapped on the next start with the same file, options and version: auto = ~/.cache/freetoken/weights (or $FREETOKEN_CACHE_DIR/weights), off = none (docs/operations.md; default auto)",
+    )
+    g.add_argument(
+        "--moe-strategy",
+        default="resident",
+        choices=["resident", "offload"],
+        help="MoE experts: resident = all decoded at load; offload = kept in the file, the hot ones in an LRU cache of --expert-cache-gb (docs/moe.md; default resident)",
+    )
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="the engine process's torch threads (default: the physical cores it may use)",
+    )
+    g.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="engine processes, one per rank, each holding 1/N of every layer (gloo on CPU, nccl on CUDA; default 1)",
+    )
 
     g = p.add_argument_group("server")
-    g.add_argument("--host", default=None, help="address to listen on (default: $FT_HOST, else 127.0.0.1; 0.0.0.0 for every interface)")
+    g.add_argument(
+        "--host",
+        default=None,
+        help="address to listen on (default: $FT_HOST, else 127.0.0.1; 0.0.0.0 for every interface)",
+    )
     g.add_argument("--port", type=int, default=None, help="port to listen on (default: $FT_PORT, else 1919)")
-    g.add_argument("--api-key", default=None, metavar="KEY", help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on /v1 routes (default: $FT_API_KEY, else none)")
-    g.add_argument("--api-key-file", default=None, metavar="PATH", help="--api-key read from a file holding the key alone (kept out of `ps`)")
-    g.add_argument("--allowed-origins", default="", metavar="ORIGINS",
-                   help="comma-separated origins browsers may call from (CORS), or '*' (default: none, no CORS headers)")
-    g.add_argument("--unprefixed-routes", action="store_true",
-                   help="the OpenAI routes also answer without the /v1 prefix (/chat/completions, /completions, /models, ...)")
-    g.add_argument("--enable-cache-report", action="store_true", help="report prefix-cache hits in usage.prompt_tokens_details.cached_tokens")
-    g.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
-                   help="end a generation request running longer than this with an error and free its pages (default: no limit)")
-    g.add_argument("--max-request-bytes", type=int, default=32 * 1024 * 1024, metavar="N",
-                   help="a request body larger than this is refused with 413 before it is read or parsed (default 33554432 = 32 MiB)")
-    g.add_argument("--responses-store-size", type=int, default=1024, metavar="N",
-                   help="finished /v1/responses kept for GET and previous_response_id, least recently used dropped first (default 1024; 0 = none)")
-    g.add_argument("--responses-store-ttl", type=float, default=3600.0, metavar="SECONDS",
-                   help="how long a stored response is kept (default 3600)")
+    g.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on /v1 routes (default: $FT_API_KEY, else none)",
+    )
+    g.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help="--api-key read from a file holding the key alone (kept out of `ps`)",
+    )
+    g.add_argument(
+        "--allowed-origins",
+        default="",
+        metavar="ORIGINS",
+        help="comma-separated origins browsers may call from (CORS), or '*' (default: none, no CORS headers)",
+    )
+    g.add_argument(
+        "--unprefixed-routes",
+        action="store_true",
+        help="the OpenAI routes also answer without the /v1 prefix (/chat/completions, /completions, /models, ...)",
+    )
+    g.add_argument(
+        "--enable-cache-report",
+        action="store_true",
+        help="report prefix-cache hits in usage.prompt_tokens_details.cached_tokens",
+    )
+    g.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="end a generation request running longer than this with an error and free its pages (default: no limit)",
+    )
+    g.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=32 * 1024 * 1024,
+        metavar="N",
+        help="a request body larger than this is refused with 413 before it is read or parsed (default 33554432 = 32 MiB)",
+    )
+    g.add_argument(
+        "--responses-store-size",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="finished /v1/responses kept for GET and previous_response_id, least recently used dropped first (default 1024; 0 = none)",
+    )
+    g.add_argument(
+        "--responses-store-ttl",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="how long a stored response is kept (default 3600)",
+    )
 
     g = p.add_argument_group("memory")
-    g.add_argument("--num-tokens", type=int, default=None, help="FULL KV pool size in tokens (default: from --memory-ratio)")
-    g.add_argument("--memory-ratio", type=float, default=0.3, help="share of free memory the FULL KV pool may use (default 0.3)")
-    g.add_argument("--context-length", "--max-model-len", type=int, default=None,
-                   help="cap the model's context length (--max-model-len: vLLM's spelling)")
-    g.add_argument("--cache-type", default="radix", choices=["naive", "radix", "swa_radix"], help="prefix cache (default radix; swa_radix on SWA models)")
+    g.add_argument(
+        "--num-tokens", type=int, default=None, help="FULL KV pool size in tokens (default: from --memory-ratio)"
+    )
+    g.add_argument(
+        "--memory-ratio", type=float, default=0.3, help="share of free memory the FULL KV pool may use (default 0.3)"
+    )
+    g.add_argument(
+        "--context-length",
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="cap the model's context length (--max-model-len: vLLM's spelling)",
+    )
+    g.add_argument(
+        "--cache-type",
+        default="radix",
+        choices=["naive", "radix", "swa_radix"],
+        help="prefix cache (default radix; swa_radix on SWA models)",
+    )
     g.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
-    g.add_argument("--swa-full-tokens-ratio", type=float, default=None, help="SWA pool size as a share of the FULL pool")
-    g.add_argument("--swa-pool-tokens", type=_swa_pool_tokens, default=None, metavar="N|floor", help="SWA pool size in tokens, or 'floor'")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "int8", "q8_0", "fp8_e4m3"],
-                   help="K/V storage: auto = the model's dtype; int8 (q8_0) / fp8_e4m3 (CUDA) hold about twice the tokens per byte")
-    g.add_argument("--max-pinned-tokens", type=int, default=None, metavar="N",
-                   help="cap on prefix-cache tokens held by cache_control / prompt_cache_key pins (default: a quarter of the FULL pool; 0 = no pins)")
-    g.add_argument("--expert-cache-gb", type=float, default=4.0, metavar="GB",
-                   help="offload: the expert cache's budget in GiB (default 4; POST /admin/cache/resize moves it at run time)")
+    g.add_argument(
+        "--swa-full-tokens-ratio", type=float, default=None, help="SWA pool size as a share of the FULL pool"
+    )
+    g.add_argument(
+        "--swa-pool-tokens",
+        type=_swa_pool_tokens,
+        default=None,
+        metavar="N|floor",
+        help="SWA pool size in tokens, or 'floor'",
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "bf16", "int8", "q8_0", "fp8_e4m3"],
+        help="K/V storage: auto = the model's dtype; int8 (q8_0) / fp8_e4m3 (CUDA) hold about twice the tokens per byte",
+    )
+    g.add_argument(
+        "--max-pinned-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="cap on prefix-cache tokens held by cache_control / prompt_cache_key pins (default: a quarter of the FULL pool; 0 = no pins)",
+    )
+    g.add_argument(
+        "--expert-cache-gb",
+        type=float,
+        default=4.0,
+        metavar="GB",
+        help="offload: the expert cache's budget in GiB (default 4; POST /admin/cache/resize moves it at run time)",
+    )
 
     g = p.add_argument_group("scheduling")
-    g.add_argument("--max-running-requests", "--max-num-seqs", type=int, default=16,
-                   help="requests decoded together (default 16; --max-num-seqs: vLLM's spelling)")
-    g.add_argument("--max-waiting-requests", type=int, default=256, help="requests queued beyond the running ones; more get 429 (default 256)")
-    g.add_argument("--max-prefill-length", type=int, default=1024, help="prompt tokens prefilled per step (default 1024)")
-    g.add_argument("--speculative", default="off", choices=["off", "ngram"],
-                   help="ngram: draft tokens from the prompt and output (n-gram lookup), verified in the batched forward; exact (docs/speculative.md; default off)")
-    g.add_argument("--spec-max-draft", type=int, default=16, metavar="K", help="drafted tokens per verified chunk at most (default 16)")
+    g.add_argument(
+        "--max-running-requests",
+        "--max-num-seqs",
+        type=int,
+        default=16,
+        help="requests decoded together (default 16; --max-num-seqs: vLLM's spelling)",
+    )
+    g.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=256,
+        help="requests queued beyond the running ones; more get 429 (default 256)",
+    )
+    g.add_argument(
+        "--max-prefill-length", type=int, default=1024, help="prompt tokens prefilled per step (default 1024)"
+    )
+    g.add_argument(
+        "--speculative",
+        default="off",
+        choices=["off", "ngram"],
+        help="ngram: draft tokens from the prompt and output (n-gram lookup), verified in the batched forward; exact (docs/speculative.md; default off)",
+    )
+    g.add_argument(
+        "--spec-max-draft",
+        type=int,
+        default=16,
+        metavar="K",
+        help="drafted tokens per verified chunk at most (default 16)",
+    )
     g.add_argument("--spec-ngram-min", type=int, default=2, metavar="N", help="shortest n-gram looked up (default 2)")
-    g.add_argument("--spec-ngram-max", type=int, default=4, metavar="N", help="longest n-gram looked up, tried first (default 4)")
-    g.add_argument("--deterministic", action="store_true",
-                   help="every row computed alike, alone or batched, prefilled, decoded, verified or cached: greedy outputs repeat exactly; prefill slower (docs/engine.md; default off)")
+    g.add_argument(
+        "--spec-ngram-max", type=int, default=4, metavar="N", help="longest n-gram looked up, tried first (default 4)"
+    )
+    g.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="every row computed alike, alone or batched, prefilled, decoded, verified or cached: greedy outputs repeat exactly; prefill slower (docs/engine.md; default off)",
+    )
 
     g = p.add_argument_group("agents")
-    g.add_argument("--tool-call-parser", default=None, choices=["hermes", "gemma", "gemma4", "llama3_json", "harmony"],
-                   help="the tool-call format to parse (default: from the model's chat template and architecture)")
-    g.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help="accepted for vLLM command lines and ignored: tool calling is always on")
-    g.add_argument("--reasoning-parser", default=None, choices=["think", "gemma4", "none"],
-                   help="split <think>...</think> (think) or <|channel>thought...<channel|> (gemma4) reasoning off the output "
-                        "(default: from the model's template or vocabulary)")
+    g.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=["hermes", "gemma", "gemma4", "llama3_json", "harmony"],
+        help="the tool-call format to parse (default: from the model's chat template and architecture)",
+    )
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted for vLLM command lines and ignored: tool calling is always on",
+    )
+    g.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=["think", "gemma4", "none"],
+        help="split <think>...</think> (think) or <|channel>thought...<channel|> (gemma4) reasoning off the output "
+        "(default: from the model's template or vocabulary)",
+    )
 
     g = p.add_argument_group("operations")
     _add_logging(g, defaults=False)
-    g.add_argument("--engine-hang-timeout", type=float, default=30.0, metavar="SECONDS",
-                   help="no engine heartbeat for this long = hung: /health 503, in-flight requests end with an error, "
-                        "the engine is killed and restarted (default 30; docs/operations.md)")
-    g.add_argument("--load-timeout", type=float, default=600.0, metavar="SECONDS",
-                   help="an engine process that has not loaded the model and said Ready this long after its start is killed; "
-                        "at start-up ft serve then exits 1 (default 600; docs/operations.md)")
-    g.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
-                   help="on SIGTERM or POST /admin/drain, how long in-flight requests may finish before they are aborted (default 30)")
-    g.add_argument("--debug-kv", action="store_true", help="audit the KV cache after every step; a violation is fatal (for tests)")
-    g.add_argument("--test-hold", default=None, metavar="PATH",
-                   help="a test hook, off by default: while PATH exists the engine holds what it says (freetoken/engine/hold.py)")
+    g.add_argument(
+        "--engine-hang-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="no engine heartbeat for this long = hung: /health 503, in-flight requests end with an error, "
+        "the engine is killed and restarted (default 30; docs/operations.md)",
+    )
+    g.add_argument(
+        "--load-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="an engine process that has not loaded the model and said Ready this long after its start is killed; "
+        "at start-up ft serve then exits 1 (default 600; docs/operations.md)",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM or POST /admin/drain, how long in-flight requests may finish before they are aborted (default 30)",
+    )
+    g.add_argument(
+        "--debug-kv", action="store_true", help="audit the KV cache after every step; a violation is fatal (for tests)"
+    )
+    g.add_argument(
+        "--test-hold",
+        default=None,
+        metavar="PATH",
+        help="a test hook, off by default: while PATH exists the engine holds what it says (freetoken/engine/hold.py)",
+    )
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    p = _subparser(sub, "bench", help="measure: `roofline` (decode against the machine's read bandwidth), `serve` (a server over HTTP, optionally paired with a peer), `load` (time to ready and memory)")
+    p = _subparser(
+        sub,
+        "bench",
+        help="measure: `roofline` (decode against the machine's read bandwidth), `serve` (a server over HTTP, optionally paired with a peer), `load` (time to ready and memory)",
+    )
     kinds = p.add_subparsers(dest="bench", metavar="KIND", required=True)
-    r = kinds.add_parser("roofline", help="read bandwidth, bytes a decode step reads, in-process decode tok/s and the fraction of the roofline")
+    r = kinds.add_parser(
+        "roofline",
+        help="read bandwidth, bytes a decode step reads, in-process decode tok/s and the fraction of the roofline",
+    )
     r.add_argument("--model", default=None, help=MODEL_HELP)
-    r.add_argument("--threads", type=int, default=None, help="torch threads (default: the physical cores this process may use)")
+    r.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: the physical cores this process may use)"
+    )
     r.add_argument("--weights", default="auto", choices=["auto", "bf16", "int8", "int4"])
     r.add_argument("--tokens", type=int, default=64, help="decode tokens per timed request (default 64)")
     r.add_argument("--repeats", type=int, default=3, help="timed repeats, median quoted (default 3)")
-    s = kinds.add_parser("serve", help="the serving scenarios against a running server; with --peer-url, paired rounds against a second one")
+    s = kinds.add_parser(
+        "serve",
+        help="the serving scenarios against a running server; with --peer-url, paired rounds against a second one",
+    )
     s.add_argument("--base-url", required=True, help="the server measured, e.g. http://127.0.0.1:1919")
-    s.add_argument("--peer-url", default=None, help="a second server (llama-server, ik_llama.cpp, ...): paired rounds, ratios base / peer")
-    s.add_argument("--paired-rounds", type=int, default=5, help="rounds with --peer-url, the order swapped each round (default 5)")
-    s.add_argument("--scenarios", nargs="+", choices=["single", "sweep", "prefill", "agent"], default=None,
-                   help="default: all four alone; single + prefill paired")
-    s.add_argument("--concurrency", type=int, nargs="+", default=None, help="sweep stream counts (default 1 2 4 8 16; paired 4 8)")
+    s.add_argument(
+        "--peer-url",
+        default=None,
+        help="a second server (llama-server, ik_llama.cpp, ...): paired rounds, ratios base / peer",
+    )
+    s.add_argument(
+        "--paired-rounds", type=int, default=5, help="rounds with --peer-url, the order swapped each round (default 5)"
+    )
+    s.add_argument(
+        "--scenarios",
+        nargs="+",
+        choices=["single", "sweep", "prefill", "agent"],
+        default=None,
+        help="default: all four alone; single + prefill paired",
+    )
+    s.add_argument(
+        "--concurrency", type=int, nargs="+", default=None, help="sweep stream counts (default 1 2 4 8 16; paired 4 8)"
+    )
     s.add_argument("--quick", action="store_true", help="a smoke run: every scenario, a fraction of the work")
     s.add_argument("--out", default=None, help="write the result JSON here")
-    ld = kinds.add_parser("load", help="launch to ready and peak memory of `ft serve`, first and later starts, beside a peer binary")
+    ld = kinds.add_parser(
+        "load", help="launch to ready and peak memory of `ft serve`, first and later starts, beside a peer binary"
+    )
     ld.add_argument("--model", required=True, help="a GGUF file both servers load")
-    ld.add_argument("--peer", default=None, metavar="BINARY", help="a llama-server binary started on the same file (-m FILE -t N -c N)")
+    ld.add_argument(
+        "--peer",
+        default=None,
+        metavar="BINARY",
+        help="a llama-server binary started on the same file (-m FILE -t N -c N)",
+    )
     ld.add_argument("--starts", type=int, default=3, help="launches of each server, alternating (default 3)")
-    ld.add_argument("--first-starts", type=int, default=1,
-                    help="how many of them are first starts (ft: each with an empty weight cache); their median is reported apart (default 1)")
-    ld.add_argument("--threads", type=int, default=None, help="threads of both servers (default: the physical cores this process may use)")
-    ld.add_argument("--num-tokens", type=int, default=16384, help="KV capacity of both (ft --num-tokens, peer -c; default 16384)")
+    ld.add_argument(
+        "--first-starts",
+        type=int,
+        default=1,
+        help="how many of them are first starts (ft: each with an empty weight cache); their median is reported apart (default 1)",
+    )
+    ld.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="threads of both servers (default: the physical cores this process may use)",
+    )
+    ld.add_argument(
+        "--num-tokens", type=int, default=16384, help="KV capacity of both (ft --num-tokens, peer -c; default 16384)"
+    )
     ld.add_argument("--timeout", type=float, default=600.0, help="seconds a start may take to be ready (default 600)")
-    ld.add_argument("--ft-arg", action="append", default=[], metavar="ARG", help="an extra `ft serve` argument (repeatable)")
+    ld.add_argument(
+        "--ft-arg", action="append", default=[], metavar="ARG", help="an extra `ft serve` argument (repeatable)"
+    )
 
 
 def _add_launch(sub: argparse._SubParsersAction) -> None:
     from freetoken.launch import add_arguments
 
-    p = _subparser(sub, "launch", help="point Codex, Claude Code or OpenCode at a running ft serve (config written, backed up) and start it")
+    p = _subparser(
+        sub,
+        "launch",
+        help="point Codex, Claude Code or OpenCode at a running ft serve (config written, backed up) and start it",
+    )
     add_arguments(p)
 
 
@@ -221,10 +506,19 @@ def _add_logging(p: argparse.ArgumentParser | argparse._ArgumentGroup, defaults:
     """`-v` and `--log-format`, accepted before the subcommand and after it: the subcommands'
     copies default to SUPPRESS, so that they set the value only when given (argparse would
     otherwise overwrite what was given before the subcommand with the subcommand's default)."""
-    p.add_argument("-v", "--verbose", action="store_true", default=False if defaults else argparse.SUPPRESS,
-                   help="debug logging on stderr (ft serve: in the engine process too)")
-    p.add_argument("--log-format", choices=FORMATS, default="text" if defaults else argparse.SUPPRESS,
-                   help="text: one line per record with a timestamp (default); json: one JSON object per line")
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        default=False if defaults else argparse.SUPPRESS,
+        help="debug logging on stderr (ft serve: in the engine process too)",
+    )
+    p.add_argument(
+        "--log-format",
+        choices=FORMATS,
+        default="text" if defaults else argparse.SUPPRESS,
+        help="text: one line per record with a timestamp (default); json: one JSON object per line",
+    )
 
 
 def _subparser(sub: argparse._SubParsersAction, name: str, **kwargs: object) -> argparse.ArgumentParser:
@@ -269,8 +563,17 @@ def _generate(args: argparse.Namespace) -> None:
 def _chat(args: argparse.Namespace) -> None:
     from freetoken.chat_cli import run_chat
 
-    run_chat(args.url, args.model, args.api_key, args.system, args.max_tokens, args.temperature, args.tools,
-             args.serve_arg, args.timeout)
+    run_chat(
+        args.url,
+        args.model,
+        args.api_key,
+        args.system,
+        args.max_tokens,
+        args.temperature,
+        args.tools,
+        args.serve_arg,
+        args.timeout,
+    )
 
 
 def _inspect(args: argparse.Namespace) -> None:
@@ -285,9 +588,20 @@ def _bench(args: argparse.Namespace) -> None:
     if args.bench == "roofline":
         bench_roofline(args.model, args.threads, args.weights, args.tokens, args.repeats)
     elif args.bench == "load":
-        bench_load(args.model, args.peer, args.starts, args.threads, args.num_tokens, args.timeout, args.ft_arg, args.first_starts)
+        bench_load(
+            args.model,
+            args.peer,
+            args.starts,
+            args.threads,
+            args.num_tokens,
+            args.timeout,
+            args.ft_arg,
+            args.first_starts,
+        )
     else:
-        bench_serve(args.base_url, args.peer_url, args.paired_rounds, args.scenarios, args.concurrency, args.quick, args.out)
+        bench_serve(
+            args.base_url, args.peer_url, args.paired_rounds, args.scenarios, args.concurrency, args.quick, args.out
+        )
 
 
 DEFAULT_HOST = "127.0.0.1"
@@ -432,7 +746,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    handlers = {"generate": _generate, "chat": _chat, "inspect": _inspect, "serve": _serve, "bench": _bench, "launch": _launch}
+    handlers = {
+        "generate": _generate,
+        "chat": _chat,
+        "inspect": _inspect,
+        "serve": _serve,
+        "bench": _bench,
+        "launch": _launch,
+    }
     try:
         handlers[args.command](args)
     except FreeTokenError as err:

@@ -34,7 +34,9 @@ class EngineConfig:
     model: str | None = None
     dtype: str = "auto"
     weights: str = "auto"  # auto | bf16 | int8 | int4 (models.linear.apply_policy)
-    prefill_weights: str = "auto"  # bf16: quantized linear layers keep a dense copy for prefill; auto: where it pays; quantized: none
+    prefill_weights: str = (
+        "auto"  # bf16: quantized linear layers keep a dense copy for prefill; auto: where it pays; quantized: none
+    )
     device: str | None = None
     cache_type: str = "radix"
     page_size: int = 16
@@ -59,7 +61,9 @@ class EngineConfig:
     # cached or not: quantized kernels for every row count, attention query by query (docs/engine.md).
     deterministic: bool = False
     weights_cache: str = "auto"  # auto | off | a directory: what a load made of the checkpoint, mapped on the next start (weights/weight_cache.py)
-    moe_strategy: str = "resident"  # resident | offload: experts decoded at load, or an LRU cache over the file (docs/moe.md)
+    moe_strategy: str = (
+        "resident"  # resident | offload: experts decoded at load, or an LRU cache over the file (docs/moe.md)
+    )
     expert_cache_gb: float = 4.0  # offload: the expert cache's budget (resizable: POST /admin/cache/resize)
     test_hold: str | None = None  # a test hook, off by default: the hold file of engine/hold.py
 
@@ -68,7 +72,9 @@ class EngineConfig:
         if self.weights not in WEIGHT_POLICIES:
             raise ConfigError(f"--weights must be one of {', '.join(WEIGHT_POLICIES)}, got {self.weights!r}")
         if self.prefill_weights not in PREFILL_WEIGHTS:
-            raise ConfigError(f"--prefill-weights must be one of {', '.join(PREFILL_WEIGHTS)}, got {self.prefill_weights!r}")
+            raise ConfigError(
+                f"--prefill-weights must be one of {', '.join(PREFILL_WEIGHTS)}, got {self.prefill_weights!r}"
+            )
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"--tensor-parallel-size must be at least 1, got {self.tensor_parallel_size}")
         if self.threads is not None and self.threads < 1:
@@ -92,7 +98,9 @@ class EngineConfig:
             if value < 1:
                 raise ConfigError(f"{flag} must be at least 1, got {value}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+            raise ConfigError(
+                f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+            )
         if self.max_pinned_tokens is not None and self.max_pinned_tokens < 0:
             raise ConfigError(f"--max-pinned-tokens must be >= 0, got {self.max_pinned_tokens}")
         if self.max_waiting_requests < 0:
@@ -124,14 +132,20 @@ class EngineConfig:
     def _check_deterministic(self) -> None:
         """What --deterministic cannot keep its promise with, refused by name."""
         if self.prefill_weights == "bf16":
-            raise ConfigError("--deterministic multiplies every row by the quantized kernels: --prefill-weights bf16 "
-                              "(a dense copy for prefill-sized batches) cannot be used with it")
+            raise ConfigError(
+                "--deterministic multiplies every row by the quantized kernels: --prefill-weights bf16 "
+                "(a dense copy for prefill-sized batches) cannot be used with it"
+            )
         if self.page_size % 16:
-            raise ConfigError(f"--deterministic needs --page-size a multiple of 16 (the attention's float32 lanes "
-                              f"follow key positions), got {self.page_size}")
+            raise ConfigError(
+                f"--deterministic needs --page-size a multiple of 16 (the attention's float32 lanes "
+                f"follow key positions), got {self.page_size}"
+            )
         if self.kv_cache_dtype not in ("auto", "bf16"):
-            raise ConfigError(f"--deterministic reads K/V in the compute dtype: --kv-cache-dtype {self.kv_cache_dtype} "
-                              "cannot be used with it")
+            raise ConfigError(
+                f"--deterministic reads K/V in the compute dtype: --kv-cache-dtype {self.kv_cache_dtype} "
+                "cannot be used with it"
+            )
         if self.device is not None and self.device.startswith("cuda"):
             raise ConfigError("--deterministic runs on CPU only (its attention is the CPU decode kernel)")
 
@@ -150,12 +164,7 @@ class EngineConfig:
         return self.spec_max_draft + 1 if self.speculative != "off" else 1
 
     def resolve(
-        self,
-        *,
-        model_context_length: int,
-        window: int | None,
-        kv_bytes_per_token: int,
-        available_bytes: int,
+        self, *, model_context_length: int, window: int | None, kv_bytes_per_token: int, available_bytes: int
     ) -> ResolvedConfig:
         """Pool sizes and the context length for a model; refuses an SWA pool below its floor.
 

@@ -135,7 +135,9 @@ def _get_json(url: str, api_key: str | None, timeout: float) -> Any:
         if err.code == 401:
             hint = "the key was refused" if api_key else "it needs an API key: pass --api-key KEY or set FT_API_KEY"
             raise FreeTokenError(f"GET {url} answered 401: {hint}") from None
-        raise FreeTokenError(f"GET {url} answered {err.code}; is this an ft serve (or OpenAI-compatible) server?") from None
+        raise FreeTokenError(
+            f"GET {url} answered {err.code}; is this an ft serve (or OpenAI-compatible) server?"
+        ) from None
     except (urllib.error.URLError, OSError) as err:
         reason = getattr(err, "reason", err)
         raise FreeTokenError(f"cannot reach {url} ({reason}): start `ft serve` first, or point --url at it") from None
@@ -148,7 +150,11 @@ def read_server(url: str, api_key: str | None, model: str | None, timeout: float
     `default`, which the server always accepts."""
     base = _base_url(url)
     body = _get_json(f"{base}/v1/models", api_key, timeout)
-    cards = [c for c in (body.get("data") if isinstance(body, dict) else None) or [] if isinstance(c, dict) and isinstance(c.get("id"), str)]
+    cards = [
+        c
+        for c in (body.get("data") if isinstance(body, dict) else None) or []
+        if isinstance(c, dict) and isinstance(c.get("id"), str)
+    ]
     ids = tuple(c["id"] for c in cards)
     if not ids:
         raise FreeTokenError(f"GET {base}/v1/models listed no model")
@@ -224,7 +230,10 @@ def merge_codex_toml(old: str, top: Mapping[str, Any], table: Mapping[str, Any],
     top_lines = [f"{k} = {_toml_str(v) if isinstance(v, str) else v}" for k, v in top.items()]
     if "check_for_update_on_startup" not in before:
         top_lines.append("check_for_update_on_startup = false")
-    table_lines = [f"[model_providers.{PROVIDER}]", "# written by `ft launch codex`, which replaces this table when rerun"]
+    table_lines = [
+        f"[model_providers.{PROVIDER}]",
+        "# written by `ft launch codex`, which replaces this table when rerun",
+    ]
     table_lines += [f"{k} = {_toml_str(v) if isinstance(v, str) else v}" for k, v in table.items()]
     # Each goes where the old one was (so a rerun leaves the file as it is), else at the end of
     # the top-level keys / of the file.
@@ -295,8 +304,15 @@ def codex_plan(served: Served, args: Sequence[str], environ: Mapping[str, str]) 
         env[KEY_ENV] = served.api_key
     table.update(request_max_retries=0, stream_max_retries=0)
     new, shown = merge_codex_toml(old or "", top, table, path)
-    return Plan("codex", "codex", tuple(args), (FileWrite(path, old, new, shown),), env, secret=frozenset({KEY_ENV}),
-                notes=_context_notes("codex", served))
+    return Plan(
+        "codex",
+        "codex",
+        tuple(args),
+        (FileWrite(path, old, new, shown),),
+        env,
+        secret=frozenset({KEY_ENV}),
+        notes=_context_notes("codex", served),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -324,8 +340,16 @@ def claude_plan(served: Served, args: Sequence[str], environ: Mapping[str, str])
         # never compacts in time); it also silences its "doesn't recognize the model" notice.
         env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] = str(served.context_length)
     # A token of the user's own would be sent beside the key (and to this server): not inherited.
-    return Plan("claude", "claude", tuple(args), (), env, unset=("ANTHROPIC_AUTH_TOKEN",),
-                secret=frozenset({"ANTHROPIC_API_KEY"}), notes=_context_notes("claude", served))
+    return Plan(
+        "claude",
+        "claude",
+        tuple(args),
+        (),
+        env,
+        unset=("ANTHROPIC_AUTH_TOKEN",),
+        secret=frozenset({"ANTHROPIC_API_KEY"}),
+        notes=_context_notes("claude", served),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -341,8 +365,10 @@ def opencode_plan(served: Served, args: Sequence[str], environ: Mapping[str, str
         try:
             data = json.loads(old)
         except ValueError as err:
-            raise ConfigError(f"{path} is not plain JSON ({err}; comments?): remove them or move the file away and rerun, "
-                              "or add the provider yourself (docs/agents.md, OpenCode)") from None
+            raise ConfigError(
+                f"{path} is not plain JSON ({err}; comments?): remove them or move the file away and rerun, "
+                "or add the provider yourself (docs/agents.md, OpenCode)"
+            ) from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path} is not a JSON object")
     model: dict[str, Any] = {"name": served.model}
@@ -353,16 +379,30 @@ def opencode_plan(served: Served, args: Sequence[str], environ: Mapping[str, str
     if served.api_key:
         options["apiKey"] = "{env:" + KEY_ENV + "}"  # OpenCode substitutes it when it reads the file
         env[KEY_ENV] = served.api_key
-    provider = {"npm": "@ai-sdk/openai-compatible", "name": "FreeToken", "options": options, "models": {served.model: model}}
+    provider = {
+        "npm": "@ai-sdk/openai-compatible",
+        "name": "FreeToken",
+        "options": options,
+        "models": {served.model: model},
+    }
     providers = data.get("provider")
     if not isinstance(providers, dict):
         providers = {}
     data["provider"] = {**providers, PROVIDER: provider}
     data["model"] = data["small_model"] = f"{PROVIDER}/{served.model}"
     new = json.dumps(data, indent=2) + "\n"
-    shown = json.dumps({"provider": {PROVIDER: provider}, "model": data["model"], "small_model": data["small_model"]}, indent=2)
-    return Plan("opencode", "opencode", tuple(args), (FileWrite(path, old, new, shown),), env,
-                secret=frozenset({KEY_ENV}), notes=_context_notes("opencode", served))
+    shown = json.dumps(
+        {"provider": {PROVIDER: provider}, "model": data["model"], "small_model": data["small_model"]}, indent=2
+    )
+    return Plan(
+        "opencode",
+        "opencode",
+        tuple(args),
+        (FileWrite(path, old, new, shown),),
+        env,
+        secret=frozenset({KEY_ENV}),
+        notes=_context_notes("opencode", served),
+    )
 
 
 AGENTS: dict[str, Callable[[Served, Sequence[str], Mapping[str, str]], Plan]] = {
@@ -414,8 +454,10 @@ def write_file(write: FileWrite, stamp: str) -> Path | None:
 
 
 def describe(plan: Plan, served: Served) -> str:
-    lines = [f"ft launch {plan.agent}: {served.url} serves {', '.join(served.models)}; using {served.model!r}, "
-             f"context {served.context_length if served.context_length is not None else 'unknown'} tokens"]
+    lines = [
+        f"ft launch {plan.agent}: {served.url} serves {', '.join(served.models)}; using {served.model!r}, "
+        f"context {served.context_length if served.context_length is not None else 'unknown'} tokens"
+    ]
     for w in plan.files:
         what = "unchanged" if w.old == w.new else ("update" if w.old is not None else "create")
         lines.append(f"{w.path} ({what}; FreeToken's part):")
@@ -430,8 +472,13 @@ def describe(plan: Plan, served: Served) -> str:
     return "\n".join(lines)
 
 
-def run_plan(plan: Plan, served: Served, dry_run: bool = False, environ: Mapping[str, str] | None = None,
-             out: TextIO | None = None) -> int:
+def run_plan(
+    plan: Plan,
+    served: Served,
+    dry_run: bool = False,
+    environ: Mapping[str, str] | None = None,
+    out: TextIO | None = None,
+) -> int:
     """Print the plan; unless `dry_run`, write its files (with backups) and run the agent, returning
     its exit status. A missing agent raises FreeTokenError after the files are written."""
     environ = os.environ if environ is None else environ
@@ -448,8 +495,10 @@ def run_plan(plan: Plan, served: Served, dry_run: bool = False, environ: Mapping
         print(f"wrote {w.path}" + (f" (the previous file is {backup})" if backup else ""), file=report)
     binary = shutil.which(plan.binary, path=environ.get("PATH"))
     if binary is None:
-        raise FreeTokenError(f"{plan.binary} is not installed (not on PATH); install it with: {INSTALL[plan.agent]}, then rerun"
-                             + (" (the configuration above is written)" if plan.files else ""))
+        raise FreeTokenError(
+            f"{plan.binary} is not installed (not on PATH); install it with: {INSTALL[plan.agent]}, then rerun"
+            + (" (the configuration above is written)" if plan.files else "")
+        )
     env = {**environ, **plan.env}
     for k in plan.unset:
         env.pop(k, None)
@@ -468,16 +517,26 @@ def run_plan(plan: Plan, served: Served, dry_run: bool = False, environ: Mapping
 def _add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default=None, help=f"the server (default {DEFAULT_URL}; a trailing /v1 is fine)")
     p.add_argument("--model", default=None, help="the served name the agent sends (default: the first of /v1/models)")
-    p.add_argument("--api-key", default=None, help="the server's --api-key (default: $FT_API_KEY); handed to the agent in its environment, never written to a file")
-    p.add_argument("--dry-run", action="store_true", help="print what would be written and run; write nothing, run nothing")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="the server's --api-key (default: $FT_API_KEY); handed to the agent in its environment, never written to a file",
+    )
+    p.add_argument(
+        "--dry-run", action="store_true", help="print what would be written and run; write nothing, run nothing"
+    )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """`ft launch`'s arguments. Everything after `launch` is taken as it stands and parsed by
     `command`, so that what follows `--` reaches the agent untouched whatever it looks like."""
     _add_options(p)
-    p.add_argument("argv", nargs=argparse.REMAINDER, metavar="{" + ",".join(AGENTS) + "} [options] [-- ARGS]",
-                   help="the agent, then the options above, then `--` and the arguments the agent is run with")
+    p.add_argument(
+        "argv",
+        nargs=argparse.REMAINDER,
+        metavar="{" + ",".join(AGENTS) + "} [options] [-- ARGS]",
+        help="the agent, then the options above, then `--` and the arguments the agent is run with",
+    )
 
 
 def command(args: argparse.Namespace) -> int:
@@ -487,9 +546,11 @@ def command(args: argparse.Namespace) -> int:
         argv = argv[1:]
     head, agent_args = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     parser = argparse.ArgumentParser(
-        prog="ft launch", description="point a coding agent at a running ft serve and start it (docs/agents.md)",
+        prog="ft launch",
+        description="point a coding agent at a running ft serve and start it (docs/agents.md)",
         usage="ft launch {" + ",".join(AGENTS) + "} [--url URL] [--model NAME] [--api-key KEY] [--dry-run] [-- ARGS]",
-        epilog="ARGS after `--` are passed to the agent as they stand.")
+        epilog="ARGS after `--` are passed to the agent as they stand.",
+    )
     parser.add_argument("agent", choices=list(AGENTS))
     _add_options(parser)
     parser.parse_args(head, namespace=args)  # options given before the agent are kept

@@ -84,7 +84,11 @@ class SamplingParams:
         budget_problem = None if self.reasoning_budget is None else self.reasoning_budget.problem()
         checks: list[tuple[str, bool, str]] = [
             ("max_tokens", self.max_tokens >= 1, "must be at least 1"),
-            ("temperature", 0.0 <= self.temperature <= 100.0 and math.isfinite(self.temperature), "must be in [0, 100]"),
+            (
+                "temperature",
+                0.0 <= self.temperature <= 100.0 and math.isfinite(self.temperature),
+                "must be in [0, 100]",
+            ),
             ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
             ("top_k", self.top_k >= 0 or self.top_k == -1, "must be -1, 0 (off) or positive"),
             ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
@@ -94,7 +98,11 @@ class SamplingParams:
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
             ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "must be in [0, 20]"),
             ("grammar", _valid_grammar(self.grammar), f"must be None or (kind, text) with kind in {GRAMMAR_KINDS}"),
-            ("logit_bias", all(t >= 0 and -100.0 <= b <= 100.0 for t, b in self.logit_bias), "must be (id >= 0, bias in [-100, 100]) pairs"),
+            (
+                "logit_bias",
+                all(t >= 0 and -100.0 <= b <= 100.0 for t, b in self.logit_bias),
+                "must be (id >= 0, bias in [-100, 100]) pairs",
+            ),
             ("reasoning_budget", budget_problem is None, str(budget_problem)),
         ]
         for name, ok, why in checks:
@@ -110,10 +118,7 @@ def _valid_grammar(grammar: object) -> bool:
     if grammar is None:
         return True
     return (
-        isinstance(grammar, tuple)
-        and len(grammar) == 2
-        and grammar[0] in GRAMMAR_KINDS
-        and isinstance(grammar[1], str)
+        isinstance(grammar, tuple) and len(grammar) == 2 and grammar[0] in GRAMMAR_KINDS and isinstance(grammar[1], str)
     )
 
 

@@ -34,7 +34,9 @@ KEY_BUCKET = 256
 MAX_KEYS = 1024
 
 
-def attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
+def attend_chunk(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float
+) -> torch.Tensor:
     """q [1, H, L, D], k and v [1, n_kv, S, D] (H a multiple of n_kv), visible [1, 1, L, S] bool
     (every row sees at least one key) -> [1, H, L, D] in q's dtype."""
     H, n_kv = q.shape[1], k.shape[1]

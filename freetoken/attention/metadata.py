@@ -141,10 +141,12 @@ class ForwardBatch:
         elif not any(flags):  # the usual step: each request's last token
             rows = query_start[1:] - 1
         else:
-            rows = np.concatenate([
-                np.arange(query_start[b], query_start[b + 1]) if flag else np.array([query_start[b + 1] - 1])
-                for b, flag in enumerate(flags)
-            ])
+            rows = np.concatenate(
+                [
+                    np.arange(query_start[b], query_start[b + 1]) if flag else np.array([query_start[b + 1] - 1])
+                    for b, flag in enumerate(flags)
+                ]
+            )
 
         on_cpu = torch.device(device).type == "cpu"  # then the numpy arrays' tensors are the batch's (no .to per field)
 

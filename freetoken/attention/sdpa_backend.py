@@ -33,7 +33,7 @@ from freetoken.ops.attention import decode_attention
 
 
 def _key_slots(
-    page_table: torch.Tensor, batch: ForwardBatch, sliding_window: int | None, P: int,
+    page_table: torch.Tensor, batch: ForwardBatch, sliding_window: int | None, P: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pool slot [B, S] of each gathered key and the key positions ([B, S] or [1, S]).
 
@@ -73,14 +73,15 @@ def paged_attention(
     """
     if sinks is not None or softcap is not None:
         return torch_backend.paged_attention(
-            q, k_pages, v_pages, page_table, batch, scale, sliding_window, sinks, softcap,
+            q, k_pages, v_pages, page_table, batch, scale, sliding_window, sinks, softcap
         )
     key = ("sdpa", sliding_window, page_table is batch.swa_table)
     plan = batch.memo.get(key)
     if plan is None:  # the same for every layer of this kind in this step: built once
         plan = batch.memo[key] = _plan(page_table, batch, sliding_window, k_pages.shape[1], q.device)
     flat, visible, S, decode_keys = plan
-    if decode_keys is not None and k_pages.dtype == q.dtype:  # a decode batch: the fused op reads the visible rows in place
+    # A decode batch: the fused op reads the visible rows in place.
+    if decode_keys is not None and k_pages.dtype == q.dtype:
         out = decode_attention(q, k_pages, v_pages, *decode_keys, scale)
         if out is not None:
             return out
@@ -104,11 +105,13 @@ def paged_attention(
         split = batch.memo.get(("split",))
         if split is None:
             split = batch.memo[("split",)] = _Split.of(batch)
-        return _mixed(q, k, v, k_pages, v_pages, flat.view(B, S), visible, split, scale, key, batch.memo, batch.alone_max)
+        return _mixed(
+            q, k, v, k_pages, v_pages, flat.view(B, S), visible, split, scale, key, batch.memo, batch.alone_max
+        )
     if B == 1:  # one prefill chunk
         return attend_chunk(q.view(1, Lq, H, D).transpose(1, 2), k, v, visible, scale).transpose(1, 2).reshape(T, H, D)
     out = F.scaled_dot_product_attention(
-        q.view(B, Lq, H, D).transpose(1, 2), k, v, attn_mask=visible, scale=scale, enable_gqa=H > n_kv,
+        q.view(B, Lq, H, D).transpose(1, 2), k, v, attn_mask=visible, scale=scale, enable_gqa=H > n_kv
     )  # [B, H, Lq, D]
     return out.transpose(1, 2).reshape(T, H, D)
 
@@ -129,8 +132,17 @@ class _Split:
 
 
 def _mixed(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
-    slots: torch.Tensor, visible: torch.Tensor, split: _Split, scale: float, key: tuple, memo: dict,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    slots: torch.Tensor,
+    visible: torch.Tensor,
+    split: _Split,
+    scale: float,
+    key: tuple,
+    memo: dict,
     alone_max: int,
 ) -> torch.Tensor:
     """q [T, H, D]; k, v [B, n_kv, S, D] gathered; slots [B, S]; visible [B, 1, Lq, S] -> [T, H, D].
@@ -144,12 +156,19 @@ def _mixed(
         rows = memo.get(key + ("decode",))
         if rows is None:  # the decode rows' tokens, slots and mask: the same for every layer of this kind
             idx, tok = split.decode_idx.to(device), split.decode_tok.to(device)
-            rows = memo[key + ("decode",)] = (idx, tok, slots.index_select(0, idx), visible[:, 0, 0].index_select(0, idx))
+            rows = memo[key + ("decode",)] = (
+                idx,
+                tok,
+                slots.index_select(0, idx),
+                visible[:, 0, 0].index_select(0, idx),
+            )
         idx, tok, slots_d, visible_d = rows  # type: ignore[misc]
         qd = q.index_select(0, tok)  # [Bd, H, D]
         od = decode_attention(qd, k_pages, v_pages, slots_d, visible_d, scale)
         if od is None:
-            od = _decode(qd, k.index_select(0, idx), v.index_select(0, idx), visible.index_select(0, idx)[:, :, :1], scale)
+            od = _decode(
+                qd, k.index_select(0, idx), v.index_select(0, idx), visible.index_select(0, idx)[:, :, :1], scale
+            )
         out.index_copy_(0, tok, od)
     for b in split.chunks:
         s, e = split.starts[b], split.starts[b + 1]
@@ -176,8 +195,14 @@ ALONE_ROWS = 64
 
 
 def _alone(
-    q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor,
-    request: torch.Tensor, offset: torch.Tensor, scale: float,
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    slots: torch.Tensor,
+    visible: torch.Tensor,
+    request: torch.Tensor,
+    offset: torch.Tensor,
+    scale: float,
 ) -> torch.Tensor | None:
     """Each query row attended alone by the decode op: q [R, H, D], the row's request index and
     its offset among that request's new tokens ([R] each), slots [B, S], visible [B, 1, Lq, S] ->
@@ -193,7 +218,7 @@ def _alone(
     for r0 in range(0, q.shape[0], ALONE_ROWS):
         b, o = request[r0 : r0 + ALONE_ROWS], offset[r0 : r0 + ALONE_ROWS]
         got = decode_attention(
-            q[r0 : r0 + ALONE_ROWS], k_pages, v_pages, slots.index_select(0, b), visible[b, 0, o].contiguous(), scale,
+            q[r0 : r0 + ALONE_ROWS], k_pages, v_pages, slots.index_select(0, b), visible[b, 0, o].contiguous(), scale
         )
         if got is None:
             return None
@@ -230,15 +255,19 @@ def _memo_blocks(key: tuple, visible: torch.Tensor, memo: dict) -> list[tuple[in
 
 
 def _blocked(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
-    blocks: list[tuple[int, int, int, int]], scale: float,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    visible: torch.Tensor,
+    blocks: list[tuple[int, int, int, int]],
+    scale: float,
 ) -> torch.Tensor:
     """q [1, H, Lq, D], k and v [1, n_kv, S, D], visible [1, 1, Lq, S] -> [1, Lq, H, D], one attention
     call per block over its key columns only."""
     out = q.new_empty(1, q.shape[2], q.shape[1], q.shape[3])  # [1, Lq, H, D]
     for q0, q1, k0, k1 in blocks:
         out[:, q0:q1] = attend_chunk(
-            q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], visible[:, :, q0:q1, k0:k1], scale,
+            q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], visible[:, :, q0:q1, k0:k1], scale
         ).transpose(1, 2)
     return out
 
@@ -259,17 +288,19 @@ def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Te
     # activation rounding would amplify any difference).
     kt = k.to(dtype).contiguous().transpose(-1, -2)  # [B, n_kv, D, S]
     vf = v.to(dtype).contiguous()  # [B, n_kv, S, D]
-    heads = [qg[:, :, g:g + 1].contiguous() for g in range(G)]
+    heads = [qg[:, :, g : g + 1].contiguous() for g in range(G)]
     scores = torch.cat([torch.matmul(h, kt) for h in heads], dim=2).mul_(scale)  # [B, n_kv, G, S]
     probs = scores.masked_fill_(~visible, float("-inf")).softmax(dim=-1)
-    out = torch.cat([torch.matmul(probs[:, :, g:g + 1].contiguous(), vf) for g in range(G)], dim=2)  # [B, n_kv, G, D]
+    out = torch.cat([torch.matmul(probs[:, :, g : g + 1].contiguous(), vf) for g in range(G)], dim=2)  # [B, n_kv, G, D]
     return out.to(q.dtype).view(B, H, D)  # [B, H, D]
 
 
 _Plan = tuple[torch.Tensor, torch.Tensor, int, "tuple[torch.Tensor, torch.Tensor] | None"]
 
 
-def _plan(page_table: torch.Tensor, batch: ForwardBatch, sliding_window: int | None, P: int, device: torch.device) -> _Plan:
+def _plan(
+    page_table: torch.Tensor, batch: ForwardBatch, sliding_window: int | None, P: int, device: torch.device
+) -> _Plan:
     """What every layer of one kind gathers and masks: pool slots [B * S], mask [B, 1, Lq, S], S,
     and for a decode batch (Lq = 1) the slots and mask as `decode_attention` takes them, [B, S]
     each (views made once here rather than per layer)."""

@@ -18,8 +18,15 @@ def bench_roofline(model: str | None, threads: int | None, weights: str, tokens:
     print(report(model or "gemma3-270m", threads or default_threads(), tokens, repeats, weights))
 
 
-def bench_serve(base_url: str, peer_url: str | None, rounds: int, scenarios: list[str] | None,
-                concurrency: list[int] | None, quick: bool, out: str | None) -> None:
+def bench_serve(
+    base_url: str,
+    peer_url: str | None,
+    rounds: int,
+    scenarios: list[str] | None,
+    concurrency: list[int] | None,
+    quick: bool,
+    out: str | None,
+) -> None:
     from freetoken.bench import paired, serving
 
     settings = serving.Settings(base_url=base_url, scenarios=tuple(scenarios or serving.SCENARIOS))
@@ -43,8 +50,16 @@ def bench_serve(base_url: str, peer_url: str | None, rounds: int, scenarios: lis
     sys.stdout.flush()
 
 
-def bench_load(model: str, peer: str | None, starts: int, threads: int | None, num_tokens: int, timeout_s: float,
-               ft_extra: list[str], first_starts: int = 1) -> None:
+def bench_load(
+    model: str,
+    peer: str | None,
+    starts: int,
+    threads: int | None,
+    num_tokens: int,
+    timeout_s: float,
+    ft_extra: list[str],
+    first_starts: int = 1,
+) -> None:
     from freetoken.bench import load
 
     if not 1 <= first_starts <= starts:

@@ -137,17 +137,51 @@ def measure(label: str, cmd: list[str], port: int, timeout_s: float, log: Path) 
 def ft_command(model: str, threads: int, num_tokens: int, port: int, extra: list[str]) -> list[str]:
     ft = shutil.which("ft")
     head = [ft] if ft else [sys.executable, "-m", "freetoken.cli"]
-    return [*head, "serve", "--model", model, "--threads", str(threads), "--num-tokens", str(num_tokens),
-            "--host", "127.0.0.1", "--port", str(port), *extra]
+    return [
+        *head,
+        "serve",
+        "--model",
+        model,
+        "--threads",
+        str(threads),
+        "--num-tokens",
+        str(num_tokens),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *extra,
+    ]
 
 
 def peer_command(binary: str, model: str, threads: int, num_tokens: int, port: int) -> list[str]:
-    return [binary, "-m", model, "-t", str(threads), "-tb", str(threads), "-c", str(num_tokens),
-            "--host", "127.0.0.1", "--port", str(port)]
+    return [
+        binary,
+        "-m",
+        model,
+        "-t",
+        str(threads),
+        "-tb",
+        str(threads),
+        "-c",
+        str(num_tokens),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
 
 
-def run(model: str, peer: str | None, starts: int, threads: int, num_tokens: int, timeout_s: float,
-        ft_extra: list[str], first_starts: int = 1) -> list[Start]:
+def run(
+    model: str,
+    peer: str | None,
+    starts: int,
+    threads: int,
+    num_tokens: int,
+    timeout_s: float,
+    ft_extra: list[str],
+    first_starts: int = 1,
+) -> list[Start]:
     """`starts` launches of FreeToken (and of the peer binary, alternating), in order; the first
     `first_starts` of FreeToken's with an empty weight cache each."""
     logs = Path(tempfile.mkdtemp(prefix="ft-bench-load-"))
@@ -162,8 +196,11 @@ def run(model: str, peer: str | None, starts: int, threads: int, num_tokens: int
                 port = free_port()
                 cache = logs / f"weights-cache-{min(i, first_starts - 1)}"
                 extra = [*ft_extra, "--weights-cache", str(cache)] if own_cache else ft_extra
-                cmd = (ft_command(model, threads, num_tokens, port, extra) if label == "freetoken"
-                       else peer_command(str(peer), model, threads, num_tokens, port))
+                cmd = (
+                    ft_command(model, threads, num_tokens, port, extra)
+                    if label == "freetoken"
+                    else peer_command(str(peer), model, threads, num_tokens, port)
+                )
                 print(f"ft bench load: start {i + 1}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
                 results.append(measure(label, cmd, port, timeout_s, logs / f"{label}-{i}.log"))
     finally:

@@ -22,8 +22,15 @@ Rounds = list[dict[str, dict[str, float]]]
 
 def paired_measures(result: dict[str, Any]) -> dict[str, float]:
     """One server's figures of one paired round, by name (TTFTs end in ", s": lower is better)."""
-    out = {f"single stream {kind}, tok/s": v["decode_tok_s"] for kind, v in result["scenarios"].get("single", {}).items()}
-    out.update({f"cold TTFT, {r['prompt_tokens']}-token prompt, s": r["ttft_s"] for r in result["scenarios"].get("prefill", [])})
+    out = {
+        f"single stream {kind}, tok/s": v["decode_tok_s"] for kind, v in result["scenarios"].get("single", {}).items()
+    }
+    out.update(
+        {
+            f"cold TTFT, {r['prompt_tokens']}-token prompt, s": r["ttft_s"]
+            for r in result["scenarios"].get("prefill", [])
+        }
+    )
     for point in result["scenarios"].get("sweep", []):
         out[f"{point['concurrency']} streams total, tok/s"] = point["total_tok_s"]
     return out
@@ -38,13 +45,16 @@ def paired_table(rounds: Rounds, ours: str = "freetoken", peer: str = "llama-ser
         oa = [r[ours][measure] for r in rounds]
         ratios = [o / p for o, p in zip(oa, pa)]
         digits, note = (3, " (lower is better)") if measure.endswith(", s") else (1, "")
-        lines.append(f"| {measure}{note} | {serving.percentile(pa, 50):.{digits}f} | {serving.percentile(oa, 50):.{digits}f} | "
-                     f"{serving.percentile(ratios, 50):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}x) |")
+        lines.append(
+            f"| {measure}{note} | {serving.percentile(pa, 50):.{digits}f} | {serving.percentile(oa, 50):.{digits}f} | "
+            f"{serving.percentile(ratios, 50):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}x) |"
+        )
     return "\n".join(lines)
 
 
-def run_rounds(base_urls: dict[str, str], rounds: int, settings: serving.Settings,
-               scenarios: tuple[str, ...] = PAIRED_SCENARIOS) -> Rounds:
+def run_rounds(
+    base_urls: dict[str, str], rounds: int, settings: serving.Settings, scenarios: tuple[str, ...] = PAIRED_SCENARIOS
+) -> Rounds:
     """`rounds` rounds of `scenarios` against each server in turn (order swapped every round).
     Returns per round {server: {measure: value}}."""
     paired = dataclasses.replace(settings, scenarios=scenarios, progress=False)

@@ -63,7 +63,9 @@ def read_bandwidth(size_bytes: int = 1 << 30, repeats: int = 5) -> float:
     from freetoken.ops.qlinear import _KERNEL
 
     buf = torch.ones(size_bytes, dtype=torch.uint8)
-    read: Callable[[torch.Tensor], object] = getattr(_KERNEL, "stream_read", None) or (lambda t: t.view(torch.int64).sum())
+    read: Callable[[torch.Tensor], object] = getattr(_KERNEL, "stream_read", None) or (
+        lambda t: t.view(torch.int64).sum()
+    )
     read(buf)
     times = []
     for _ in range(repeats):
@@ -97,8 +99,9 @@ def report(model: str, threads: int, tokens: int, repeats: int, weights: str = "
 
     torch.set_num_threads(threads)
     bandwidth = read_bandwidth(repeats=repeats)
-    llm = LLM(model, weights=weights, prefill_weights="quantized", threads=threads, num_tokens=4096,
-              max_running_requests=1)
+    llm = LLM(
+        model, weights=weights, prefill_weights="quantized", threads=threads, num_tokens=4096, max_running_requests=1
+    )
     matrices = step_matrices(llm.loaded.model, int(getattr(llm.loaded.config, "num_experts_per_tok", 0) or 0))
     total = sum(m.count * m.bytes_each for m in matrices)
     rate = decode_rate(llm, tokens, repeats)
@@ -107,14 +110,20 @@ def report(model: str, threads: int, tokens: int, repeats: int, weights: str = "
     # allocator just touched; the roofline should not flatter the engine.
     roofline = min(bandwidth, bandwidth_after) * 1e9 / total
     width = max(len(m.name) for m in matrices)
-    lines = [f"model: {model}  threads: {threads}  weights: {weights}",
-             f"read bandwidth: {bandwidth:.1f} GB/s before, {bandwidth_after:.1f} GB/s after (1 GiB, {repeats} repeats, median)",
-             "bytes read per decode step:"]
+    lines = [
+        f"model: {model}  threads: {threads}  weights: {weights}",
+        f"read bandwidth: {bandwidth:.1f} GB/s before, {bandwidth_after:.1f} GB/s after (1 GiB, {repeats} repeats, median)",
+        "bytes read per decode step:",
+    ]
     for m in sorted(matrices, key=lambda m: -m.count * m.bytes_each):
-        lines.append(f"  {m.name:<{width}}  {m.runs_as:<22} x{m.count:<3} {m.bytes_each / 1e6:9.2f} MB each  "
-                     f"{m.count * m.bytes_each / 1e6:9.1f} MB")
-    lines += [f"  total {total / 1e6:.1f} MB",
-              f"roofline: {roofline:.1f} tok/s (the lower bandwidth / bytes per step)",
-              f"decode (greedy, 1 stream, in-process, {tokens} tokens): {rate:.1f} tok/s = "
-              f"{rate / roofline:.0%} of the roofline ({rate * total / 1e9:.1f} GB/s of weights)"]
+        lines.append(
+            f"  {m.name:<{width}}  {m.runs_as:<22} x{m.count:<3} {m.bytes_each / 1e6:9.2f} MB each  "
+            f"{m.count * m.bytes_each / 1e6:9.1f} MB"
+        )
+    lines += [
+        f"  total {total / 1e6:.1f} MB",
+        f"roofline: {roofline:.1f} tok/s (the lower bandwidth / bytes per step)",
+        f"decode (greedy, 1 stream, in-process, {tokens} tokens): {rate:.1f} tok/s = "
+        f"{rate / roofline:.0%} of the roofline ({rate * total / 1e9:.1f} GB/s of weights)",
+    ]
     return "\n".join(lines)

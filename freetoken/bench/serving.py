@@ -84,12 +84,22 @@ class Settings:
 def quick(s: Settings) -> Settings:
     """A smoke run of the tooling: every scenario, a fraction of the work."""
     return dataclasses.replace(
-        s, decode_tokens=16, repeats=2, concurrency=(1, 4), sweep_rounds=1, prefill_lengths=(512, 1024),
-        prefill_repeats=1, agent_conversations=2, agent_duration_s=10.0, agent_turns=3, system_words=300,
+        s,
+        decode_tokens=16,
+        repeats=2,
+        concurrency=(1, 4),
+        sweep_rounds=1,
+        prefill_lengths=(512, 1024),
+        prefill_repeats=1,
+        agent_conversations=2,
+        agent_duration_s=10.0,
+        agent_turns=3,
+        system_words=300,
     )
 
 
 # ---- statistics (pure) ----
+
 
 def percentile(values: list[float], q: float) -> float | None:
     """Linear interpolation between closest ranks (numpy's default); None for no values."""
@@ -104,7 +114,12 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def stats(values: list[float], scale: float = 1.0) -> dict[str, float | int | None]:
     xs = [v * scale for v in values]
-    return {"n": len(xs), "mean": sum(xs) / len(xs) if xs else None, "p50": percentile(xs, 50), "p99": percentile(xs, 99)}
+    return {
+        "n": len(xs),
+        "mean": sum(xs) / len(xs) if xs else None,
+        "p50": percentile(xs, 50),
+        "p99": percentile(xs, 99),
+    }
 
 
 @dataclass
@@ -160,14 +175,18 @@ def words_text(seed: int, n_words: int) -> str:
 
 # ---- HTTP ----
 
+
 class Server:
     """The server under test: streamed completions and chat, token counting."""
 
     def __init__(self, s: Settings, transport: httpx.AsyncBaseTransport | None = None) -> None:
         headers = {"Authorization": f"Bearer {s.api_key}"} if s.api_key else {}
         self.http = httpx.AsyncClient(
-            base_url=s.base_url.rstrip("/"), headers=headers, transport=transport,
-            timeout=httpx.Timeout(s.timeout_s), limits=httpx.Limits(max_connections=64, max_keepalive_connections=64),
+            base_url=s.base_url.rstrip("/"),
+            headers=headers,
+            transport=transport,
+            timeout=httpx.Timeout(s.timeout_s),
+            limits=httpx.Limits(max_connections=64, max_keepalive_connections=64),
         )
         self.model = s.model or "default"
         self.tokenize_path: str | None = None
@@ -190,7 +209,13 @@ class Server:
         raise BenchError("the server has neither POST /v1/tokenize nor POST /tokenize")
 
     async def stream(self, path: str, body: dict[str, Any]) -> Stream:
-        body = {"model": self.model, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True, **body}
+        body = {
+            "model": self.model,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": True,
+            **body,
+        }
         out = Stream(start=time.perf_counter())
         async with self.http.stream("POST", path, json=body) as r:
             if r.status_code != 200:
@@ -228,6 +253,7 @@ def add_event(out: Stream, event: dict[str, Any], now: float) -> None:
 
 # ---- scenarios ----
 
+
 def bar(s: Settings, desc: str, total: int | None) -> tqdm:
     return tqdm(desc=desc, total=total, unit="req", file=sys.stderr, disable=not s.progress, leave=False)
 
@@ -252,10 +278,15 @@ async def sweep(srv: Server, s: Settings) -> list[dict[str, Any]]:
     rows = []
     for c in s.concurrency:
         with bar(s, f"sweep c={c}", c * s.sweep_rounds) as pb:
+
             async def worker(k: int) -> list[Stream]:
                 done = []
                 for r in range(s.sweep_rounds):
-                    done.append(await completion(srv, words_text(1000 * c + 10 * k + r, 12), s.decode_tokens, {"temperature": 0.0}))
+                    done.append(
+                        await completion(
+                            srv, words_text(1000 * c + 10 * k + r, 12), s.decode_tokens, {"temperature": 0.0}
+                        )
+                    )
                     pb.update()
                 return done
 
@@ -263,7 +294,15 @@ async def sweep(srv: Server, s: Settings) -> list[dict[str, Any]]:
             streams = [x for w in await asyncio.gather(*(worker(k) for k in range(c))) for x in w]
             wall = time.perf_counter() - t0
         st = stream_stats(streams)
-        rows.append({"concurrency": c, "wall_s": wall, "total_tok_s": st["completion_tokens"] / wall, "per_stream_tok_s": st["decode_tok_s"], **st})
+        rows.append(
+            {
+                "concurrency": c,
+                "wall_s": wall,
+                "total_tok_s": st["completion_tokens"] / wall,
+                "per_stream_tok_s": st["decode_tok_s"],
+                **st,
+            }
+        )
     return rows
 
 
@@ -291,13 +330,21 @@ async def prefill(srv: Server, s: Settings) -> list[dict[str, Any]]:
                 streams.append(await completion(srv, text, 1, {"temperature": 0.0}))
                 pb.update()
         ttfts = [x.ttft for x in streams]
-        rows.append({"prompt_tokens": length, "counted_tokens": counted, "ttft_s": percentile(ttfts, 50), "ttft_s_all": ttfts})
+        rows.append(
+            {"prompt_tokens": length, "counted_tokens": counted, "ttft_s": percentile(ttfts, 50), "ttft_s_all": ttfts}
+        )
     return rows
 
 
 def tool_result(rng: random.Random) -> str:
-    hits = [{"path": f"src/{rng.choice(WORDS)}_{rng.randrange(100)}.py", "line": rng.randrange(1, 400),
-             "text": " ".join(rng.choice(WORDS) for _ in range(8))} for _ in range(4)]
+    hits = [
+        {
+            "path": f"src/{rng.choice(WORDS)}_{rng.randrange(100)}.py",
+            "line": rng.randrange(1, 400),
+            "text": " ".join(rng.choice(WORDS) for _ in range(8)),
+        }
+        for _ in range(4)
+    ]
     return "Tool result (search): " + json.dumps({"hits": hits})
 
 
@@ -310,8 +357,13 @@ async def agent(srv: Server, s: Settings) -> dict[str, Any]:
         rng = random.Random(k)
         task = 0
         while time.perf_counter() < deadline:
-            messages = [{"role": "system", "content": system},
-                        {"role": "user", "content": f"Task {k}.{task}: find where the {rng.choice(WORDS)} {rng.choice(WORDS)} is handled."}]
+            messages = [
+                {"role": "system", "content": system},
+                {
+                    "role": "user",
+                    "content": f"Task {k}.{task}: find where the {rng.choice(WORDS)} {rng.choice(WORDS)} is handled.",
+                },
+            ]
             for turn in range(s.agent_turns):
                 if time.perf_counter() >= deadline:
                     break
@@ -333,11 +385,16 @@ async def agent(srv: Server, s: Settings) -> dict[str, Any]:
     prompt = sum(x.prompt_tokens for x in streams)
     reported = [x.cached_tokens for x in streams if x.cached_tokens is not None]
     return {
-        "conversations": s.agent_conversations, "duration_s": s.agent_duration_s, "wall_s": wall,
-        "reply_tokens": s.agent_reply_tokens, "system_words": s.system_words,
-        "gen_tok_s": st["completion_tokens"] / wall, "prompt_tokens": prompt,
+        "conversations": s.agent_conversations,
+        "duration_s": s.agent_duration_s,
+        "wall_s": wall,
+        "reply_tokens": s.agent_reply_tokens,
+        "system_words": s.system_words,
+        "gen_tok_s": st["completion_tokens"] / wall,
+        "prompt_tokens": prompt,
         "cached_tokens": sum(reported) if reported else None,
-        "cached_share": sum(reported) / prompt if reported and prompt else None, **st,
+        "cached_share": sum(reported) / prompt if reported and prompt else None,
+        **st,
     }
 
 
@@ -347,9 +404,14 @@ async def run(s: Settings, transport: httpx.AsyncBaseTransport | None = None) ->
         if s.model is None:
             await srv.discover_model()
         await completion(srv, "Warm-up:", 4, {"temperature": 0.0})
-        meta = {"base_url": s.base_url, "model": srv.model, "label": s.label or srv.model,
-                "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "load_avg": list(os.getloadavg()),
-                "settings": dataclasses.asdict(s) | {"api_key": None}}
+        meta = {
+            "base_url": s.base_url,
+            "model": srv.model,
+            "label": s.label or srv.model,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "load_avg": list(os.getloadavg()),
+            "settings": dataclasses.asdict(s) | {"api_key": None},
+        }
         runners = {"single": single, "sweep": sweep, "prefill": prefill, "agent": agent}
         scenarios = {name: await runners[name](srv, s) for name in s.scenarios}
         return {"meta": meta, "scenarios": scenarios}
@@ -359,6 +421,7 @@ async def run(s: Settings, transport: httpx.AsyncBaseTransport | None = None) ->
 
 # ---- report ----
 
+
 def fmt(x: float | None, digits: int = 1) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
@@ -367,22 +430,29 @@ def summary(result: dict[str, Any]) -> str:
     sc = result["scenarios"]
     lines = [f"## {result['meta']['label']} ({result['meta']['base_url']})", "", "| measure | value |", "|---|---|"]
     for name, row in sc.get("single", {}).items():
-        lines.append(f"| single stream {name}, decode tok/s | {fmt(row['decode_tok_s'])} (ITL p50 {fmt(row['itl_ms']['p50'])} ms, p99 {fmt(row['itl_ms']['p99'])} ms) |")
+        lines.append(
+            f"| single stream {name}, decode tok/s | {fmt(row['decode_tok_s'])} (ITL p50 {fmt(row['itl_ms']['p50'])} ms, p99 {fmt(row['itl_ms']['p99'])} ms) |"
+        )
     for row in sc.get("sweep", []):
-        lines.append(f"| {row['concurrency']} streams, total tok/s | {fmt(row['total_tok_s'])} (per stream {fmt(row['per_stream_tok_s'])}, TTFT p50 {fmt(row['ttft_s']['p50'], 3)} s) |")
+        lines.append(
+            f"| {row['concurrency']} streams, total tok/s | {fmt(row['total_tok_s'])} (per stream {fmt(row['per_stream_tok_s'])}, TTFT p50 {fmt(row['ttft_s']['p50'], 3)} s) |"
+        )
     for row in sc.get("prefill", []):
         lines.append(f"| cold TTFT, {row['prompt_tokens']} tokens | {fmt(row['ttft_s'], 3)} s |")
     if "agent" in sc:
         a = sc["agent"]
         share = "-" if a["cached_share"] is None else f"{100 * a['cached_share']:.0f}% cached"
-        lines.append(f"| agent ({a['conversations']} conv., {a['requests']} req.), gen tok/s | {fmt(a['gen_tok_s'])} "
-                     f"(latency p50 {fmt(a['latency_s']['p50'], 2)} s, p99 {fmt(a['latency_s']['p99'], 2)} s, {share}) |")
+        lines.append(
+            f"| agent ({a['conversations']} conv., {a['requests']} req.), gen tok/s | {fmt(a['gen_tok_s'])} "
+            f"(latency p50 {fmt(a['latency_s']['p50'], 2)} s, p99 {fmt(a['latency_s']['p99'], 2)} s, {share}) |"
+        )
     return "\n".join(lines)
 
 
 def plot(results: list[dict[str, Any]], out: str) -> None:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -394,11 +464,22 @@ def plot(results: list[dict[str, Any]], out: str) -> None:
         sc, label = res["scenarios"], res["meta"]["label"]
         if sc.get("sweep"):
             cs = [r["concurrency"] for r in sc["sweep"]]
-            ax_sweep.plot(cs, [r["total_tok_s"] for r in sc["sweep"]], marker="o", color=f"C{i}", label=f"{label} total")
-            ax_sweep.plot(cs, [r["per_stream_tok_s"] or 0 for r in sc["sweep"]], marker=".", linestyle="--", color=f"C{i}", label=f"{label} per stream")
+            ax_sweep.plot(
+                cs, [r["total_tok_s"] for r in sc["sweep"]], marker="o", color=f"C{i}", label=f"{label} total"
+            )
+            ax_sweep.plot(
+                cs,
+                [r["per_stream_tok_s"] or 0 for r in sc["sweep"]],
+                marker=".",
+                linestyle="--",
+                color=f"C{i}",
+                label=f"{label} per stream",
+            )
         if sc.get("prefill"):
             xs = range(len(sc["prefill"]))
-            ax_ttft.bar([x + i * width for x in xs], [r["ttft_s"] for r in sc["prefill"]], width, color=f"C{i}", label=label)
+            ax_ttft.bar(
+                [x + i * width for x in xs], [r["ttft_s"] for r in sc["prefill"]], width, color=f"C{i}", label=label
+            )
             ax_ttft.set_xticks([x + 0.4 - width / 2 for x in xs], [str(r["prompt_tokens"]) for r in sc["prefill"]])
         bars = {f"single {k}": v["decode_tok_s"] or 0 for k, v in sc.get("single", {}).items()}
         if "agent" in sc:
@@ -419,6 +500,7 @@ def plot(results: list[dict[str, Any]], out: str) -> None:
 
 # ---- CLI ----
 
+
 def settings_of(argv: list[str]) -> tuple[Settings, argparse.Namespace]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--base-url", required=True)
@@ -433,7 +515,14 @@ def settings_of(argv: list[str]) -> tuple[Settings, argparse.Namespace]:
     p.add_argument("--agent-duration", type=float, help="seconds")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
-    s = Settings(base_url=a.base_url, model=a.model, api_key=a.api_key, label=a.label, scenarios=tuple(a.scenarios), progress=not a.no_progress)
+    s = Settings(
+        base_url=a.base_url,
+        model=a.model,
+        api_key=a.api_key,
+        label=a.label,
+        scenarios=tuple(a.scenarios),
+        progress=not a.no_progress,
+    )
     s = quick(s) if a.quick else s
     if a.agent_conversations is not None:
         s = dataclasses.replace(s, agent_conversations=a.agent_conversations)

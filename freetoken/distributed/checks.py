@@ -22,7 +22,9 @@ def check_world_fits(world: int, cuda: bool, cuda_devices: int) -> None:
     """One rank per CUDA device, or at most one rank per CPU core this process may run on."""
     if cuda:
         if world > cuda_devices:
-            raise ConfigError(f"--tensor-parallel-size {world} is more than the {cuda_devices} CUDA devices of this machine")
+            raise ConfigError(
+                f"--tensor-parallel-size {world} is more than the {cuda_devices} CUDA devices of this machine"
+            )
         return
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if world > cores:
@@ -51,4 +53,6 @@ def check_model_heads(spec: str | None, world: int) -> None:
     if heads % world:
         raise ConfigError(f"--tensor-parallel-size {world} does not divide the model's {heads} attention heads")
     if kv_heads % world and world % kv_heads:
-        raise ConfigError(f"--tensor-parallel-size {world} neither divides nor is a multiple of the model's {kv_heads} KV heads")
+        raise ConfigError(
+            f"--tensor-parallel-size {world} neither divides nor is a multiple of the model's {kv_heads} KV heads"
+        )

@@ -21,12 +21,7 @@ import time
 import torch
 
 from freetoken.config import EngineConfig
-from freetoken.distributed.group import (
-    join_group,
-    leave_group,
-    rank_device,
-    rank_threads,
-)
+from freetoken.distributed.group import join_group, leave_group, rank_device, rank_threads
 from freetoken.distributed.report import RankReport, exchange
 from freetoken.distributed.step import receive_pools, receive_step
 from freetoken.errors import EXIT_STARTUP, FreeTokenError
@@ -56,9 +51,17 @@ def run_follower(config: EngineConfig, rank: int, port: int, log_settings: logs.
     dtype = resolve_dtype(config.dtype, device)
     join_group(rank, config.tensor_parallel_size, port, device)
     try:
-        loaded = load_model(config.model, dtype, device, config.weights, config.copies_for_prefill,
-                            rank=rank, world=config.tensor_parallel_size, moe_strategy=config.moe_strategy,
-                            expert_cache_gb=config.expert_cache_gb)
+        loaded = load_model(
+            config.model,
+            dtype,
+            device,
+            config.weights,
+            config.copies_for_prefill,
+            rank=rank,
+            world=config.tensor_parallel_size,
+            moe_strategy=config.moe_strategy,
+            expert_cache_gb=config.expert_cache_gb,
+        )
     except FreeTokenError as err:
         log.error("rank %d cannot load the model: %s", rank, err)
         return EXIT_STARTUP

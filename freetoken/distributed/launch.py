@@ -44,13 +44,17 @@ class Peers:
         self.pids = [p.pid for p in procs]
         self._closing = threading.Event()
         for rank, proc in enumerate(procs, start=1):
-            threading.Thread(target=self._watch, args=(rank, proc), name=f"freetoken-rank-{rank}-watch", daemon=True).start()
+            threading.Thread(
+                target=self._watch, args=(rank, proc), name=f"freetoken-rank-{rank}-watch", daemon=True
+            ).start()
 
     def _watch(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
         code = proc.wait()
         if self._closing.is_set():
             return
-        log.error("tensor-parallel rank %d (pid %d) exited with code %d: the engine goes down with it", rank, proc.pid, code)
+        log.error(
+            "tensor-parallel rank %d (pid %d) exited with code %d: the engine goes down with it", rank, proc.pid, code
+        )
         os._exit(EXIT_STARTUP if code == EXIT_STARTUP else EXIT_RANK_LOST)
 
     def abandon(self, err: BaseException) -> NoReturn:

@@ -57,10 +57,15 @@ class StepSender:
         meta = [(s[0], s[1], len(f), -1 if s[3] is None else len(s[3])) for s, f in zip(specs, fulls)]
         entries = sum(len(f) for f in fulls) + sum(len(s) for s in swas)
         _broadcast(np.array([STEP, len(specs), len(ids), len(logit_rows), entries]), self.device)
-        payload = np.concatenate([
-            np.asarray(ids, dtype=np.int64), np.asarray(meta, dtype=np.int64).reshape(-1),
-            *fulls, *swas, np.asarray(logit_rows, dtype=np.int64),
-        ])
+        payload = np.concatenate(
+            [
+                np.asarray(ids, dtype=np.int64),
+                np.asarray(meta, dtype=np.int64).reshape(-1),
+                *fulls,
+                *swas,
+                np.asarray(logit_rows, dtype=np.int64),
+            ]
+        )
         _broadcast(payload, self.device)
 
     def stop(self) -> None:
@@ -84,17 +89,17 @@ def receive_step(device: torch.device) -> Step | None:
         raise RuntimeError(f"expected a step from rank 0, got message kind {kind}")
     payload = _receive(tokens + 4 * requests + entries + rows, device)
     ids = payload[:tokens].tolist()
-    meta = payload[tokens:tokens + 4 * requests].reshape(requests, 4)  # [B, (start, n, full len, swa len)]
+    meta = payload[tokens : tokens + 4 * requests].reshape(requests, 4)  # [B, (start, n, full len, swa len)]
     at = tokens + 4 * requests
     fulls = []
     for length in meta[:, 2]:
-        fulls.append(payload[at:at + length].astype(np.int32))
+        fulls.append(payload[at : at + length].astype(np.int32))
         at += int(length)
     specs: list[RequestSpec] = []
     for (start, n, _, swa_len), full in zip(meta.tolist(), fulls):
         swa = None
         if swa_len >= 0:
-            swa = payload[at:at + swa_len].astype(np.int32)
+            swa = payload[at : at + swa_len].astype(np.int32)
             at += swa_len
         specs.append((start, n, full, swa))
-    return Step(ids, specs, payload[at:at + rows].tolist())
+    return Step(ids, specs, payload[at : at + rows].tolist())

@@ -38,7 +38,10 @@ log = logging.getLogger("freetoken.engine")
 
 
 def resolve_for_model(
-    config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
+    config: EngineConfig,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
     rank_layout: KVLayout | None = None,
 ) -> ResolvedConfig:
     """Pool sizes for the model; `rank_layout` is one tensor-parallel rank's K/V shape (default:
@@ -48,7 +51,9 @@ def resolve_for_model(
     ranks_here = 1 if device.type == "cuda" else config.tensor_parallel_size
     cache = config.kv_cache_dtype
     full_bytes = ranks_here * KVTensors.bytes_per_page(layout, 1, dtype, False, cache, device)
-    swa_bytes = ranks_here * KVTensors.bytes_per_page(layout, 1, dtype, True, cache, device) if model_config.has_swa else 0
+    swa_bytes = (
+        ranks_here * KVTensors.bytes_per_page(layout, 1, dtype, True, cache, device) if model_config.has_swa else 0
+    )
     if device.type == "cuda":
         available = torch.cuda.mem_get_info(device)[0]
     else:
@@ -78,7 +83,12 @@ def build_engine_for(config: EngineConfig, loaded: LoadedModel, peers: Peers | N
     )
     layout = loaded.model.config.kv_layout()  # this rank's KV heads: the model's own config (a shard's under TP)
     tensors = KVTensors(
-        layout, resolved.full_pages, resolved.swa_pages or 0, config.page_size, loaded.dtype, loaded.device,
+        layout,
+        resolved.full_pages,
+        resolved.swa_pages or 0,
+        config.page_size,
+        loaded.dtype,
+        loaded.device,
         config.kv_cache_dtype,
     )
     kv.bytes_per_token = {
@@ -88,7 +98,11 @@ def build_engine_for(config: EngineConfig, loaded: LoadedModel, peers: Peers | N
     report_memory(loaded.model, tensors.nbytes)
     log.info(
         "KV pools: full %d pages, swa %s pages of %d tokens; cache %s; context %d",
-        resolved.full_pages, resolved.swa_pages, config.page_size, resolved.cache_type, resolved.context_length,
+        resolved.full_pages,
+        resolved.swa_pages,
+        config.page_size,
+        resolved.cache_type,
+        resolved.context_length,
     )
     if peers is not None:
         peers.sender.send_pools(resolved.full_pages, resolved.swa_pages or 0, config.page_size)
@@ -111,9 +125,18 @@ def load_for(config: EngineConfig, progress: ProgressCallback | None = None) -> 
     device = torch.device(config.device) if config.device else default_device()
     dtype = resolve_dtype(config.dtype, device)
     check_fits(config, dtype, device)  # before any weight is read: one line when it cannot fit
-    return load_model(config.model, dtype, device, config.weights, config.copies_for_prefill, world=config.tensor_parallel_size,
-                      moe_strategy=config.moe_strategy, expert_cache_gb=config.expert_cache_gb,
-                      weights_cache=config.weights_cache, progress=progress)
+    return load_model(
+        config.model,
+        dtype,
+        device,
+        config.weights,
+        config.copies_for_prefill,
+        world=config.tensor_parallel_size,
+        moe_strategy=config.moe_strategy,
+        expert_cache_gb=config.expert_cache_gb,
+        weights_cache=config.weights_cache,
+        progress=progress,
+    )
 
 
 def build_engine(config: EngineConfig, progress: ProgressCallback | None = None) -> tuple[Engine, LoadedModel]:

@@ -29,18 +29,26 @@ def prepare_deterministic(model: nn.Module, config: ModelConfig, dtype: torch.dt
     kept_float = {name: m for name, m in model.named_modules() if isinstance(m, Linear) and not m.quantizable}
     if on:
         if not kernel_available():
-            raise ConfigError("--deterministic needs the AVX-512 decode attention kernel (csrc/attention.cpp), "
-                              "which this CPU or build does not have")
+            raise ConfigError(
+                "--deterministic needs the AVX-512 decode attention kernel (csrc/attention.cpp), "
+                "which this CPU or build does not have"
+            )
         if dtype not in (torch.bfloat16, torch.float32) or config.head_dim % 16:
-            raise ConfigError(f"--deterministic's attention kernel takes bfloat16 or float32 and heads of a multiple "
-                              f"of 16; this model runs {str(dtype).removeprefix('torch.')} with heads of {config.head_dim}")
+            raise ConfigError(
+                f"--deterministic's attention kernel takes bfloat16 or float32 and heads of a multiple "
+                f"of 16; this model runs {str(dtype).removeprefix('torch.')} with heads of {config.head_dim}"
+            )
         if config.attn_logit_softcapping is not None or any(n.endswith("sinks") for n, _ in model.named_parameters()):
-            raise ConfigError(f"--deterministic: {config.architecture}'s attention (soft-capping or sinks) has no "
-                              "query-by-query kernel yet")
+            raise ConfigError(
+                f"--deterministic: {config.architecture}'s attention (soft-capping or sinks) has no "
+                "query-by-query kernel yet"
+            )
         for name, fmt in weight_formats(model).items():
             if fmt in _FLOATS and name not in kept_float:
-                raise ConfigError(f"--deterministic needs quantized matrices and {name} is {fmt}: serve a GGUF, "
-                                  "or pass --weights int8")
+                raise ConfigError(
+                    f"--deterministic needs quantized matrices and {name} is {fmt}: serve a GGUF, "
+                    "or pass --weights int8"
+                )
     for module in kept_float.values():
         module.rows_alone = on
 

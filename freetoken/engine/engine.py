@@ -83,7 +83,9 @@ def _update_of(req: Request) -> RequestUpdate:
 
 
 class Engine:
-    def __init__(self, config: ResolvedConfig, runner: Runner, kv: KVManager, grammars: GrammarCompiler | None = None) -> None:
+    def __init__(
+        self, config: ResolvedConfig, runner: Runner, kv: KVManager, grammars: GrammarCompiler | None = None
+    ) -> None:
         self.config = config
         self.runner = runner
         self.kv = kv
@@ -225,7 +227,7 @@ class Engine:
 
     @torch.inference_mode()  # the logits are the runner's inference tensors, masked and sampled in place
     def _sample(
-        self, items: list[ScheduledItem], logits: torch.Tensor, updates: dict[str, RequestUpdate],
+        self, items: list[ScheduledItem], logits: torch.Tensor, updates: dict[str, RequestUpdate]
     ) -> list[Kept]:
         """The tokens each sampling item keeps: the grammar's mask, then one token per sampling row
         (an item's last `sample_rows` logit rows); a verified chunk keeps its accepted drafts and
@@ -302,7 +304,7 @@ class Engine:
             self.kv.release_out_of_window(req.rid, req.num_computed)
 
     def _append(
-        self, req: Request, tok: int, lp: TokenLogprob | None, upd: RequestUpdate, updates: dict[str, RequestUpdate],
+        self, req: Request, tok: int, lp: TokenLogprob | None, upd: RequestUpdate, updates: dict[str, RequestUpdate]
     ) -> bool:
         """Append one sampled token to `req` and its update; True when that ended the request."""
         req.output_ids.append(tok)
@@ -331,7 +333,7 @@ class Engine:
         drafted = len(item.draft)
         report = req.report
         req.report = replace(
-            report, drafted_tokens=report.drafted_tokens + drafted, accepted_tokens=report.accepted_tokens + accepted,
+            report, drafted_tokens=report.drafted_tokens + drafted, accepted_tokens=report.accepted_tokens + accepted
         )
         upd.report = req.report
         self.drafted_tokens += drafted
@@ -411,9 +413,15 @@ class Engine:
         if not self.runner.resizable:
             raise ResizeRefused("resizing the KV pools is not supported with tensor parallelism", "full_tokens")
         return resize_memory(
-            self.kv, self.runner.resize_kv, self.requests.values(), expert_cache(self.runner.model),
-            full_tokens=full_tokens, swa_tokens=swa_tokens, expert_cache_gb=expert_cache_gb,
-            page_size=self.config.engine.page_size, swa_floor=self.config.swa_floor,
+            self.kv,
+            self.runner.resize_kv,
+            self.requests.values(),
+            expert_cache(self.runner.model),
+            full_tokens=full_tokens,
+            swa_tokens=swa_tokens,
+            expert_cache_gb=expert_cache_gb,
+            page_size=self.config.engine.page_size,
+            swa_floor=self.config.swa_floor,
         )
 
     def status(self) -> dict[str, object]:

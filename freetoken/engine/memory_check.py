@@ -61,8 +61,13 @@ def check_fits(config: EngineConfig, dtype: torch.dtype, device: torch.device, a
         kv = config.num_tokens * per_token
     need = weights + kv + WORKSPACE
     have = psutil.virtual_memory().available if available is None else available
-    log.info("memory plan: weights ~%s, K/V pools %s, workspace %s; %s available",
-             _gib(weights), _gib(kv) if kv else "sized from what is left", _gib(WORKSPACE), _gib(have))
+    log.info(
+        "memory plan: weights ~%s, K/V pools %s, workspace %s; %s available",
+        _gib(weights),
+        _gib(kv) if kv else "sized from what is left",
+        _gib(WORKSPACE),
+        _gib(have),
+    )
     if need <= have:
         return
     hints = []
@@ -77,13 +82,20 @@ def check_fits(config: EngineConfig, dtype: torch.dtype, device: torch.device, a
     raise ConfigError(
         f"{source.name} needs about {_gib(need)} of memory (weights ~{_gib(weights)} under --weights {config.weights} "
         f"--prefill-weights {config.prefill_weights}, K/V {_gib(kv)}, workspace {_gib(WORKSPACE)}) and this machine has "
-        f"{_gib(have)} available" + (f"; try {', or '.join(hints)}" if hints else ""))
+        f"{_gib(have)} available" + (f"; try {', or '.join(hints)}" if hints else "")
+    )
 
 
 def report_memory(model: torch.nn.Module, kv_bytes: int) -> None:
     """Log what each part takes, once the pools are allocated."""
     held = weight_bytes(model)
     rss = psutil.Process().memory_info().rss
-    log.info("memory: weights %d MiB (of which prefill copies %d MiB), K/V pools %d MiB; process resident %d MiB, "
-             "%d MiB left available", held["weights"] // MIB, held["prefill_copies"] // MIB, kv_bytes // MIB, rss // MIB,
-             psutil.virtual_memory().available // MIB)
+    log.info(
+        "memory: weights %d MiB (of which prefill copies %d MiB), K/V pools %d MiB; process resident %d MiB, "
+        "%d MiB left available",
+        held["weights"] // MIB,
+        held["prefill_copies"] // MIB,
+        kv_bytes // MIB,
+        rss // MIB,
+        psutil.virtual_memory().available // MIB,
+    )

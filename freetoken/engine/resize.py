@@ -47,9 +47,13 @@ def _targets(kv: KVManager, full_tokens: int | None, swa_tokens: int | None, pag
             continue
         key = f"{kind}_tokens"
         if kind == "swa" and kv.swa_pool is None:
-            raise ResizeRefused("this model has no sliding-window layers, so no SWA pool to resize", key, conflict=False)
+            raise ResizeRefused(
+                "this model has no sliding-window layers, so no SWA pool to resize", key, conflict=False
+            )
         if tokens < page_size:
-            raise ResizeRefused(f"{key} must be at least one page ({page_size} tokens), got {tokens}", key, conflict=False)
+            raise ResizeRefused(
+                f"{key} must be at least one page ({page_size} tokens), got {tokens}", key, conflict=False
+            )
         out[kind] = tokens // page_size
     if not out:
         raise ResizeRefused("give full_tokens, swa_tokens or both", "full_tokens", conflict=False)
@@ -78,20 +82,26 @@ def resize_pools(
         if pool.target != pool.capacity:
             raise ResizeRefused(
                 f"the {kind} pool is still shrinking to {pool.target} pages: running requests hold "
-                f"{pool.pending_release()} pages above it; retry when /v1/cache/status shows pending_release 0", key,
+                f"{pool.pending_release()} pages above it; retry when /v1/cache/status shows pending_release 0",
+                key,
             )
         if pages < floors[kind]:
-            why = ("twice the pages the largest request in flight needs" if kind == "full"
-                   else "the concurrency floor of --max-running-requests and --max-prefill-length")
+            why = (
+                "twice the pages the largest request in flight needs"
+                if kind == "full"
+                else "the concurrency floor of --max-running-requests and --max-prefill-length"
+            )
             raise ResizeRefused(
                 f"{key} {pages * page_size} is below the {kind} pool's floor of {floors[kind]} pages "
-                f"({floors[kind] * page_size} tokens): {why}", key,
+                f"({floors[kind] * page_size} tokens): {why}",
+                key,
             )
         held = kv.held_pages(kind)
         if pages < held:
             raise ResizeRefused(
                 f"{key} {pages * page_size} is below the {held} pages ({held * page_size} tokens) "
-                f"running requests hold in the {kind} pool", key,
+                f"running requests hold in the {kind} pool",
+                key,
             )
     out: dict[str, dict[str, int]] = {}
     for kind, pages in targets.items():
@@ -126,17 +136,34 @@ def resize_memory(
     given (as `experts`: capacity_bytes, bytes held, freed_bytes). Checked before anything changes;
     raises ResizeRefused."""
     if expert_cache_gb is None:
-        return resize_pools(kv, resize_tensors, requests, full_tokens=full_tokens, swa_tokens=swa_tokens,
-                            page_size=page_size, swa_floor=swa_floor)
+        return resize_pools(
+            kv,
+            resize_tensors,
+            requests,
+            full_tokens=full_tokens,
+            swa_tokens=swa_tokens,
+            page_size=page_size,
+            swa_floor=swa_floor,
+        )
     if cache is None:
-        raise ResizeRefused("expert_cache_gb needs a MoE model served with --moe-strategy offload", "expert_cache_gb",
-                            conflict=False)
+        raise ResizeRefused(
+            "expert_cache_gb needs a MoE model served with --moe-strategy offload", "expert_cache_gb", conflict=False
+        )
     if expert_cache_gb < 0:
-        raise ResizeRefused(f"expert_cache_gb must be at least 0, got {expert_cache_gb}", "expert_cache_gb", conflict=False)
+        raise ResizeRefused(
+            f"expert_cache_gb must be at least 0, got {expert_cache_gb}", "expert_cache_gb", conflict=False
+        )
     out: dict[str, dict[str, int]] = {}
     if full_tokens is not None or swa_tokens is not None:  # refused before anything changes
-        out = resize_pools(kv, resize_tensors, requests, full_tokens=full_tokens, swa_tokens=swa_tokens,
-                           page_size=page_size, swa_floor=swa_floor)
+        out = resize_pools(
+            kv,
+            resize_tensors,
+            requests,
+            full_tokens=full_tokens,
+            swa_tokens=swa_tokens,
+            page_size=page_size,
+            swa_floor=swa_floor,
+        )
     freed = cache.resize(int(expert_cache_gb * GIB))
     out["experts"] = {"capacity_bytes": cache.capacity_bytes, "bytes": cache.bytes, "freed_bytes": freed}
     return out

@@ -23,7 +23,11 @@ from freetoken.models.forward import build_batch, run_model
 
 class Runner:
     def __init__(
-        self, model: torch.nn.Module, config: ModelConfig, kv_tensors: KVTensors, peers: Peers | None = None,
+        self,
+        model: torch.nn.Module,
+        config: ModelConfig,
+        kv_tensors: KVTensors,
+        peers: Peers | None = None,
         alone_max: int = 1,
     ) -> None:
         self.model = model

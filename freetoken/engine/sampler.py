@@ -68,7 +68,9 @@ def _penalize(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         pen = torch.tensor([r.params.repetition_penalty for r in requests], dtype=logits.dtype)[rows]
         vals = logits[rows, cols]
         logits[rows, cols] = torch.where(vals > 0, vals / pen, vals * pen)
-    freq = [i for i, r in enumerate(requests) if (r.params.frequency_penalty or r.params.presence_penalty) and r.output_ids]
+    freq = [
+        i for i, r in enumerate(requests) if (r.params.frequency_penalty or r.params.presence_penalty) and r.output_ids
+    ]
     if freq:
         keys, counts = torch.unique(_flat_ids(freq, [requests[i].output_ids for i in freq], vocab), return_counts=True)
         rows, cols = keys // vocab, keys % vocab

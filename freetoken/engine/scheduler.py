@@ -74,7 +74,8 @@ class Scheduler:
         engine = config.engine
         self.speculator = (
             Speculator(engine.spec_max_draft, engine.spec_ngram_min, engine.spec_ngram_max)
-            if engine.speculative == "ngram" else None
+            if engine.speculative == "ngram"
+            else None
         )
         self.hold = TestHold(engine.test_hold) if engine.test_hold else None  # a test hook (hold.py)
 

@@ -57,18 +57,14 @@ class AuditReport:
         return "audit clean" if self.ok else "\n".join(str(v) for v in self.violations)
 
 
-def holders_of(
-    kind: str, page: int, tree: RadixTree | None, requests: Mapping[str, RequestTables]
-) -> tuple[str, ...]:
+def holders_of(kind: str, page: int, tree: RadixTree | None, requests: Mapping[str, RequestTables]) -> tuple[str, ...]:
     """Every holder of `page` in pool `kind`: tree entries (by scan) and request entries."""
     out: list[str] = []
     if tree is not None:
         for node in tree.nodes():
             entries = node.full if kind == "full" else node.swa
             out.extend(
-                f"tree node#{node.uid} [{node.start},{node.end}) entry {j}"
-                for j, p in enumerate(entries)
-                if p == page
+                f"tree node#{node.uid} [{node.start},{node.end}) entry {j}" for j, p in enumerate(entries) if p == page
             )
     for rid, req in requests.items():
         table = req.full if kind == "full" else (req.swa or [])
@@ -85,11 +81,7 @@ def _tree_refs(kind: str, tree: RadixTree | None) -> Counter[int]:
 
 
 def _audit_pool(
-    pool: PagePool,
-    tree: RadixTree | None,
-    requests: Mapping[str, RequestTables],
-    idle: bool,
-    report: AuditReport,
+    pool: PagePool, tree: RadixTree | None, requests: Mapping[str, RequestTables], idle: bool, report: AuditReport
 ) -> None:
     kind = pool.kind
 
@@ -147,7 +139,8 @@ def _audit_pool(
         tree_pages = sum(1 for p in tree_refs if p not in quarantined)
         if len(free) + tree_pages != pool.capacity - len(quarantined) - len(retired):
             add(
-                "A5", 0,
+                "A5",
+                0,
                 f"free({len(free)}) + tree({tree_pages}) != capacity({pool.capacity}) "
                 f"- quarantined({len(quarantined)}) - retired({len(retired)})",
             )
@@ -172,14 +165,10 @@ def _audit_tree(tree: RadixTree, report: AuditReport) -> None:
             report.violations.append(IntegrityReport("A3", "full", 0, 0, (where,), bad))
 
 
-def _audit_request(
-    req: RequestTables, page_size: int, window: int | None, report: AuditReport
-) -> None:
+def _audit_request(req: RequestTables, page_size: int, window: int | None, report: AuditReport) -> None:
     if 0 in req.full:
         i = req.full.index(0)
-        report.violations.append(
-            IntegrityReport("A4", "full", 0, 0, (f"request {req.rid}",), f"NULL full[{i}]")
-        )
+        report.violations.append(IntegrityReport("A4", "full", 0, 0, (f"request {req.rid}",), f"NULL full[{i}]"))
     if req.draft_pending:
         report.violations.append(
             IntegrityReport("A6", "full", 0, 0, (f"request {req.rid}",), "verified chunk never resolved (accept)")
@@ -188,16 +177,18 @@ def _audit_request(
         page = req.full[-1]
         report.violations.append(
             IntegrityReport(
-                "A6", "full", page, 0, (f"request {req.rid} full[{len(req.full) - 1}]",),
+                "A6",
+                "full",
+                page,
+                0,
+                (f"request {req.rid} full[{len(req.full) - 1}]",),
                 f"{len(req.full)} pages held past the {req.next_pos} written tokens (rejected draft not released)",
             )
         )
     if req.swa is None or window is None:
         return
     if len(req.swa) != len(req.full):
-        report.violations.append(
-            IntegrityReport("A4", "swa", 0, 0, (f"request {req.rid}",), "tables differ in length")
-        )
+        report.violations.append(IntegrityReport("A4", "swa", 0, 0, (f"request {req.rid}",), "tables differ in length"))
         return
     first = first_window_page(req.next_pos, window, page_size)
     for i, page in enumerate(req.swa):
@@ -206,7 +197,11 @@ def _audit_request(
         state = "live out of" if i < first else "NULL inside"
         report.violations.append(
             IntegrityReport(
-                "A4", "swa", page, 0, (f"request {req.rid} swa[{i}]",),
+                "A4",
+                "swa",
+                page,
+                0,
+                (f"request {req.rid} swa[{i}]",),
                 f"entry {state} the window (next_pos {req.next_pos}, W {window})",
             )
         )

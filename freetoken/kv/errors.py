@@ -25,10 +25,7 @@ class IntegrityReport:
 
     def __str__(self) -> str:
         who = ", ".join(self.holders) if self.holders else "no holder"
-        return (
-            f"[{self.check}] {self.pool} page {self.page} rc={self.refcount} "
-            f"holders=[{who}]: {self.message}"
-        )
+        return f"[{self.check}] {self.pool} page {self.page} rc={self.refcount} holders=[{who}]: {self.message}"
 
 
 class KVIntegrityError(Exception):
@@ -38,9 +35,7 @@ class KVIntegrityError(Exception):
     """
 
     def __init__(self, reports: list[IntegrityReport] | IntegrityReport) -> None:
-        self.reports: list[IntegrityReport] = (
-            [reports] if isinstance(reports, IntegrityReport) else list(reports)
-        )
+        self.reports: list[IntegrityReport] = [reports] if isinstance(reports, IntegrityReport) else list(reports)
         super().__init__("; ".join(str(r) for r in self.reports))
 
     @property

@@ -377,8 +377,13 @@ class KVManager:
     def audit(self, idle: bool) -> AuditReport:
         """Run A1-A5 (A5 only when `idle`); counts it for `status()`."""
         report = run_audit(
-            full_pool=self.full_pool, swa_pool=self.swa_pool, tree=self.tree,
-            requests=self._requests, page_size=self.page_size, window=self.window, idle=idle,
+            full_pool=self.full_pool,
+            swa_pool=self.swa_pool,
+            tree=self.tree,
+            requests=self._requests,
+            page_size=self.page_size,
+            window=self.window,
+            idle=idle,
         )
         self.audits += 1
         if not report.ok:
@@ -413,9 +418,9 @@ class KVManager:
             held = {p for r in self._requests.values() for p in r.held(pool.kind)} - q
             tree_pages: set[int] = set()
             if self.tree is not None:
-                tree_pages = {
-                    p for n in self.tree.nodes() for p in (n.full if pool.kind == "full" else n.swa)
-                } - q - {0}
+                tree_pages = (
+                    {p for n in self.tree.nodes() for p in (n.full if pool.kind == "full" else n.swa)} - q - {0}
+                )
             pools[pool.kind] = {
                 "capacity": pool.capacity - pool.num_retired,  # converges to `target` while shrinking
                 "free": pool.num_free,

@@ -141,7 +141,11 @@ class KVTensors:
 
     @staticmethod
     def bytes_per_page(
-        config: KVLayout, page_size: int, dtype: torch.dtype, sliding: bool, cache_dtype: str = "auto",
+        config: KVLayout,
+        page_size: int,
+        dtype: torch.dtype,
+        sliding: bool,
+        cache_dtype: str = "auto",
         device: torch.device | str = "cpu",
     ) -> int:
         """Bytes one page of the SWA (`sliding`) or FULL pool takes over all layers of its kind

@@ -70,9 +70,7 @@ class TreeMatch:
 class RadixTree:
     """Prefix cache over one FULL pool and an optional SWA pool."""
 
-    def __init__(
-        self, full_pool: PagePool, swa_pool: PagePool | None, page_size: int, window: int | None
-    ) -> None:
+    def __init__(self, full_pool: PagePool, swa_pool: PagePool | None, page_size: int, window: int | None) -> None:
         self.full_pool = full_pool
         self.swa_pool = swa_pool
         self.page_size = page_size
@@ -197,14 +195,19 @@ class RadixTree:
         if node.parent is None:
             raise ValueError("cannot split the root or a detached node")
         upper = Node(
-            next(self._uids), node.start, node.key[: m * p], node.full[:m], node.swa[:m],
-            node.pri[:m], node.parent, last_access=node.last_access,
-            pin_until=node.pin_until, pin_ttl=node.pin_ttl,
+            next(self._uids),
+            node.start,
+            node.key[: m * p],
+            node.full[:m],
+            node.swa[:m],
+            node.pri[:m],
+            node.parent,
+            last_access=node.last_access,
+            pin_until=node.pin_until,
+            pin_ttl=node.pin_ttl,
         )
         upper.live = sum(1 for s in upper.swa if s)
-        node.key, node.full, node.swa, node.pri = (
-            node.key[m * p :], node.full[m:], node.swa[m:], node.pri[m:],
-        )
+        node.key, node.full, node.swa, node.pri = (node.key[m * p :], node.full[m:], node.swa[m:], node.pri[m:])
         node.start += m * p
         node.live -= upper.live
         node.parent.children[upper.key[:p]] = upper
@@ -235,8 +238,7 @@ class RadixTree:
         self.full_pool.incref(pages)
         k = len(pages)
         node = Node(
-            next(self._uids), pos, tokens[pos : pos + k * p], pages, [0] * k, [False] * k,
-            parent, last_access=stamp,
+            next(self._uids), pos, tokens[pos : pos + k * p], pages, [0] * k, [False] * k, parent, last_access=stamp
         )
         for page in pages:
             self._full_at[page] = node
@@ -255,11 +257,7 @@ class RadixTree:
         node.marked = True
 
     def insert(
-        self,
-        tokens: Tokens,
-        full: Sequence[int],
-        swa: Sequence[int] | None,
-        boundaries: Sequence[int] = (),
+        self, tokens: Tokens, full: Sequence[int], swa: Sequence[int] | None, boundaries: Sequence[int] = ()
     ) -> None:
         """Commit: the tree takes its own references to a request's written pages.
 

@@ -35,11 +35,7 @@ def first_window_page(end: int, window: int, page_size: int) -> int:
 
 
 def hit_length(
-    path_pages: int,
-    swa_live: Sequence[bool] | None,
-    prompt_len: int,
-    page_size: int,
-    window: int | None,
+    path_pages: int, swa_live: Sequence[bool] | None, prompt_len: int, page_size: int, window: int | None
 ) -> int:
     """The hit rule: how many prompt tokens a new request may skip.
 

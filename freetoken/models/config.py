@@ -130,8 +130,11 @@ class ModelConfig:
         if self.is_sliding(layer) or (self.global_head_dim is None and self.num_global_kv_heads is None):
             return self
         return replace(
-            self, head_dim=self.global_head_dim or self.head_dim, num_kv_heads=self.num_global_kv_heads or self.num_kv_heads,
-            global_head_dim=None, num_global_kv_heads=None,
+            self,
+            head_dim=self.global_head_dim or self.head_dim,
+            num_kv_heads=self.num_global_kv_heads or self.num_kv_heads,
+            global_head_dim=None,
+            num_global_kv_heads=None,
         )
 
     def is_sliding(self, layer: int) -> bool:
@@ -183,10 +186,15 @@ def read_switched_window(config: Mapping[str, Any], num_layers: int) -> tuple[tu
     `use_sliding_window` is set, and then for the layers from `max_window_layers` on (or as
     `layer_types` lists them, where the file has that)."""
     window = int(hf_get(config, "sliding_window", 4096)) if config.get("use_sliding_window") else None
-    layer_types = tuple(config.get("layer_types") or [
-        SLIDING_ATTENTION if window is not None and i >= int(hf_get(config, "max_window_layers", 28)) else FULL_ATTENTION
-        for i in range(num_layers)
-    ])
+    layer_types = tuple(
+        config.get("layer_types")
+        or [
+            SLIDING_ATTENTION
+            if window is not None and i >= int(hf_get(config, "max_window_layers", 28))
+            else FULL_ATTENTION
+            for i in range(num_layers)
+        ]
+    )
     return layer_types, window if SLIDING_ATTENTION in layer_types else None
 
 

@@ -112,8 +112,16 @@ def _group32(w: QuantizedWeight | SuperBlockWeight) -> QuantizedWeight:
 class Experts(nn.Module):
     """E experts of one layer; `forward` runs each token through its routed experts, weighted."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, act: Activation, bias: bool,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        intermediate: int,
+        act: Activation,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
         super().__init__()
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         self.act, self.bias, self.dtype, self.device = act, bias, dtype, torch.device(device)
@@ -138,11 +146,22 @@ class Experts(nn.Module):
 
     def resident(self) -> list[tuple[str, int, Matrix]]:
         """(`gate_up` | `down`, expert, matrix) of every resident matrix held here."""
-        return [(kind, e, m) for kind, ms in (("gate_up", self.gate_up), ("down", self.down))
-                for e, m in enumerate(ms) if m is not None]
+        return [
+            (kind, e, m)
+            for kind, ms in (("gate_up", self.gate_up), ("down", self.down))
+            for e, m in enumerate(ms)
+            if m is not None
+        ]
 
-    def load(self, gate: ExpertStack, up: ExpertStack, down: ExpertStack, gate_bias: torch.Tensor | None = None,
-             up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None) -> None:
+    def load(
+        self,
+        gate: ExpertStack,
+        up: ExpertStack,
+        down: ExpertStack,
+        gate_bias: torch.Tensor | None = None,
+        up_bias: torch.Tensor | None = None,
+        down_bias: torch.Tensor | None = None,
+    ) -> None:
         """gate, up: [E, I, H]; down: [E, H, I] (a float tensor, or E QuantizedWeights / Deferred
         matrices); biases [E, I], [E, I], [E, H] when the layer has them. Resident: decoded now;
         offloaded: kept as the backing store."""
@@ -155,7 +174,9 @@ class Experts(nn.Module):
             raise ModelLoadError(f"experts: biases {'missing' if self.bias else 'unexpected'}")
         held = self.held()
         if self.cache is None:  # other ranks' experts are never decoded here
-            self.gate_up = [fuse_gate_up(gate[e], up[e], self.dtype, self.device) if e in held else None for e in range(E)]
+            self.gate_up = [
+                fuse_gate_up(gate[e], up[e], self.dtype, self.device) if e in held else None for e in range(E)
+            ]
             self.down = [as_matrix(down[e], self.dtype, self.device) if e in held else None for e in range(E)]
         else:
             self.backing = [(gate[e], up[e], down[e]) for e in range(E)]
@@ -217,7 +238,9 @@ class Experts(nn.Module):
             return (y * flat_weights[order[pairs], None]).float()
 
         if self.local is None:
-            contributions = weighted(slice(0, flat.numel())) if flat.numel() else x.new_zeros(0, self.hidden, dtype=torch.float32)
+            contributions = (
+                weighted(slice(0, flat.numel())) if flat.numel() else x.new_zeros(0, self.hidden, dtype=torch.float32)
+            )
         else:
             bounds = torch.tensor([self.local.start, self.local.stop], dtype=by_expert.dtype, device=by_expert.device)
             lo, hi = torch.searchsorted(by_expert, bounds).tolist()
@@ -240,6 +263,7 @@ class Experts(nn.Module):
         offsets = F.pad(counts.cumsum(0), (1, 0))  # [A + 1]
         experts = active.tolist()
         if self._grouped:
+
             def project(a: torch.Tensor, mats: list, bias: torch.Tensor | None) -> torch.Tensor:
                 if bias is None:
                     return grouped_matmul(a, offsets, mats)

@@ -100,7 +100,12 @@ class ExpertCache:
     def status(self) -> dict[str, int | float]:
         lookups = self.hits + self.misses
         return {
-            "capacity_bytes": self.capacity_bytes, "bytes": self.bytes, "entries": len(self._entries),
-            "hits": self.hits, "misses": self.misses, "evictions": self.evictions,
-            "loaded_bytes": self.loaded_bytes, "hit_rate": self.hits / lookups if lookups else 0.0,
+            "capacity_bytes": self.capacity_bytes,
+            "bytes": self.bytes,
+            "entries": len(self._entries),
+            "hits": self.hits,
+            "misses": self.misses,
+            "evictions": self.evictions,
+            "loaded_bytes": self.loaded_bytes,
+            "hit_rate": self.hits / lookups if lookups else 0.0,
         }

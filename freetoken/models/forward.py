@@ -19,7 +19,10 @@ from freetoken.models.config import ModelConfig
 
 
 def build_batch(
-    config: ModelConfig, kv_tensors: KVTensors, specs: Sequence[RequestSpec], logit_rows: Sequence[int],
+    config: ModelConfig,
+    kv_tensors: KVTensors,
+    specs: Sequence[RequestSpec],
+    logit_rows: Sequence[int],
     alone_max: int = 1,
 ) -> ForwardBatch:
     """The ForwardBatch of the requests `specs` (raises ValueError on a malformed table);

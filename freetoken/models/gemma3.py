@@ -20,11 +20,26 @@ from freetoken.attention.metadata import ForwardBatch
 from freetoken.errors import ModelLoadError
 from freetoken.kv.tensors import KVTensors
 from freetoken.models.config import (
-    FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeConfig, hf_get, read_common, read_rope,
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    ModelConfig,
+    RopeConfig,
+    hf_get,
+    read_common,
+    read_rope,
 )
 from freetoken.models.linear import Weight
 from freetoken.models.layers import (
-    GatedMLP, RMSNorm, Rotary, SelfAttention, embedding, linear, load_named, output_logits, residual, strip_prefix,
+    GatedMLP,
+    RMSNorm,
+    Rotary,
+    SelfAttention,
+    embedding,
+    linear,
+    load_named,
+    output_logits,
+    residual,
+    strip_prefix,
 )
 
 # Tensors of the multimodal checkpoint that the text model does not use.
@@ -41,7 +56,9 @@ class Gemma3Block(nn.Module):
         super().__init__()
         c = config
         self.input_layernorm = _norm(c.hidden_size, c, dtype, device)
-        self.self_attn = SelfAttention(c, dtype, device, _norm(c.head_dim, c, dtype, device), _norm(c.head_dim, c, dtype, device))
+        self.self_attn = SelfAttention(
+            c, dtype, device, _norm(c.head_dim, c, dtype, device), _norm(c.head_dim, c, dtype, device)
+        )
         self.post_attention_layernorm = _norm(c.hidden_size, c, dtype, device)
         self.pre_feedforward_layernorm = _norm(c.hidden_size, c, dtype, device)
         self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, False, dtype, device)
@@ -75,7 +92,9 @@ class Gemma3ForCausalLM(nn.Module):
             return None
         return strip_prefix(name, _PREFIXES)
 
-    def load_weights(self, tensors: MutableMapping[str, Weight], weights: str = "auto", prefill_weights: str = "quantized") -> None:
+    def load_weights(
+        self, tensors: MutableMapping[str, Weight], weights: str = "auto", prefill_weights: str = "quantized"
+    ) -> None:
         """Load HF-named tensors (text-only or multimodal Gemma 3 checkpoints) under the `--weights` policy."""
         load_named(self, tensors, self._rename, weights, prefill_weights)
 
@@ -106,10 +125,20 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
     if config.get("use_bidirectional_attention"):
         raise ModelLoadError("gemma3 with use_bidirectional_attention is not supported")
     defaults = dict(
-        vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
-        num_key_value_heads=4, head_dim=256,
-        rms_norm_eps=1e-6, max_position_embeddings=131_072, tie_word_embeddings=True,
-        attention_bias=False, bos_token_id=2, eos_token_id=1, pad_token_id=0,
+        vocab_size=262_208,
+        hidden_size=2304,
+        intermediate_size=9216,
+        num_hidden_layers=26,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=256,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=131_072,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        bos_token_id=2,
+        eos_token_id=1,
+        pad_token_id=0,
     )
     common = read_common(config, defaults)
     num_layers = common["num_layers"]

@@ -37,12 +37,28 @@ from freetoken.attention.metadata import ForwardBatch
 from freetoken.errors import ModelLoadError
 from freetoken.kv.tensors import KVTensors
 from freetoken.models.config import (
-    FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeConfig, hf_get, read_common, read_rope,
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    ModelConfig,
+    RopeConfig,
+    hf_get,
+    read_common,
+    read_rope,
 )
 from freetoken.models.experts import Experts
 from freetoken.models.layers import (
-    GatedMLP, RMSNorm, Rotary, SelfAttention, compute_dtype, embedding, linear, load_named, output_logits, residual,
-    strip_prefix, take_all,
+    GatedMLP,
+    RMSNorm,
+    Rotary,
+    SelfAttention,
+    compute_dtype,
+    embedding,
+    linear,
+    load_named,
+    output_logits,
+    residual,
+    strip_prefix,
+    take_all,
 )
 from freetoken.models.linear import Weight
 from freetoken.models.qwen3_moe import take_experts
@@ -67,7 +83,9 @@ def rotary(rope: RopeConfig, head_dim: int, device: torch.device | str) -> Rotar
     table = Rotary(rope, head_dim, device)
     if rope.rope_type == "proportional":
         turned = int((rope.partial_rotary_factor or 1.0) * head_dim // 2)
-        table.inv_freq = torch.cat([table.inv_freq[:turned], torch.zeros_like(table.inv_freq[turned:])]) / (rope.factor or 1.0)
+        table.inv_freq = torch.cat([table.inv_freq[:turned], torch.zeros_like(table.inv_freq[turned:])]) / (
+            rope.factor or 1.0
+        )
     return table
 
 
@@ -78,7 +96,9 @@ class Gemma4Attention(SelfAttention):
     def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device | str) -> None:
         c = config.for_layer(layer)
         super().__init__(c, dtype, device, _norm(c.head_dim, c, dtype, device), _norm(c.head_dim, c, dtype, device))
-        self.register_buffer("v_ones", torch.ones(c.head_dim, dtype=compute_dtype(dtype), device=device), persistent=False)
+        self.register_buffer(
+            "v_ones", torch.ones(c.head_dim, dtype=compute_dtype(dtype), device=device), persistent=False
+        )
 
     def values(self, v: torch.Tensor) -> torch.Tensor:
         return rms_norm(v, self.v_ones, self.config.rms_norm_eps)  # [T, n_kv, D], unweighted (ones)
@@ -92,7 +112,9 @@ class Gemma4Router(nn.Module):
         self.proj = linear(c.hidden_size, c.num_experts, False, dtype, device, quantizable=False)
         self.scale = nn.Parameter(torch.empty(c.hidden_size, dtype=dtype, device=device))
         self.per_expert_scale = nn.Parameter(torch.empty(c.num_experts, dtype=dtype, device=device))
-        self.register_buffer("ones", torch.ones(c.hidden_size, dtype=compute_dtype(dtype), device=device), persistent=False)
+        self.register_buffer(
+            "ones", torch.ones(c.hidden_size, dtype=compute_dtype(dtype), device=device), persistent=False
+        )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> expert ids [T, k], weights [T, k] (float32)."""
@@ -118,7 +140,9 @@ class Gemma4Block(nn.Module):
         self.moe = c.num_experts > 0
         if self.moe:
             self.router = Gemma4Router(c, dtype, device)
-            self.experts = Experts(c.num_experts, c.hidden_size, c.moe_intermediate_size, gelu_gate, False, dtype, device)
+            self.experts = Experts(
+                c.num_experts, c.hidden_size, c.moe_intermediate_size, gelu_gate, False, dtype, device
+            )
             self.post_feedforward_layernorm_1 = _norm(c.hidden_size, c, dtype, device)
             self.pre_feedforward_layernorm_2 = _norm(c.hidden_size, c, dtype, device)
             self.post_feedforward_layernorm_2 = _norm(c.hidden_size, c, dtype, device)
@@ -170,14 +194,18 @@ class Gemma4ForCausalLM(nn.Module):
                         out[v] = out[k]
         return out
 
-    def load_weights(self, tensors: MutableMapping[str, Weight], weights: str = "auto", prefill_weights: str = "quantized") -> None:
+    def load_weights(
+        self, tensors: MutableMapping[str, Weight], weights: str = "auto", prefill_weights: str = "quantized"
+    ) -> None:
         """Load HF-named tensors (text-only or multimodal Gemma 4 checkpoints) under the `--weights`
         policy (routers stay float; experts follow the policy)."""
         rest = self._local_names(take_all(tensors))
         for i, layer in enumerate(self.layers):
             if layer.moe:
                 c = self.config
-                layer.experts.load(*take_experts(rest, f"layers.{i}.experts.", c.num_experts, c.moe_intermediate_size, weights))
+                layer.experts.load(
+                    *take_experts(rest, f"layers.{i}.experts.", c.num_experts, c.moe_intermediate_size, weights)
+                )
         load_named(self, rest, lambda name: name, weights, prefill_weights)
 
     @torch.no_grad()
@@ -197,9 +225,20 @@ class Gemma4ForCausalLM(nn.Module):
 
 
 _DEFAULTS = dict(
-    vocab_size=262_144, hidden_size=2304, intermediate_size=9216, num_hidden_layers=30, num_attention_heads=8,
-    num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6, max_position_embeddings=131_072,
-    tie_word_embeddings=True, attention_bias=False, bos_token_id=2, eos_token_id=1, pad_token_id=0,
+    vocab_size=262_144,
+    hidden_size=2304,
+    intermediate_size=9216,
+    num_hidden_layers=30,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=256,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=131_072,
+    tie_word_embeddings=True,
+    attention_bias=False,
+    bos_token_id=2,
+    eos_token_id=1,
+    pad_token_id=0,
 )
 GLOBAL_HEAD_DIM = 512  # Gemma4TextConfig's default global_head_dim
 PARTIAL_ROTARY = 0.25  # the full layers' default proportional rope share
@@ -214,7 +253,9 @@ def _full_heads(config: Mapping[str, Any], layer_types: list[str], kv_heads: int
         shapes = {int(i): (v.get("head_dim"), v.get("num_key_value_heads")) for i, v in saved.items()}
         full = {shapes.get(i) for i, t in enumerate(layer_types) if t == FULL_ATTENTION}
         if len(full) > 1 or any(layer_types[i] != FULL_ATTENTION for i in shapes):
-            raise ModelLoadError(f"gemma4 per_layer_config must give every full-attention layer one shape, got {dict(saved)}")
+            raise ModelLoadError(
+                f"gemma4 per_layer_config must give every full-attention layer one shape, got {dict(saved)}"
+            )
         head_dim, heads = full.pop() if full else (None, None)
         return int(head_dim or hf_get(config, "head_dim", 256)), int(heads or kv_heads)
     heads = config.get("num_global_key_value_heads") if hf_get(config, "attention_k_eq_v", False) else None
@@ -230,22 +271,29 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
             raise ModelLoadError("gemma4 config.json has no text_config")
         config = {**text, "model_type": "gemma4_text"}
     if int(hf_get(config, "hidden_size_per_layer_input", 256)):
-        raise ModelLoadError("gemma4 with per-layer embeddings (hidden_size_per_layer_input > 0, Gemma 4 E2B/E4B) is not supported")
+        raise ModelLoadError(
+            "gemma4 with per-layer embeddings (hidden_size_per_layer_input > 0, Gemma 4 E2B/E4B) is not supported"
+        )
     if int(hf_get(config, "num_kv_shared_layers", 0)):
         raise ModelLoadError("gemma4 with shared KV layers (num_kv_shared_layers > 0) is not supported")
     if config.get("use_bidirectional_attention") == "all":
         raise ModelLoadError("gemma4 with use_bidirectional_attention='all' is not supported")
     common = read_common(config, _DEFAULTS)
     n = common["num_layers"]
-    layer_types = list(config.get("layer_types") or [SLIDING_ATTENTION if (i + 1) % 6 else FULL_ATTENTION for i in range(n)])
+    layer_types = list(
+        config.get("layer_types") or [SLIDING_ATTENTION if (i + 1) % 6 else FULL_ATTENTION for i in range(n)]
+    )
     layer_types[-1] = FULL_ATTENTION  # as Gemma4TextConfig forces
     global_dim, global_heads = _full_heads(config, layer_types, common["num_kv_heads"])
     params = config.get("rope_parameters") or {}
     full = dict(params.get(FULL_ATTENTION) or {"rope_type": "proportional", "partial_rotary_factor": PARTIAL_ROTARY})
     moe = bool(hf_get(config, "enable_moe_block", False))
     return ModelConfig(
-        architecture="gemma4", **common, layer_types=tuple(layer_types),
-        rope_full=read_rope(full, 1_000_000.0), rope_sliding=read_rope(params.get(SLIDING_ATTENTION) or {}, 10_000.0),
+        architecture="gemma4",
+        **common,
+        layer_types=tuple(layer_types),
+        rope_full=read_rope(full, 1_000_000.0),
+        rope_sliding=read_rope(params.get(SLIDING_ATTENTION) or {}, 10_000.0),
         sliding_window=int(hf_get(config, "sliding_window", 512)),
         hidden_act=str(hf_get(config, "hidden_activation", "gelu_pytorch_tanh")),
         query_pre_attn_scalar=1.0,  # Gemma 4 attends with scale 1 (its q/k norms set the logits' size)
@@ -253,6 +301,7 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
         num_experts=int(hf_get(config, "num_experts", 0)) if moe else 0,
         num_experts_per_tok=int(hf_get(config, "top_k_experts", 0)) if moe else 0,
         moe_intermediate_size=int(hf_get(config, "moe_intermediate_size", 0)) if moe else 0,
-        global_head_dim=global_dim, num_global_kv_heads=global_heads,
+        global_head_dim=global_dim,
+        num_global_kv_heads=global_heads,
         attention_k_eq_v=bool(hf_get(config, "attention_k_eq_v", False)),
     )

@@ -20,11 +20,29 @@ from torch import nn
 from freetoken.attention.metadata import ForwardBatch
 from freetoken.errors import ModelLoadError
 from freetoken.kv.tensors import KVTensors
-from freetoken.models.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, hf_get, read_common, read_single_rope
+from freetoken.models.config import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    ModelConfig,
+    hf_get,
+    read_common,
+    read_single_rope,
+)
 from freetoken.models.experts import Activation, Experts, ExpertStack, with_policy
 from freetoken.models.layers import (
-    RMSNorm, Rotary, apply_rope, compute_dtype, embedding, linear, load_named, output_logits, paged_self_attention,
-    qkv_linear, split_qkv, strip_prefix, take_all,
+    RMSNorm,
+    Rotary,
+    apply_rope,
+    compute_dtype,
+    embedding,
+    linear,
+    load_named,
+    output_logits,
+    paged_self_attention,
+    qkv_linear,
+    split_qkv,
+    strip_prefix,
+    take_all,
 )
 from freetoken.models.linear import Weight
 from freetoken.ops.quantized import QuantizedWeight
@@ -90,7 +108,7 @@ def split_experts(tensors: dict[str, Weight], layer: int, weights: str) -> tuple
     take: dict[str, Weight] = {}
     for prefix in (f"model.layers.{layer}.mlp.experts.", f"layers.{layer}.mlp.experts."):
         for key in [k for k in tensors if k.startswith(prefix)]:
-            take[key[len(prefix):]] = tensors.pop(key)
+            take[key[len(prefix) :]] = tensors.pop(key)
     name = f"layers.{layer}.mlp.experts"
     if "gate_up_proj_blocks" in take and "gate_up_proj_scales" in take:
         fused = take.pop("gate_up_proj_blocks"), take.pop("gate_up_proj_scales")  # [E, 2I, ...]: gate rows even
@@ -111,8 +129,14 @@ def split_experts(tensors: dict[str, Weight], layer: int, weights: str) -> tuple
     bias, down_bias = take.pop("gate_up_proj_bias", None), take.pop("down_proj_bias", None)
     if bias is None or down_bias is None or take:
         raise ModelLoadError(f"{name}: missing biases or unexpected tensors {sorted(take)}")
-    return (with_policy(gate, weights), with_policy(up, weights), with_policy(down, weights),
-            bias[:, 0::2], bias[:, 1::2], down_bias)
+    return (
+        with_policy(gate, weights),
+        with_policy(up, weights),
+        with_policy(down, weights),
+        bias[:, 0::2],
+        bias[:, 1::2],
+        down_bias,
+    )
 
 
 class GptOssMoE(nn.Module):
@@ -121,7 +145,9 @@ class GptOssMoE(nn.Module):
         c = config
         self.config = config
         self.router = linear(c.hidden_size, c.num_experts, True, dtype, device, quantizable=False)
-        self.experts = Experts(c.num_experts, c.hidden_size, c.intermediate_size, clamped_swiglu(c), True, dtype, device)
+        self.experts = Experts(
+            c.num_experts, c.hidden_size, c.intermediate_size, clamped_swiglu(c), True, dtype, device
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]: each token through its top-k experts, weighted."""
@@ -160,7 +186,9 @@ class GptOssForCausalLM(nn.Module):
             return None
         return strip_prefix(name, ("model.",))
 
-    def load_weights(self, tensors: MutableMapping[str, Weight], weights: str = "auto", prefill_weights: str = "quantized") -> None:
+    def load_weights(
+        self, tensors: MutableMapping[str, Weight], weights: str = "auto", prefill_weights: str = "quantized"
+    ) -> None:
         """Load HF-named tensors (`model.layers.0.mlp.experts.gate_up_proj`, ...); `weights` is the
         `--weights` policy for the attention projections, embeddings and experts (the router stays
         float); experts come as HF's interleaved float stacks or MXFP4 `*_blocks` / `*_scales`."""
@@ -185,10 +213,19 @@ class GptOssForCausalLM(nn.Module):
 def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
     """A gpt-oss `config.json` dict (model_type "gpt_oss") as a ModelConfig."""
     defaults = dict(
-        vocab_size=201_088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=36, num_attention_heads=64,
-        num_key_value_heads=8, head_dim=64,
-        rms_norm_eps=1e-5, max_position_embeddings=131_072, tie_word_embeddings=False,
-        attention_bias=True, bos_token_id=None, eos_token_id=None,
+        vocab_size=201_088,
+        hidden_size=2880,
+        intermediate_size=2880,
+        num_hidden_layers=36,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=131_072,
+        tie_word_embeddings=False,
+        attention_bias=True,
+        bos_token_id=None,
+        eos_token_id=None,
     )
     common = read_common(config, defaults)
     num_layers = common["num_layers"]
@@ -196,10 +233,17 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
         SLIDING_ATTENTION if (i + 1) % 2 else FULL_ATTENTION for i in range(num_layers)
     ]
     if config.get("rope_parameters") is None and config.get("rope_scaling") is None:
-        config = {**config, "rope_parameters": {
-            "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
-            "truncate": False, "original_max_position_embeddings": 4096,
-        }}
+        config = {
+            **config,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": 32.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 4096,
+            },
+        }
     rope = read_single_rope(config, 150_000.0)
     return ModelConfig(
         architecture="gpt_oss",

@@ -31,7 +31,11 @@ def weight_kinds(model: torch.nn.Module) -> list[str]:
     kinds: Counter[tuple[str, str, tuple[int, int]]] = Counter()
     for name, module in model.named_modules():
         if isinstance(module, QuantizableWeight):
-            shape = (module.packed.out_features, module.packed.in_features) if module.packed is not None else tuple(module.weight.shape)
+            shape = (
+                (module.packed.out_features, module.packed.in_features)
+                if module.packed is not None
+                else tuple(module.weight.shape)
+            )
             kinds[(re.sub(r"\.\d+\.", ".*.", name), module.runs_as(), shape)] += 1  # type: ignore[index]
         elif isinstance(module, Experts):  # [E, I, H]: E experts, each gate / up [I, H] and down [H, I]
             shape = (module.num_experts, module.intermediate, module.hidden)
@@ -44,11 +48,17 @@ def _param_count(model: torch.nn.Module) -> int:
     count = sum(p.numel() for p in model.parameters())
     experts = sum(
         m.num_experts * (3 * m.intermediate * m.hidden + (2 * m.intermediate + m.hidden if m.bias else 0))
-        for m in model.modules() if isinstance(m, Experts)
+        for m in model.modules()
+        if isinstance(m, Experts)
     )
-    return count + experts + sum(
-        m.packed.out_features * m.packed.in_features
-        for m in model.modules() if isinstance(m, QuantizableWeight) and m.packed is not None
+    return (
+        count
+        + experts
+        + sum(
+            m.packed.out_features * m.packed.in_features
+            for m in model.modules()
+            if isinstance(m, QuantizableWeight) and m.packed is not None
+        )
     )
 
 
@@ -72,7 +82,9 @@ def describe_model(spec: str | None, weights: str = "auto") -> str:
         f"hidden:        {config.hidden_size}, intermediate {config.intermediate_size}",
         f"heads:         {config.num_heads} query, {config.num_kv_heads} kv, head_dim {config.head_dim}",
         f"rope base:     full {config.rope_full.theta:g}, sliding {config.rope_sliding.theta:g}",
-        f"experts:       {config.num_experts} (top {config.num_experts_per_tok})" if config.num_experts else "experts:       none",
+        f"experts:       {config.num_experts} (top {config.num_experts_per_tok})"
+        if config.num_experts
+        else "experts:       none",
         f"context:       {config.max_position_embeddings}",
         f"vocabulary:    {tok.vocab_size} (bos {tok.bos_id}, eos {tok.eos_id})",
         f"chat template: {template}",

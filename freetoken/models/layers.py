@@ -20,13 +20,24 @@ from freetoken.attention.metadata import ForwardBatch
 from freetoken.errors import ModelLoadError
 from freetoken.kv.tensors import KVTensors
 from freetoken.models.config import ModelConfig, RopeConfig
-from freetoken.models.linear import Embedding, Linear, QuantizableWeight, Weight, apply_policy, check_policy, keeps_dense_copy
+from freetoken.models.linear import (
+    Embedding,
+    Linear,
+    QuantizableWeight,
+    Weight,
+    apply_policy,
+    check_policy,
+    keeps_dense_copy,
+)
 from freetoken.ops.layers import add_rms_norm, gated_act, qk_norm_rope_, rms_norm, rope_
 from freetoken.ops.quantized import concat, dequantize, is_quantized
 
 
 # compute_dtype of the usual dtypes, looked up (a few times per layer and step) rather than promoted.
-_COMPUTE_DTYPES = {dtype: torch.promote_types(dtype, torch.float32) for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64)}
+_COMPUTE_DTYPES = {
+    dtype: torch.promote_types(dtype, torch.float32)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+}
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -35,7 +46,7 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def linear(
-    n_in: int, n_out: int, bias: bool, dtype: torch.dtype, device: torch.device | str, quantizable: bool = True,
+    n_in: int, n_out: int, bias: bool, dtype: torch.dtype, device: torch.device | str, quantizable: bool = True
 ) -> Linear:
     """An uninitialised linear layer (weights come from the checkpoint, float or quantized)."""
     return Linear(n_in, n_out, bias, dtype, device, quantizable)
@@ -53,8 +64,13 @@ class RMSNorm(nn.Module):
     """
 
     def __init__(
-        self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str,
-        unit_offset: bool = False, scale_in_float: bool = False,
+        self,
+        dim: int,
+        eps: float,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        unit_offset: bool = False,
+        scale_in_float: bool = False,
     ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device))
@@ -88,7 +104,7 @@ class RMSNorm(nn.Module):
 
 
 def residual(
-    x: torch.Tensor, h: torch.Tensor, h_norm: RMSNorm | None, next_norm: RMSNorm | None,
+    x: torch.Tensor, h: torch.Tensor, h_norm: RMSNorm | None, next_norm: RMSNorm | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The residual step between sub-blocks as one op: x + h_norm(h) (x + h without h_norm), and
     next_norm of that sum (None without next_norm). x, h [T, D]. Both norms share eps and form."""
@@ -97,10 +113,12 @@ def residual(
         return x + h, None
     dtype = compute_dtype(x.dtype)
     return add_rms_norm(
-        x, h,
+        x,
+        h,
         h_norm._float_weight(dtype) if h_norm is not None else None,
         next_norm._float_weight(dtype) if next_norm is not None else None,
-        first.eps, first.after_cast,
+        first.eps,
+        first.after_cast,
     )
 
 
@@ -227,8 +245,12 @@ def split_qkv(qkv: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, tor
 
 
 def attention_inputs(
-    qkv: torch.Tensor, config: ModelConfig, cos: torch.Tensor, sin: torch.Tensor,
-    q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
+    qkv: torch.Tensor,
+    config: ModelConfig,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_norm: RMSNorm | None = None,
+    k_norm: RMSNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused projection [T, (H + 2 n_kv) D] -> q [T, H, D], k, v [T, n_kv, D], with the query
     and key heads normed (Gemma's q/k norms, when given) and rotated: one op on CPU."""
@@ -238,7 +260,15 @@ def attention_inputs(
     qw = q_norm._float_weight(dtype) if q_norm is not None else None
     kw = k_norm._float_weight(dtype) if k_norm is not None else None
     fused = qkv_fusable(q_norm, k_norm) and qk_norm_rope_(
-        qkv, c.num_heads, c.num_kv_heads, qw, kw, norm.eps if norm else 0.0, norm.after_cast if norm else False, cos, sin,
+        qkv,
+        c.num_heads,
+        c.num_kv_heads,
+        qw,
+        kw,
+        norm.eps if norm else 0.0,
+        norm.after_cast if norm else False,
+        cos,
+        sin,
     )
     q, k, v = split_qkv(qkv, c)
     if not fused:
@@ -274,7 +304,11 @@ def paged_self_attention(
         raise ValueError(f"layer {layer} is a sliding-window layer but the batch has no SWA table")
     kv.write(layer, slots, k, v)
     return attention_fn(q.device)(
-        q, kv.k[layer], kv.v[layer], table, batch,
+        q,
+        kv.k[layer],
+        kv.v[layer],
+        table,
+        batch,
         scale=config.attention_scale,
         sliding_window=config.sliding_window if sliding else None,
         sinks=sinks,
@@ -283,7 +317,10 @@ def paged_self_attention(
 
 
 # Projections run as one matrix: the parts' rows stacked in this order under the fused name.
-FUSED: dict[str, tuple[str, ...]] = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+FUSED: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
 _FUSED_INTO: dict[str, str] = {part: fused for fused, parts in FUSED.items() for part in parts}
 
 
@@ -294,8 +331,12 @@ class SelfAttention(nn.Module):
     transforms the values (Gemma 4 norms them) overrides `values`."""
 
     def __init__(
-        self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-        q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        q_norm: RMSNorm | None = None,
+        k_norm: RMSNorm | None = None,
     ) -> None:
         super().__init__()
         c = config
@@ -365,7 +406,10 @@ def take_all(tensors: MutableMapping[str, Weight]) -> dict[str, Weight]:
 
 
 def load_named(
-    module: nn.Module, tensors: MutableMapping[str, Weight], rename: Callable[[str], str | None], weights: str = "auto",
+    module: nn.Module,
+    tensors: MutableMapping[str, Weight],
+    rename: Callable[[str], str | None],
+    weights: str = "auto",
     prefill_weights: str = "quantized",
 ) -> None:
     """Copy checkpoint tensors into `module`'s parameters, each HF name mapped by `rename`
@@ -424,8 +468,9 @@ def load_named(
         if missing:
             parts.append(f"missing tensors: {', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}")
         if unexpected:
-            parts.append(f"unexpected tensors: {', '.join(sorted(unexpected)[:10])}"
-                         f"{' ...' if len(unexpected) > 10 else ''}")
+            parts.append(
+                f"unexpected tensors: {', '.join(sorted(unexpected)[:10])}{' ...' if len(unexpected) > 10 else ''}"
+            )
         raise ModelLoadError("; ".join(parts))
 
 
@@ -433,7 +478,7 @@ def strip_prefix(name: str, prefixes: tuple[str, ...]) -> str:
     """The name without the first of `prefixes` it starts with."""
     for prefix in prefixes:
         if name.startswith(prefix):
-            return name[len(prefix):]
+            return name[len(prefix) :]
     return name
 
 

@@ -178,7 +178,13 @@ class Linear(QuantizableWeight):
     whatever the policy (a router, whose choices a coarse grid would change)."""
 
     def __init__(
-        self, n_in: int, n_out: int, bias: bool, dtype: torch.dtype, device: torch.device | str, quantizable: bool = True
+        self,
+        n_in: int,
+        n_out: int,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        quantizable: bool = True,
     ) -> None:
         super().__init__(n_out, n_in, dtype, device)
         self.bias = nn.Parameter(torch.empty(n_out, dtype=dtype, device=device)) if bias else None

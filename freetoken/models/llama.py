@@ -19,14 +19,25 @@ from freetoken.kv.tensors import KVTensors
 from freetoken.models.config import FULL_ATTENTION, ModelConfig, hf_get, read_common, read_single_rope
 from freetoken.models.linear import Weight
 from freetoken.models.layers import (
-    GatedMLP, RMSNorm, Rotary, SelfAttention, embedding, linear, load_named, output_logits, residual, strip_prefix,
+    GatedMLP,
+    RMSNorm,
+    Rotary,
+    SelfAttention,
+    embedding,
+    linear,
+    load_named,
+    output_logits,
+    residual,
+    strip_prefix,
 )
 
 
 class LlamaBlock(nn.Module):
     """Pre-norm: x + attn(norm(x)), then + mlp(norm(x)); the attention and MLP are given."""
 
-    def __init__(self, config: ModelConfig, self_attn: nn.Module, mlp: nn.Module, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self, config: ModelConfig, self_attn: nn.Module, mlp: nn.Module, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
         super().__init__()
         c = config
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
@@ -64,7 +75,9 @@ class LlamaForCausalLM(nn.Module):
             return None  # tied: the embedding is the head
         return strip_prefix(name, ("model.",))
 
-    def load_weights(self, tensors: MutableMapping[str, Weight], weights: str = "auto", prefill_weights: str = "quantized") -> None:
+    def load_weights(
+        self, tensors: MutableMapping[str, Weight], weights: str = "auto", prefill_weights: str = "quantized"
+    ) -> None:
         """Load HF-named tensors (`model.layers.0.self_attn.q_proj.weight`, ...). `weights` is the `--weights` policy."""
         load_named(self, tensors, self._rename, weights, prefill_weights)
 
@@ -84,9 +97,17 @@ class LlamaForCausalLM(nn.Module):
 def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
     """A Llama `config.json` dict (model_type "llama") as a ModelConfig."""
     defaults = dict(
-        vocab_size=32_000, hidden_size=4096, intermediate_size=11_008, num_hidden_layers=32, num_attention_heads=32,
-        rms_norm_eps=1e-6, max_position_embeddings=2048, tie_word_embeddings=False,
-        attention_bias=False, bos_token_id=1, eos_token_id=2,
+        vocab_size=32_000,
+        hidden_size=4096,
+        intermediate_size=11_008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     rope = read_single_rope(config, 10_000.0)
     common = read_common(config, defaults)

@@ -29,7 +29,14 @@ from freetoken.ops.qlinear import signature
 from freetoken.tokenizer import Tokenizer
 from freetoken.utils.heap import return_freed_memory
 from freetoken.weights.gguf_metadata import forget_opened
-from freetoken.weights.loader import Checkpoint, ModelSource, checkpoint_files, load_checkpoint, read_header, resolve_model
+from freetoken.weights.loader import (
+    Checkpoint,
+    ModelSource,
+    checkpoint_files,
+    load_checkpoint,
+    read_header,
+    resolve_model,
+)
 from freetoken.weights.progress import ProgressCallback
 from freetoken.weights.source import file_identity
 from freetoken.weights.weight_cache import WeightCache, cache_dir, code_identity
@@ -63,9 +70,16 @@ def load_tokenizer(source: ModelSource, metadata: dict[str, object] | None) -> T
 def _cache_key(source: ModelSource, dtype: torch.dtype, weights: str, prefill_weights: str) -> dict:
     """What decides a snapshot's content: the checkpoint's files, the code that packs them, the
     kernels this build has, torch's version and the load options."""
-    return {"snapshot": SNAPSHOT_VERSION, "source": [file_identity(f) for f in checkpoint_files(source)], "code": _code(),
-            "kernels": signature(), "torch": torch.__version__, "dtype": str(dtype), "weights": weights,
-            "prefill_weights": prefill_weights}
+    return {
+        "snapshot": SNAPSHOT_VERSION,
+        "source": [file_identity(f) for f in checkpoint_files(source)],
+        "code": _code(),
+        "kernels": signature(),
+        "torch": torch.__version__,
+        "dtype": str(dtype),
+        "weights": weights,
+        "prefill_weights": prefill_weights,
+    }
 
 
 @functools.cache
@@ -110,13 +124,17 @@ def finish_cache_write(loaded: LoadedModel, timeout_s: float) -> bool:
     log.info("finishing the weight cache write (up to %.0f s) before exiting", timeout_s)
     writer.join(timeout_s)
     if writer.is_alive():
-        log.warning("weight cache: the write did not finish in %.0f s; abandoned (the next start reads the checkpoint)", timeout_s)
+        log.warning(
+            "weight cache: the write did not finish in %.0f s; abandoned (the next start reads the checkpoint)",
+            timeout_s,
+        )
         return False
     return True
 
 
-def _from_snapshot(source: ModelSource, cache: WeightCache, key: dict, dtype: torch.dtype,
-                   device: torch.device) -> tuple[Checkpoint, ModelConfig, torch.nn.Module] | None:
+def _from_snapshot(
+    source: ModelSource, cache: WeightCache, key: dict, dtype: torch.dtype, device: torch.device
+) -> tuple[Checkpoint, ModelConfig, torch.nn.Module] | None:
     """The model built from the cached snapshot under `key`, or None (a miss, or a snapshot
     that does not fit: logged)."""
     snapshot = cache.read(key)
@@ -134,9 +152,17 @@ def _from_snapshot(source: ModelSource, cache: WeightCache, key: dict, dtype: to
 
 
 def load_model(
-    spec: str | None, dtype: torch.dtype, device: torch.device, weights: str = "bf16", prefill_weights: str = "quantized",
-    rank: int = 0, world: int = 1, moe_strategy: str = "resident", expert_cache_gb: float = 0.0,
-    weights_cache: str | None = None, progress: ProgressCallback | None = None,
+    spec: str | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    weights: str = "bf16",
+    prefill_weights: str = "quantized",
+    rank: int = 0,
+    world: int = 1,
+    moe_strategy: str = "resident",
+    expert_cache_gb: float = 0.0,
+    weights_cache: str | None = None,
+    progress: ProgressCallback | None = None,
 ) -> LoadedModel:
     """Resolve `spec`, read its weights, build the model on `device` with activations in `dtype`
     and each matrix as the `weights` policy says (`models.linear.apply_policy`; `bf16`, the
@@ -164,8 +190,9 @@ def load_model(
         plan = None
         how = "from the weight cache"
     else:
-        ckpt, config, model, plan = _from_checkpoint(source, dtype, device, weights, prefill_weights, rank, world,
-                                                     moe_strategy, expert_cache_gb, progress)
+        ckpt, config, model, plan = _from_checkpoint(
+            source, dtype, device, weights, prefill_weights, rank, world, moe_strategy, expert_cache_gb, progress
+        )
         how = "from the checkpoint"
         if cache is not None:
             writer = _write_behind(cache, key, model)
@@ -179,17 +206,38 @@ def load_model(
     forget_opened()  # and the file's map with them (its pages would count as resident memory)
     return_freed_memory()
     formats = weight_formats(model)
-    log.info("loaded %s (%s, %s, weights %s) %s in %.1f s", source.name, config.architecture, dtype, weights, how,
-             time.perf_counter() - t0)
-    log.info("weights of rank %d of %d run as %s%s", rank, world, summary(formats),
-             "" if plan is None else f" (block outputs: {plan.row_parallel})")
-    return LoadedModel(source, config, model, tokenizer, dtype, device, quant_types, weights, formats, cached is not None,
-                       writer)
+    log.info(
+        "loaded %s (%s, %s, weights %s) %s in %.1f s",
+        source.name,
+        config.architecture,
+        dtype,
+        weights,
+        how,
+        time.perf_counter() - t0,
+    )
+    log.info(
+        "weights of rank %d of %d run as %s%s",
+        rank,
+        world,
+        summary(formats),
+        "" if plan is None else f" (block outputs: {plan.row_parallel})",
+    )
+    return LoadedModel(
+        source, config, model, tokenizer, dtype, device, quant_types, weights, formats, cached is not None, writer
+    )
 
 
 def _from_checkpoint(
-    source: ModelSource, dtype: torch.dtype, device: torch.device, weights: str, prefill_weights: str, rank: int,
-    world: int, moe_strategy: str, expert_cache_gb: float, progress: ProgressCallback | None = None,
+    source: ModelSource,
+    dtype: torch.dtype,
+    device: torch.device,
+    weights: str,
+    prefill_weights: str,
+    rank: int,
+    world: int,
+    moe_strategy: str,
+    expert_cache_gb: float,
+    progress: ProgressCallback | None = None,
 ) -> tuple[Checkpoint, ModelConfig, torch.nn.Module, shard.ShardPlan | None]:
     """Read the checkpoint and load its tensors into a new model (the shard's, under a plan)."""
     ckpt = load_checkpoint(source, dtype, keep_quantized=weights != "bf16", progress=progress)

@@ -35,12 +35,20 @@ from freetoken.weights.inventory import TensorEntry
 # Bytes per weight as held, by GGUF storage type, under `--weights auto`.
 # Group-32 forms: the packed integers, a 16-bit scale per 32 weights and a 16-bit minimum where the
 # type has one.
-_AUTO_BYTES = {"Q4_K": 0.578, "Q6_K": 0.828, "Q4_0": 0.5625, "Q4_1": 0.625, "Q5_0": 0.6875, "Q5_1": 1.125,
-               "Q8_0": 1.0625, "MXFP4": 1.0625}
+_AUTO_BYTES = {
+    "Q4_K": 0.578,
+    "Q6_K": 0.828,
+    "Q4_0": 0.5625,
+    "Q4_1": 0.625,
+    "Q5_0": 0.6875,
+    "Q5_1": 1.125,
+    "Q8_0": 1.0625,
+    "MXFP4": 1.0625,
+}
 _NARROW = {"Q4_K", "Q4_0", "Q4_1", "Q5_0"}
 # Experts never get a prefill copy; they are held as other matrices are (models/experts.py packs
 # them with ops.qlinear.pack: Q4_K / Q6_K in their own integers where the kernel takes them).
-EXPERT_TAGS = ("_exps", ".experts.")  # GGUF / Hugging Face names of expert tensors  # integers that fit 5 bits signed once widened
+EXPERT_TAGS = ("_exps", ".experts.")  # GGUF / Hugging Face names of expert tensors
 _FLOAT_STORAGE = {"F32", "F16", "BF16", "F64"}
 # The token table (GGUF, then Hugging Face names) is an embedding: never a prefill copy. The LM
 # head gets one only under `--prefill-weights bf16`.
@@ -54,8 +62,18 @@ def _is_float(storage: str) -> bool:
 
 # Parts the model fuses into one projection (GGUF names, then Hugging Face ones): one part that
 # needs a prefill copy gives the whole fused matrix one.
-_FUSED = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv",
-          "ffn_gate": "gate_up", "ffn_up": "gate_up", "gate_proj": "gate_up", "up_proj": "gate_up"}
+_FUSED = {
+    "attn_q": "qkv",
+    "attn_k": "qkv",
+    "attn_v": "qkv",
+    "q_proj": "qkv",
+    "k_proj": "qkv",
+    "v_proj": "qkv",
+    "ffn_gate": "gate_up",
+    "ffn_up": "gate_up",
+    "gate_proj": "gate_up",
+    "up_proj": "gate_up",
+}
 
 
 def _fused_group(name: str) -> str:

@@ -15,9 +15,18 @@ from typing import Any
 from freetoken.models.config import ModelConfig, hf_get, read_common, read_single_rope, read_switched_window
 
 QWEN2_DEFAULTS = dict(
-    vocab_size=151_936, hidden_size=4096, intermediate_size=22_016, num_hidden_layers=32, num_attention_heads=32,
-    num_key_value_heads=32, rms_norm_eps=1e-6, max_position_embeddings=32_768, tie_word_embeddings=False,
-    attention_bias=True, bos_token_id=None, eos_token_id=None,
+    vocab_size=151_936,
+    hidden_size=4096,
+    intermediate_size=22_016,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=32_768,
+    tie_word_embeddings=False,
+    attention_bias=True,
+    bos_token_id=None,
+    eos_token_id=None,
 )
 
 
@@ -28,6 +37,12 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
     layer_types, window = read_switched_window(config, common["num_layers"])
     rope = read_single_rope(config, 10_000.0)
     return ModelConfig(
-        architecture="qwen2", **common, o_proj_bias=False, layer_types=layer_types, rope_full=rope,
-        rope_sliding=rope, sliding_window=window, hidden_act=str(hf_get(config, "hidden_act", "silu")),
+        architecture="qwen2",
+        **common,
+        o_proj_bias=False,
+        layer_types=layer_types,
+        rope_full=rope,
+        rope_sliding=rope,
+        sliding_window=window,
+        hidden_act=str(hf_get(config, "hidden_act", "silu")),
     )

@@ -28,7 +28,11 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
         """Llama's block with q/k RMSNorms in the attention and `mlp_of(layer)` as its MLP."""
         c = self.config
         attn = SelfAttention(
-            c, dtype, device, RMSNorm(c.head_dim, c.rms_norm_eps, dtype, device), RMSNorm(c.head_dim, c.rms_norm_eps, dtype, device),
+            c,
+            dtype,
+            device,
+            RMSNorm(c.head_dim, c.rms_norm_eps, dtype, device),
+            RMSNorm(c.head_dim, c.rms_norm_eps, dtype, device),
         )
         return LlamaBlock(c, attn, self.mlp_of(layer, dtype, device), dtype, device)
 
@@ -42,9 +46,19 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 
 
 QWEN3_DEFAULTS = dict(
-    vocab_size=151_936, hidden_size=4096, intermediate_size=22_016, num_hidden_layers=32, num_attention_heads=32,
-    num_key_value_heads=32, head_dim=128, rms_norm_eps=1e-6, max_position_embeddings=32_768,
-    tie_word_embeddings=False, attention_bias=False, bos_token_id=None, eos_token_id=None,
+    vocab_size=151_936,
+    hidden_size=4096,
+    intermediate_size=22_016,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    head_dim=128,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=32_768,
+    tie_word_embeddings=False,
+    attention_bias=False,
+    bos_token_id=None,
+    eos_token_id=None,
 )
 
 
@@ -54,6 +68,11 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
     layer_types, window = read_switched_window(config, common["num_layers"])
     rope = read_single_rope(config, 10_000.0)
     return ModelConfig(
-        architecture="qwen3", **common, layer_types=layer_types, rope_full=rope, rope_sliding=rope,
-        sliding_window=window, hidden_act=str(hf_get(config, "hidden_act", "silu")),
+        architecture="qwen3",
+        **common,
+        layer_types=layer_types,
+        rope_full=rope,
+        rope_sliding=rope,
+        sliding_window=window,
+        hidden_act=str(hf_get(config, "hidden_act", "silu")),
     )

@@ -21,7 +21,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from freetoken.errors import ModelLoadError
-from freetoken.models.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, hf_get, read_common, read_single_rope
+from freetoken.models.config import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    ModelConfig,
+    hf_get,
+    read_common,
+    read_single_rope,
+)
 from freetoken.models.experts import Experts, ExpertStack, Source, with_policy
 from freetoken.models.layers import linear, load_named, strip_prefix, take_all
 from freetoken.models.linear import Weight
@@ -65,7 +72,7 @@ def row_block(w: Source, start: int, stop: int) -> Source:
 
 
 def take_experts(
-    tensors: dict[str, Weight], prefix: str, num_experts: int, intermediate: int, weights: str,
+    tensors: dict[str, Weight], prefix: str, num_experts: int, intermediate: int, weights: str
 ) -> tuple[ExpertStack, ...]:
     """Pop one layer's experts out of `tensors` -> (gate [E, I, H], up, down [E, H, I]), `weights`
     applied. gate / up come as transformers' stacked `{prefix}gate_up_proj` [E, 2I, H] (gate rows
@@ -101,7 +108,9 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             return super().mlp_of(layer, dtype, device)
         return Qwen3MoE(self.config, dtype, device)
 
-    def load_weights(self, tensors: MutableMapping[str, Weight], weights: str = "auto", prefill_weights: str = "quantized") -> None:
+    def load_weights(
+        self, tensors: MutableMapping[str, Weight], weights: str = "auto", prefill_weights: str = "quantized"
+    ) -> None:
         """Load HF-named tensors (`model.layers.0.mlp.gate.weight`, `...mlp.experts.gate_up_proj`, ...);
         `weights` is the `--weights` policy for projections, embeddings and experts (the router stays float)."""
         c = self.config
@@ -116,9 +125,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
 # --- reading config.json -------------------------------------------------------------------------
 
 
-_DEFAULTS = dict(
-    QWEN3_DEFAULTS, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_key_value_heads=4,
-)
+_DEFAULTS = dict(QWEN3_DEFAULTS, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_key_value_heads=4)
 
 
 def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
@@ -132,9 +139,12 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
     dense = tuple(i for i in range(n) if i in mlp_only or experts == 0 or (i + 1) % step != 0)
     rope = read_single_rope(config, 10_000.0)
     return ModelConfig(
-        architecture="qwen3_moe", **common,
+        architecture="qwen3_moe",
+        **common,
         layer_types=(SLIDING_ATTENTION if window is not None else FULL_ATTENTION,) * n,  # HF slides every layer or none
-        rope_full=rope, rope_sliding=rope, sliding_window=window,
+        rope_full=rope,
+        rope_sliding=rope,
+        sliding_window=window,
         hidden_act=str(hf_get(config, "hidden_act", "silu")),
         num_experts=experts,
         num_experts_per_tok=int(hf_get(config, "num_experts_per_tok", 8)),

@@ -49,7 +49,9 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
 class CausalLM(Protocol):
     config: ModelConfig
 
-    def load_weights(self, tensors: MutableMapping[str, Weight], weights: str = "auto", prefill_weights: str = "quantized") -> None:
+    def load_weights(
+        self, tensors: MutableMapping[str, Weight], weights: str = "auto", prefill_weights: str = "quantized"
+    ) -> None:
         """Copy HF-named tensors into the model under the `--weights` policy (and with a dense
         prefill copy of each quantized linear layer); ModelLoadError names missing/unexpected ones."""
 

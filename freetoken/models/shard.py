@@ -133,8 +133,11 @@ class ShardPlan:
     def local_config(self) -> ModelConfig:
         """The config one rank's modules are built from (its heads, MLP width and vocab rows)."""
         return dataclasses.replace(
-            self.config, num_heads=self.heads, num_kv_heads=self.kv_heads,
-            intermediate_size=self.intermediate, vocab_size=self.vocab_rows,
+            self.config,
+            num_heads=self.heads,
+            num_kv_heads=self.kv_heads,
+            intermediate_size=self.intermediate,
+            vocab_size=self.vocab_rows,
         )
 
 
@@ -159,6 +162,7 @@ def check_shardable(config: ModelConfig, world: int, row_parallel: str = ROW_SUM
 
 
 # -- slicing checkpoint tensors ---------------------------------------------------------------
+
 
 def _rows(w: Weight, start: int, stop: int) -> Weight:
     if isinstance(w, (QuantizedWeight, SuperBlockWeight)):
@@ -231,13 +235,13 @@ def shard_tensor(name: str, w: Weight, plan: ShardPlan) -> Weight:
             return [_expert_part(m, lambda m: _cols(m, inter.start, inter.stop), plan.world, 1) for m in w]
     if proj == "experts" and leaf.endswith(("_blocks", "_scales")):  # gpt-oss MXFP4: [E, out, in / 32, (16)]
         if leaf.startswith("gate_up_proj"):
-            return w[:, 2 * inter.start:2 * inter.stop].contiguous()  # rows (gate, up) in pairs
+            return w[:, 2 * inter.start : 2 * inter.stop].contiguous()  # rows (gate, up) in pairs
         if inter.start % GROUP or inter.stop % GROUP:
             raise ConfigError(f"--tensor-parallel-size {plan.world} splits MXFP4 expert blocks of {GROUP}")
-        return w[:, :, inter.start // GROUP:inter.stop // GROUP].contiguous()
+        return w[:, :, inter.start // GROUP : inter.stop // GROUP].contiguous()
     if proj == "experts":  # gpt-oss: [E, h, 2i] gate/up interleaved, [E, i, h] down
         if leaf in ("gate_up_proj", "gate_up_proj_bias"):
-            return w[..., 2 * inter.start:2 * inter.stop].contiguous()  # pairs (gate, up) stay together
+            return w[..., 2 * inter.start : 2 * inter.stop].contiguous()  # pairs (gate, up) stay together
         if leaf == "down_proj":
             return w[:, inter].contiguous()
         if leaf == "down_proj_bias":
@@ -261,6 +265,7 @@ def shard_tensors(tensors: Mapping[str, Weight], plan: ShardPlan) -> dict[str, W
 
 # -- collectives on a loaded model ------------------------------------------------------------
 
+
 def _sum_output(_module: nn.Module, _args: object, out: torch.Tensor) -> torch.Tensor:
     """Forward hook of a block whose last projection is row-parallel: the ranks' partial sums."""
     dist.all_reduce(out)
@@ -281,8 +286,14 @@ class GatheredRowLinear(Linear):
 
     def __init__(self, local: Linear, plan: ShardPlan) -> None:
         n_out, n_in = local.weight.shape  # type: ignore[union-attr]
-        super().__init__(n_in * plan.world, n_out // plan.world, local.bias is not None, local.dtype,
-                         local.weight.device, local.quantizable)  # type: ignore[union-attr]
+        super().__init__(
+            n_in * plan.world,
+            n_out // plan.world,
+            local.bias is not None,
+            local.dtype,
+            local.weight.device,
+            local.quantizable,
+        )  # type: ignore[union-attr]
         self.gathered_in = n_in * plan.world
         self.gathered_out = n_out
 

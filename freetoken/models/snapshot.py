@@ -43,8 +43,12 @@ def capture(model: nn.Module) -> dict:
         elif isinstance(module, Experts):
             if module.cache is not None:
                 raise ModelLoadError("offloaded experts are read from the checkpoint: no snapshot")
-            experts[name] = {"gate_up": [_matrix(m) for m in module.gate_up], "down": [_matrix(m) for m in module.down],
-                             "gate_up_bias": module.gate_up_bias, "down_bias": module.down_bias}
+            experts[name] = {
+                "gate_up": [_matrix(m) for m in module.gate_up],
+                "down": [_matrix(m) for m in module.down],
+                "gate_up_bias": module.gate_up_bias,
+                "down_bias": module.down_bias,
+            }
     return {"version": SNAPSHOT_VERSION, "state": model.state_dict(), "packed": layers, "experts": experts}
 
 

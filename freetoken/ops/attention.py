@@ -40,7 +40,11 @@ def kernel_available() -> bool:
 
 
 def decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    visible: torch.Tensor,
     scale: float,
 ) -> torch.Tensor | None:
     """q [B, H, D] over the keys at flat pool `slots` [B, S] (int64) where `visible` [B, S]:
@@ -68,8 +72,10 @@ def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k:
         or k_pool.device.type != "cpu"
         or not (k.dtype == v.dtype == k_pool.dtype == v_pool.dtype)
         or k.dim() != 3
-        or k.stride(-1) != 1 or v.stride(-1) != 1
-        or k.stride(1) != k.shape[2] or v.stride(1) != v.shape[2]
+        or k.stride(-1) != 1
+        or v.stride(-1) != 1
+        or k.stride(1) != k.shape[2]
+        or v.stride(1) != v.shape[2]
         or not (k_pool.is_contiguous() and v_pool.is_contiguous())
     ):
         return False

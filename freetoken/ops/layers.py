@@ -83,14 +83,24 @@ ADD_NORM_MAX_ROWS = 4
 
 
 def add_rms_norm(
-    x: torch.Tensor, h: torch.Tensor, h_weight: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
+    x: torch.Tensor,
+    h: torch.Tensor,
+    h_weight: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    eps: float,
     weight_after_cast: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x_out = x + rms_norm(h, h_weight) (x + h without h_weight); y = rms_norm(x_out, weight)
     (None without weight). x, h [T, D]; weights [D] in the compute dtype."""
     if (
-        _fast(x) and x.dim() == 2 and x.shape[0] <= ADD_NORM_MAX_ROWS and x.is_contiguous() and h.is_contiguous()
-        and h.dtype == x.dtype and _float32_or_none(h_weight) and _float32_or_none(weight)
+        _fast(x)
+        and x.dim() == 2
+        and x.shape[0] <= ADD_NORM_MAX_ROWS
+        and x.is_contiguous()
+        and h.is_contiguous()
+        and h.dtype == x.dtype
+        and _float32_or_none(h_weight)
+        and _float32_or_none(weight)
     ):
         out = _KERNEL.add_rms_norm(x, h, h_weight, weight, eps, weight_after_cast)  # type: ignore[union-attr]
         return out[0], (out[1] if len(out) > 1 else None)
@@ -116,8 +126,15 @@ def gated_act(gate_up: torch.Tensor, act: str) -> torch.Tensor:
 
 
 def qk_norm_rope_(
-    qkv: torch.Tensor, heads: int, kv_heads: int, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
-    eps: float, weight_after_cast: bool, cos: torch.Tensor, sin: torch.Tensor,
+    qkv: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    weight_after_cast: bool,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
 ) -> bool:
     """Norm (where a weight is given) and rotate the query and key heads of qkv [T, (H + 2 n_kv) D]
     in place; False (nothing done) where only the caller's unfused path can run."""

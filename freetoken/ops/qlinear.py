@@ -50,8 +50,11 @@ _KERNEL: ModuleType | None = _load_kernel()  # decided once at import; never rea
 _FIVE_BITS = _KERNEL is not None and 5 in getattr(_KERNEL, "bits", ())
 # Whether it takes super-block (Q4_K / Q6_K) weights in their own integers, in superblock.py's
 # layout (2: half last chunks; an older build of the extension pads them and is not used for these).
-_SUPERBLOCKS = (_KERNEL is not None and 6 in getattr(_KERNEL, "superblock_kinds", ())
-                and getattr(_KERNEL, "superblock_layout", 1) == 2)
+_SUPERBLOCKS = (
+    _KERNEL is not None
+    and 6 in getattr(_KERNEL, "superblock_kinds", ())
+    and getattr(_KERNEL, "superblock_layout", 1) == 2
+)
 
 
 def grouped_matmul_available() -> bool:
@@ -89,8 +92,13 @@ class PackedWeight:
         self.minimum = qw.minimum.contiguous() if qw.minimum is not None else None
         # Only without the kernel, for 4-bit on CPU: torch's int4 layout, beside ours (rows() reads ours).
         self.int4pack: tuple[torch.Tensor, torch.Tensor] | None = None
-        if (qw.q.device.type == "cpu" and _KERNEL is None and qw.bits == 4 and n % 16 == 0
-                and hasattr(torch, "_convert_weight_to_int4pack_for_cpu")):
+        if (
+            qw.q.device.type == "cpu"
+            and _KERNEL is None
+            and qw.bits == 4
+            and n % 16 == 0
+            and hasattr(torch, "_convert_weight_to_int4pack_for_cpu")
+        ):
             self.int4pack = self._torch_int4pack(qw)
         self._bind_paths()
 
@@ -117,15 +125,26 @@ class PackedWeight:
     def state(self) -> dict:
         """The packed form as plain values (tensors, numbers, strings): `from_state` rebuilds it
         without recomputing anything (the weight cache, models/snapshot.py)."""
-        return {"form": "group32", "shape": [self.out_features, self.in_features], "bits": self.bits,
-                "packed": self.packed, "scale": self.scale, "minimum": self.minimum,
-                "int4pack": list(self.int4pack) if self.int4pack is not None else None}
+        return {
+            "form": "group32",
+            "shape": [self.out_features, self.in_features],
+            "bits": self.bits,
+            "packed": self.packed,
+            "scale": self.scale,
+            "minimum": self.minimum,
+            "int4pack": list(self.int4pack) if self.int4pack is not None else None,
+        }
 
     @staticmethod
     def from_state(state: dict) -> PackedWeight:
         self = PackedWeight.__new__(PackedWeight)
         self.out_features, self.in_features = state["shape"]
-        self.bits, self.packed, self.scale, self.minimum = state["bits"], state["packed"], state["scale"], state["minimum"]
+        self.bits, self.packed, self.scale, self.minimum = (
+            state["bits"],
+            state["packed"],
+            state["scale"],
+            state["minimum"],
+        )
         self.int4pack = tuple(state["int4pack"]) if state["int4pack"] is not None else None  # type: ignore[assignment]
         self._bind_paths()
         return self
@@ -146,11 +165,14 @@ class PackedWeight:
 
     # --- dequantization (reference, embedding rows, fallbacks) ---------------------------------
 
-    def _rows_of(self, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None,
-                 dtype: torch.dtype) -> torch.Tensor:
+    def _rows_of(
+        self, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None, dtype: torch.dtype
+    ) -> torch.Tensor:
         return self._scaled(_unpack(packed, self.bits, self.in_features), scale, minimum, dtype)
 
-    def _scaled(self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    def _scaled(
+        self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None, dtype: torch.dtype
+    ) -> torch.Tensor:
         """Integers q [R, K] (int8, or their exact float32 values) with their groups' scale and
         minimum [R, K / 32] -> the weight rows [R, K] in `dtype`."""
         r, k = q.shape
@@ -176,7 +198,9 @@ class PackedWeight:
         (`_chunk_transpose` inverted, as an index; made at the first lookup)."""
         if self._order is None:
             k = self.in_features
-            self._order = _chunk_transpose(torch.arange(k, device=self.packed.device).view(1, k), inverse=True)[0].contiguous()
+            self._order = _chunk_transpose(torch.arange(k, device=self.packed.device).view(1, k), inverse=True)[
+                0
+            ].contiguous()
         return self._order
 
     def rows_range(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:

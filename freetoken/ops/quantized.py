@@ -47,15 +47,21 @@ class QuantizedWeight:
 
     def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> QuantizedWeight:
         """The same weight with `fn` applied to each row-indexed tensor (slice, permute, pad, move)."""
-        return QuantizedWeight(self.bits, fn(self.q), fn(self.scale), None if self.minimum is None else fn(self.minimum))
+        return QuantizedWeight(
+            self.bits, fn(self.q), fn(self.scale), None if self.minimum is None else fn(self.minimum)
+        )
 
     def cols(self, start: int, stop: int) -> QuantizedWeight:
         """Columns [start, stop), both multiples of GROUP."""
         if start % GROUP or stop % GROUP:
             raise ValueError(f"columns [{start}, {stop}) cut a group of {GROUP}")
         g0, g1 = start // GROUP, stop // GROUP
-        return QuantizedWeight(self.bits, self.q[:, start:stop].contiguous(), self.scale[:, g0:g1].contiguous(),
-                               None if self.minimum is None else self.minimum[:, g0:g1].contiguous())
+        return QuantizedWeight(
+            self.bits,
+            self.q[:, start:stop].contiguous(),
+            self.scale[:, g0:g1].contiguous(),
+            None if self.minimum is None else self.minimum[:, g0:g1].contiguous(),
+        )
 
 
 SUPER = 256  # weights per K-quant super-block
@@ -104,7 +110,7 @@ class SuperBlockWeight:
 
     def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> SuperBlockWeight:
         """The same weight with `fn` applied to each row-indexed tensor (slice, permute, pad, move)."""
-        opt = (lambda t: None if t is None else fn(t))  # noqa: E731
+        opt = lambda t: None if t is None else fn(t)  # noqa: E731
         return SuperBlockWeight(self.kind, fn(self.q), fn(self.sc), fn(self.d), opt(self.m), opt(self.dmin))
 
     def cols(self, start: int, stop: int) -> SuperBlockWeight:
@@ -115,8 +121,14 @@ class SuperBlockWeight:
         def part(t: torch.Tensor | None, per: int) -> torch.Tensor | None:
             return None if t is None else t[:, start // per : stop // per].contiguous()
 
-        return SuperBlockWeight(self.kind, part(self.q, 1), part(self.sc, self.group), part(self.d, SUPER),
-                                part(self.m, GROUP), part(self.dmin, SUPER))
+        return SuperBlockWeight(
+            self.kind,
+            part(self.q, 1),
+            part(self.sc, self.group),
+            part(self.d, SUPER),
+            part(self.m, GROUP),
+            part(self.dmin, SUPER),
+        )
 
     def scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Each sub-block's scale and minimum as float32 [N, K // group], exactly (a float16 times
@@ -147,11 +159,20 @@ class RawSuperBlocks(SuperBlockWeight):
     `dmin`) decodes them once with `decode` (supplied by the loader, weights/requant.py, which owns
     the block format) and keeps the result."""
 
-    def __init__(self, kind: str, parts: list[torch.Tensor], k: int,
-                 decode: Callable[[torch.Tensor, str, int], SuperBlockWeight],
-                 release: Callable[[list[torch.Tensor]], None] | None = None) -> None:
-        if (kind not in SUPERBLOCK_KINDS or k % SUPER or not parts
-                or any(b.dtype != torch.uint8 or b.dim() != 2 or b.shape[1] != parts[0].shape[1] for b in parts)):
+    def __init__(
+        self,
+        kind: str,
+        parts: list[torch.Tensor],
+        k: int,
+        decode: Callable[[torch.Tensor, str, int], SuperBlockWeight],
+        release: Callable[[list[torch.Tensor]], None] | None = None,
+    ) -> None:
+        if (
+            kind not in SUPERBLOCK_KINDS
+            or k % SUPER
+            or not parts
+            or any(b.dtype != torch.uint8 or b.dim() != 2 or b.shape[1] != parts[0].shape[1] for b in parts)
+        ):
             raise ValueError(f"RawSuperBlocks: kind={kind}, K={k}, parts {[(b.dtype, tuple(b.shape)) for b in parts]}")
         self.kind, self.parts, self.k, self._decode = kind, parts, k, decode
         # once packed: lets the loader drop the blocks' file pages from the process (a part that is
@@ -290,15 +311,25 @@ def concat(parts: list[Quantized]) -> Quantized:
     if len({p.shape[1] for p in parts}) != 1:
         raise ValueError(f"concat: in_features differ: {[p.shape[1] for p in parts]}")
     flat = [q for p in parts for q in (p.parts if isinstance(p, StackedWeight) else [p])]
-    if (all(isinstance(p, RawSuperBlocks) and p._ints is None and p.device.type == "cpu" for p in flat)
-            and len({p.kind for p in flat}) == 1):
+    if (
+        all(isinstance(p, RawSuperBlocks) and p._ints is None and p.device.type == "cpu" for p in flat)
+        and len({p.kind for p in flat}) == 1
+    ):
         raws: list[RawSuperBlocks] = flat  # type: ignore[assignment]
-        return RawSuperBlocks(raws[0].kind, [b for p in raws for b in p.parts], raws[0].k, raws[0]._decode, raws[0].release)
+        return RawSuperBlocks(
+            raws[0].kind, [b for p in raws for b in p.parts], raws[0].k, raws[0]._decode, raws[0].release
+        )
     if all(isinstance(p, SuperBlockWeight) for p in flat) and len({p.kind for p in flat}) == 1:
         sbs: list[SuperBlockWeight] = flat  # type: ignore[assignment]
-        cat = (lambda ts: None if ts[0] is None else torch.cat(ts))  # noqa: E731
-        return SuperBlockWeight(sbs[0].kind, torch.cat([p.q for p in sbs]), torch.cat([p.sc for p in sbs]),
-                                torch.cat([p.d for p in sbs]), cat([p.m for p in sbs]), cat([p.dmin for p in sbs]))
+        cat = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
+        return SuperBlockWeight(
+            sbs[0].kind,
+            torch.cat([p.q for p in sbs]),
+            torch.cat([p.sc for p in sbs]),
+            torch.cat([p.d for p in sbs]),
+            cat([p.m for p in sbs]),
+            cat([p.dmin for p in sbs]),
+        )
     if not all(isinstance(p, QuantizedWeight) for p in flat):
         runs: list[list[QuantizedWeight | SuperBlockWeight]] = []
         for p in flat:  # consecutive parts of one form are concatenated into one row block
@@ -316,8 +347,5 @@ def concat(parts: list[Quantized]) -> Quantized:
         else None
     )
     return QuantizedWeight(
-        bits=bits,
-        q=torch.cat([p.q for p in parts]),
-        scale=torch.cat([p.scale for p in parts]),
-        minimum=minimum,
+        bits=bits, q=torch.cat([p.q for p in parts]), scale=torch.cat([p.scale for p in parts]), minimum=minimum
     )

@@ -37,7 +37,13 @@ def row_stats_(
     """x [R, V] float32, divided in place by `temps` [R] when given. Returns each row's maximum [R]
     (float32), log sum exp(x - max) [R] (float64; 0 for rows where `mass` [R] bool is False) and the
     maxima of its blocks of `block` logits [R, V / block] (None when `block` does not divide V)."""
-    if _KERNEL is not None and x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous() and x.dim() == 2:
+    if (
+        _KERNEL is not None
+        and x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and x.is_contiguous()
+        and x.dim() == 2
+    ):
         row_max, log_mass, block_max = _KERNEL.row_stats_(
             x, temps.float().contiguous() if temps is not None else None, mass.contiguous(), block
         )
@@ -60,7 +66,13 @@ def exp_block_sums_(x: torch.Tensor, row_max: torch.Tensor, block: int) -> torch
     exp is within ~1 ulp of torch's (and 0 below x - max = -87, where torch's goes on in denormals
     to -103: weights under 1e-38 of the top one) and its float32 sums run in another order: a draw
     that falls on a block boundary may move by one token, the distribution does not."""
-    if _KERNEL is not None and x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous() and x.dim() == 2:
+    if (
+        _KERNEL is not None
+        and x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and x.is_contiguous()
+        and x.dim() == 2
+    ):
         return _KERNEL.exp_block_sums_(x, row_max.float(), block)
     x.sub_(row_max[:, None]).exp_()
     n, vocab = x.shape

@@ -100,7 +100,7 @@ def _whole_tail(values: torch.Tensor, k: int, kind: str) -> torch.Tensor:
     if not half_tail(k):
         return values
     n, cb = values.shape[0], _CHUNK_BYTES[kind]
-    tail = F.pad(values[:, -(cb // 2):].reshape(n, cb // 64, 32), (0, 32)).reshape(n, cb)
+    tail = F.pad(values[:, -(cb // 2) :].reshape(n, cb // 64, 32), (0, 32)).reshape(n, cb)
     return torch.cat([values[:, : -(cb // 2)], tail], dim=1)
 
 
@@ -152,8 +152,13 @@ class PackedSuperBlock:
 
     def state(self) -> dict:
         """Plain values (qlinear.packed_state): `from_state` rebuilds the weight from them."""
-        return {"form": "superblock", "kind": self.kind, "shape": [self.out_features, self.in_features],
-                "values": self.values, "meta": self.meta}
+        return {
+            "form": "superblock",
+            "kind": self.kind,
+            "shape": [self.out_features, self.in_features],
+            "values": self.values,
+            "meta": self.meta,
+        }
 
     @staticmethod
     def from_state(state: dict, kernel: object) -> PackedSuperBlock:
@@ -210,7 +215,8 @@ def grouped_matmul(x: torch.Tensor, offsets: torch.Tensor, weights: list[PackedS
     every weight one kind and shape [N, K] (a mixture of experts' step, one call for all)."""
     w = weights[0]
     return w._kernel_module.grouped_sbmm(  # type: ignore[attr-defined]
-        x, offsets, [m.values for m in weights], [m.meta for m in weights], w._code, w.out_features)
+        x, offsets, [m.values for m in weights], [m.meta for m in weights], w._code, w.out_features
+    )
 
 
 class PackedStack:
@@ -260,5 +266,3 @@ class PackedStack:
     def _large_rows(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = torch.cat([p._large(p, x, None) for p in self.parts], dim=-1)
         return y + bias if bias is not None else y
-
-

@@ -44,7 +44,12 @@ from freetoken.server.responses.routes import responses_router
 log = logging.getLogger(__name__)
 
 UNPREFIXED_EXCLUDED = ("/v1/messages", "/v1/cache", "/v1/tokenize", "/v1/detokenize")  # not OpenAI routes
-OPEN_PATHS = ("/health", "/metrics", DASHBOARD_PATH, *PROBE_PATHS)  # with --unprefixed-routes, every other path needs the key
+OPEN_PATHS = (
+    "/health",
+    "/metrics",
+    DASHBOARD_PATH,
+    *PROBE_PATHS,
+)  # with --unprefixed-routes, every other path needs the key
 KEYED_PREFIXES = ("/v1", "/admin")  # paths that need the API key (when one is set)
 
 
@@ -106,7 +111,10 @@ def add_middleware(app: FastAPI, ctx: ServingContext) -> None:
     app.add_middleware(RequestIdMiddleware)  # every response carries x-request-id
     if ctx.config.allowed_origins:
         app.add_middleware(
-            CORSMiddleware, allow_origins=list(ctx.config.allowed_origins), allow_methods=["*"], allow_headers=["*"],
+            CORSMiddleware,
+            allow_origins=list(ctx.config.allowed_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
             expose_headers=["x-request-id"],
         )
     app.add_middleware(ResponseHeader, name=REPLICA_HEADER, value=replica_name(ctx))
@@ -115,14 +123,24 @@ def add_middleware(app: FastAPI, ctx: ServingContext) -> None:
 def add_unprefixed_routes(app: FastAPI, routers: Sequence[APIRouter]) -> None:
     """`--unprefixed-routes`: every OpenAI route under `/v1/` also answers without it."""
     for route in [r for router in routers for r in router.routes]:
-        if isinstance(route, APIRoute) and route.path.startswith("/v1/") and not route.path.startswith(UNPREFIXED_EXCLUDED):
-            app.add_api_route(route.path.removeprefix("/v1"), route.endpoint, methods=list(route.methods), include_in_schema=False)
+        if (
+            isinstance(route, APIRoute)
+            and route.path.startswith("/v1/")
+            and not route.path.startswith(UNPREFIXED_EXCLUDED)
+        ):
+            app.add_api_route(
+                route.path.removeprefix("/v1"), route.endpoint, methods=list(route.methods), include_in_schema=False
+            )
 
 
 def build_app(ctx: ServingContext, *, manage_client: bool = True) -> FastAPI:
     """The app over a serving context (see `engine_lifespan` for `manage_client`)."""
     app = FastAPI(
-        title="FreeToken", version=__version__, lifespan=engine_lifespan(ctx, manage_client), docs_url=None, redoc_url=None,
+        title="FreeToken",
+        version=__version__,
+        lifespan=engine_lifespan(ctx, manage_client),
+        docs_url=None,
+        redoc_url=None,
         openapi_url=None,
     )
     install_error_handlers(app)

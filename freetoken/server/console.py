@@ -50,7 +50,14 @@ def base_url(host: str, port: int) -> str:
 
 
 def ready_block(
-    served_name: str, host: str, port: int, *, architecture: str, context_length: int, api_key: bool, seconds: float,
+    served_name: str,
+    host: str,
+    port: int,
+    *,
+    architecture: str,
+    context_length: int,
+    api_key: bool,
+    seconds: float,
     hostname: Callable[[], str] = socket.gethostname,
 ) -> tuple[str, dict[str, object]]:
     """The ready block's text (its first line and indented lines under it) and its fields (for
@@ -71,8 +78,12 @@ def ready_block(
         f"coding agents  ft launch codex|claude|opencode{at}",
     ]
     fields: dict[str, object] = {
-        "event": "ready", "model": served_name, "openai_base_url": f"{url}/v1", "anthropic_base_url": url,
-        "context_length": context_length, "ready_s": round(seconds, 3),
+        "event": "ready",
+        "model": served_name,
+        "openai_base_url": f"{url}/v1",
+        "anthropic_base_url": url,
+        "context_length": context_length,
+        "ready_s": round(seconds, 3),
     }
     if api_key:
         lines.append("API key        required: the curl line reads it from $FT_API_KEY")
@@ -88,8 +99,9 @@ class LoadBar:
     `stream` as `update` is called; nothing at all when `stream` is not a terminal (`tty`
     overrides the check, for tests). `clear` erases it (before the ready block, at exit)."""
 
-    def __init__(self, stream: IO[str], label: str, *, tty: bool | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, stream: IO[str], label: str, *, tty: bool | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.stream = stream
         self.label = label
         self.enabled = is_terminal(stream) if tty is None else tty

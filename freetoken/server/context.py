@@ -54,8 +54,12 @@ class ServingContext:
         """The engine's model facts; 503 while it is loading or down."""
         info = self.client.info
         if self.client.state != "ready" or info is None:
-            reason = self.client.reason or ("the engine is loading" if self.client.state == "loading" else "the engine is down")
-            raise APIError(503, f"engine unavailable: {reason}", code="engine_unavailable", headers={"Retry-After": "5"})
+            reason = self.client.reason or (
+                "the engine is loading" if self.client.state == "loading" else "the engine is down"
+            )
+            raise APIError(
+                503, f"engine unavailable: {reason}", code="engine_unavailable", headers={"Retry-After": "5"}
+            )
         return info
 
     def check_capacity(self, new_requests: int) -> None:

@@ -147,7 +147,9 @@ def http_error(request: Request, exc: Exception) -> APIError:
     if status == 404 and detail == "Not Found":
         return APIError(404, f"Invalid URL ({route}): this route does not exist", code="not_found")
     if status == 405:
-        return APIError(405, f"Invalid method ({route}): this route does not take {request.method}", code="method_not_allowed")
+        return APIError(
+            405, f"Invalid method ({route}): this route does not take {request.method}", code="method_not_allowed"
+        )
     message = detail if isinstance(detail, str) else "error"
     return APIError(status, message, headers=getattr(exc, "headers", None))
 

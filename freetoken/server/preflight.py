@@ -86,8 +86,13 @@ def model_facts(source: ModelSource, gguf_metadata: Mapping[str, object] | None)
 def preflight(config: EngineConfig, facts: ModelFacts) -> ResolvedConfig:
     """Resolve `config` for the model as far as metadata allows; ConfigError names the flag."""
     if config.context_length is not None and config.context_length > facts.context_length:
-        log.warning("--context-length %d is above the model's %d: using %d", config.context_length, facts.context_length, facts.context_length)
+        log.warning(
+            "--context-length %d is above the model's %d: using %d",
+            config.context_length,
+            facts.context_length,
+            facts.context_length,
+        )
     # kv_bytes_per_token 1 with unbounded memory: the FULL pool at its largest (by_need).
     return config.resolve(
-        model_context_length=facts.context_length, window=facts.window, kv_bytes_per_token=1, available_bytes=2**62,
+        model_context_length=facts.context_length, window=facts.window, kv_bytes_per_token=1, available_bytes=2**62
     )

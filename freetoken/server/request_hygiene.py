@@ -153,7 +153,9 @@ class Deadline:
         response.body_iterator = self._events(response.body_iterator, error_event)
         return response
 
-    async def _events(self, events: AsyncIterator[str | bytes], error_event: Callable[[APIError], str]) -> AsyncIterator[str | bytes]:
+    async def _events(
+        self, events: AsyncIterator[str | bytes], error_event: Callable[[APIError], str]
+    ) -> AsyncIterator[str | bytes]:
         if self.at is None or self.seconds is None:
             raise RuntimeError("_events needs a deadline")
         try:

@@ -118,8 +118,12 @@ class _Console:
             log.info("engine process %d ready again: %s", info.pid, info.model_name)
             return
         text, fields = ready_block(
-            self.started.served_name, self.config.host, self.port, architecture=info.architecture,
-            context_length=info.context_length, api_key=self.config.api_key is not None,
+            self.started.served_name,
+            self.config.host,
+            self.port,
+            architecture=info.architecture,
+            context_length=info.context_length,
+            api_key=self.config.api_key is not None,
             seconds=time.monotonic() - self.started.began,
         )
         log.info(text, extra=fields)
@@ -140,10 +144,14 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, started
         served_name = started.served_name
         holder: list[_Server] = []
         client = EngineClient(
-            engine_config, served_name=served_name, hang_timeout_s=server_config.engine_hang_timeout_s,
+            engine_config,
+            served_name=served_name,
+            hang_timeout_s=server_config.engine_hang_timeout_s,
             load_timeout_s=server_config.load_timeout_s,
-            on_give_up=lambda reason: holder[0].give_up(reason), early=started.engine,
-            on_ready=console.ready, on_load_progress=console.bar.update,
+            on_give_up=lambda reason: holder[0].give_up(reason),
+            early=started.engine,
+            on_ready=console.ready,
+            on_load_progress=console.bar.update,
         )
         ctx = ServingContext(client, tokenizer, server_config, Metrics(served_name), served_name)
         app = build_app(ctx, manage_client=True)
@@ -164,8 +172,12 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, started
     holder.append(server)
     ctx.on_drained = server.drained
     logging.getLogger("uvicorn.error").addFilter(_UvicornNoise())
-    log.info("listening on %s:%d; the engine process loads %s (/health answers 503 until it is ready)",
-             server_config.host, port, served_name)
+    log.info(
+        "listening on %s:%d; the engine process loads %s (/health answers 503 until it is ready)",
+        server_config.host,
+        port,
+        served_name,
+    )
     try:
         server.run(sockets=[started.sock])
     finally:

@@ -45,9 +45,15 @@ class ServerConfig:
     reasoning_parser: str | None = None  # --reasoning-parser: think|none (None: from the model)
     allowed_origins: tuple[str, ...] = ()  # --allowed-origins: CORS origins ("*": any); empty = no CORS headers
     unprefixed_routes: bool = False  # --unprefixed-routes: the OpenAI routes also answer without /v1
-    engine_hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S  # --engine-hang-timeout: no engine heartbeat for this long = hung
-    load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S  # --load-timeout: an engine process not Ready this long after its start is killed
-    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S  # --shutdown-timeout: how long a drain waits for in-flight requests
+    engine_hang_timeout_s: float = (
+        DEFAULT_HANG_TIMEOUT_S  # --engine-hang-timeout: no engine heartbeat for this long = hung
+    )
+    load_timeout_s: float = (
+        DEFAULT_LOAD_TIMEOUT_S  # --load-timeout: an engine process not Ready this long after its start is killed
+    )
+    shutdown_timeout_s: float = (
+        DEFAULT_SHUTDOWN_TIMEOUT_S  # --shutdown-timeout: how long a drain waits for in-flight requests
+    )
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # --max-request-bytes: a larger body is answered 413 unread
 
     def validate(self) -> None:
@@ -61,9 +67,13 @@ class ServerConfig:
         if self.max_running_requests < 1:
             raise ConfigError(f"--max-running-requests must be at least 1, got {self.max_running_requests}")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
-            raise ConfigError(f"--tool-call-parser must be one of {', '.join(TOOL_PARSERS)}, got {self.tool_call_parser!r}")
+            raise ConfigError(
+                f"--tool-call-parser must be one of {', '.join(TOOL_PARSERS)}, got {self.tool_call_parser!r}"
+            )
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
-            raise ConfigError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
+            raise ConfigError(
+                f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}"
+            )
         if any(not o.strip() for o in self.allowed_origins):
             raise ConfigError("--allowed-origins: an origin must not be empty")
         if self.max_waiting_requests < 0:
@@ -73,7 +83,9 @@ class ServerConfig:
         if self.responses_store_size < 0:
             raise ConfigError(f"--responses-store-size must be >= 0, got {self.responses_store_size}")
         if not 0 < self.responses_store_ttl_s < float("inf"):
-            raise ConfigError(f"--responses-store-ttl must be a positive number of seconds, got {self.responses_store_ttl_s}")
+            raise ConfigError(
+                f"--responses-store-ttl must be a positive number of seconds, got {self.responses_store_ttl_s}"
+            )
         if not MIN_HANG_TIMEOUT_S <= self.engine_hang_timeout_s < float("inf"):
             raise ConfigError(
                 f"--engine-hang-timeout must be at least {MIN_HANG_TIMEOUT_S:g} s (4 heartbeats), got {self.engine_hang_timeout_s}"
@@ -83,7 +95,9 @@ class ServerConfig:
         if not 0 <= self.shutdown_timeout_s < float("inf"):
             raise ConfigError(f"--shutdown-timeout must be a number of seconds >= 0, got {self.shutdown_timeout_s}")
         if self.max_request_bytes < MIN_MAX_REQUEST_BYTES:
-            raise ConfigError(f"--max-request-bytes must be at least {MIN_MAX_REQUEST_BYTES}, got {self.max_request_bytes}")
+            raise ConfigError(
+                f"--max-request-bytes must be at least {MIN_MAX_REQUEST_BYTES}, got {self.max_request_bytes}"
+            )
 
     @property
     def max_in_flight(self) -> int:

@@ -66,8 +66,10 @@ def bind(host: str, port: int) -> socket.socket:
     except OSError as err:
         sock.close()
         if err.errno == errno.EADDRINUSE:
-            raise ConfigError(f"--port: {host}:{port} is already in use (another server?); "
-                              "pick another --port or stop what listens there") from None
+            raise ConfigError(
+                f"--port: {host}:{port} is already in use (another server?); "
+                "pick another --port or stop what listens there"
+            ) from None
         if err.errno == errno.EACCES:
             raise ConfigError(f"--port: {port} needs privileges to listen on; pick one above 1023") from None
         raise ConfigError(f"--host: cannot listen on {host}:{port} ({err.strerror or err})") from None

@@ -66,10 +66,7 @@ GEMMA3_CHAT_TEMPLATE = """\
 {%- if add_generation_prompt -%}{{- '<start_of_turn>model\\n' -}}{%- endif -%}
 """
 
-_BUILTIN_TEMPLATES: dict[str, str] = {
-    "gemma3": GEMMA3_CHAT_TEMPLATE,
-    "gemma3_text": GEMMA3_CHAT_TEMPLATE,
-}
+_BUILTIN_TEMPLATES: dict[str, str] = {"gemma3": GEMMA3_CHAT_TEMPLATE, "gemma3_text": GEMMA3_CHAT_TEMPLATE}
 
 
 def builtin_chat_template(architecture: str) -> str | None:
@@ -117,9 +114,7 @@ class ChatTemplate:
 
     def __init__(self, source: str) -> None:
         env = ImmutableSandboxedEnvironment(
-            trim_blocks=True,
-            lstrip_blocks=True,
-            extensions=[_GenerationBlock, jinja2.ext.loopcontrols],
+            trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
         )
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception

@@ -191,9 +191,7 @@ def _gemma4_backend(metadata: dict[str, object], tokens: list[str]) -> Backend:
 def _gpt2_backend(metadata: dict[str, object], tokens: list[str]) -> Backend:
     table = byte_to_unicode()
     alphabet = set(table.values())
-    spelled = [
-        t if set(t) <= alphabet else "".join(table[b] for b in t.encode("utf-8")) for t in tokens
-    ]
+    spelled = [t if set(t) <= alphabet else "".join(table[b] for b in t.encode("utf-8")) for t in tokens]
     vocab = {token: index for index, token in enumerate(spelled)}
     merges: list[tuple[str, str]] = []
     for line in _list_field(metadata, "tokenizer.ggml.merges"):
@@ -202,12 +200,7 @@ def _gpt2_backend(metadata: dict[str, object], tokens: list[str]) -> Backend:
             raise ModelLoadError(f"GGUF merge {line!r} is not two tokens")
         merges.append((parts[0], parts[1]))
     model = models.BPE(
-        vocab=vocab,
-        merges=merges,
-        dropout=None,
-        continuing_subword_prefix="",
-        end_of_word_suffix="",
-        fuse_unk=False,
+        vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False
     )
     backend = Backend(model)
     split = _BYTE_LEVEL_SPLITS.get(str(metadata.get("tokenizer.ggml.pre", "")))
@@ -226,12 +219,7 @@ def _gpt2_backend(metadata: dict[str, object], tokens: list[str]) -> Backend:
 
 
 def _add_marked_tokens(
-    backend: Backend,
-    metadata: dict[str, object],
-    tokens: list[str],
-    vocab: dict[str, int],
-    *,
-    byte_level: bool,
+    backend: Backend, metadata: dict[str, object], tokens: list[str], vocab: dict[str, int], *, byte_level: bool
 ) -> None:
     """CONTROL tokens become special added tokens, USER_DEFINED ones plain added tokens, so that
     both are matched whole in the text (as llama.cpp does) instead of being cut into pieces.

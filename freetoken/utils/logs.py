@@ -26,7 +26,12 @@ CLEAR_LINE = "\r\x1b[K"  # carriage return, erase to the end of the line
 
 # the attributes every LogRecord has: anything else on a record came in `extra`
 # (and uvicorn's `color_message`, its message again with terminal colours)
-_STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName", "color_message"}
+_STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
+    "message",
+    "asctime",
+    "taskName",
+    "color_message",
+}
 
 
 @dataclass(frozen=True)
@@ -87,7 +92,11 @@ class JSONFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z"
         doc: dict[str, object] = {
-            "ts": ts, "level": record.levelname, "process": self.process, "pid": record.process, "logger": record.name,
+            "ts": ts,
+            "level": record.levelname,
+            "process": self.process,
+            "pid": record.process,
+            "logger": record.name,
             "message": record.getMessage(),
         }
         doc.update(extra_fields(record))

@@ -412,8 +412,9 @@ def mxfp4_matrix(q: torch.Tensor, exponents: torch.Tensor, name: str) -> Quantiz
     qw = mxfp4_to_int8(q, exponents)
     if qw is not None:
         return qw
-    log.warning("%s: MXFP4 block exponents outside %s cannot stay packed; dequantized to float",
-                name, MXFP4_EXACT_EXPONENTS)
+    log.warning(
+        "%s: MXFP4 block exponents outside %s cannot stay packed; dequantized to float", name, MXFP4_EXACT_EXPONENTS
+    )
     return mxfp4_float(q, exponents)
 
 

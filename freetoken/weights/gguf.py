@@ -21,14 +21,7 @@ import torch
 
 from freetoken.errors import ModelLoadError
 from freetoken.ops.quantized import QuantizedWeight, SuperBlockWeight
-from freetoken.weights.dequant import (
-    SUPPORTED_TYPES,
-    Deferred,
-    dequantize,
-    gguf_mxfp4_blocks,
-    mxfp4_matrix,
-    type_name,
-)
+from freetoken.weights.dequant import SUPPORTED_TYPES, Deferred, dequantize, gguf_mxfp4_blocks, mxfp4_matrix, type_name
 from freetoken.weights.gguf_config import architecture_of, hf_config_from_metadata
 from freetoken.weights.gguf_file import GGUFFile, GGUFTensorInfo
 from freetoken.weights.gguf_metadata import metadata_of, open_gguf
@@ -68,7 +61,6 @@ def expert_stack(data: np.ndarray, qtype: int, shape: tuple[int, ...], name: str
         return to_quantized(raw, qtype, (N, K), f"{name} expert {e}")
 
     return [Deferred((N, K), per, lambda e=e: decode(e)) for e in range(E)]
-
 
 
 @dataclass

@@ -49,12 +49,21 @@ GEMMA4_PARTIAL_ROTARY = 0.25
 GEMMA4_SWA_ROPE_BASE = 10_000.0
 
 _MODEL_TYPE = {
-    "llama": "llama", "gemma3": "gemma3_text", "gpt-oss": "gpt_oss", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
-    "gemma4": "gemma4_text", "qwen2": "qwen2",
+    "llama": "llama",
+    "gemma3": "gemma3_text",
+    "gpt-oss": "gpt_oss",
+    "qwen3": "qwen3",
+    "qwen3moe": "qwen3_moe",
+    "gemma4": "gemma4_text",
+    "qwen2": "qwen2",
 }
 _ARCHITECTURES = {
-    "llama": "LlamaForCausalLM", "gemma3": "Gemma3ForCausalLM", "gpt-oss": "GptOssForCausalLM",
-    "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "gemma4": "Gemma4ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "gemma4": "Gemma4ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
 }
 
@@ -190,7 +199,9 @@ def _gemma3_layer_types(k: _Keys, layers: int) -> list[str]:
     pattern = k.raw("attention.sliding_window_pattern", GEMMA3_SWA_PATTERN)
     if isinstance(pattern, list):  # per-layer flags, true = sliding
         if len(pattern) != layers:
-            raise ModelLoadError(f"{k.arch}.attention.sliding_window_pattern has {len(pattern)} entries for {layers} layers")
+            raise ModelLoadError(
+                f"{k.arch}.attention.sliding_window_pattern has {len(pattern)} entries for {layers} layers"
+            )
         return [SLIDING if flag else FULL for flag in pattern]
     n = k.count("attention.sliding_window_pattern", GEMMA3_SWA_PATTERN)
     return [FULL if (i + 1) % n == 0 else SLIDING for i in range(layers)]
@@ -207,10 +218,7 @@ def _gemma3(k: _Keys, cfg: dict[str, object]) -> None:
         intermediate_size=k.count("feed_forward_length"),
         head_dim=head_dim,
         hidden_activation="gelu_pytorch_tanh",
-        rope_parameters={
-            SLIDING: {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_ROPE_BASE},
-            FULL: full_rope,
-        },
+        rope_parameters={SLIDING: {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_ROPE_BASE}, FULL: full_rope},
         attention_bias=False,
         query_pre_attn_scalar=hidden // heads if layers == GEMMA3_27B_LAYERS else head_dim,
         sliding_window=k.count("attention.sliding_window"),
@@ -257,8 +265,11 @@ def _scaled_rope(k: _Keys, theta: float) -> dict[str, object]:
     if kind == "linear":
         rope.update(rope_type="linear", factor=k.positive("rope.scaling.factor"))
     elif kind == "yarn":
-        rope.update(rope_type="yarn", factor=k.positive("rope.scaling.factor"),
-                    original_max_position_embeddings=k.count("rope.scaling.original_context_length"))
+        rope.update(
+            rope_type="yarn",
+            factor=k.positive("rope.scaling.factor"),
+            original_max_position_embeddings=k.count("rope.scaling.original_context_length"),
+        )
     return rope
 
 
@@ -329,8 +340,11 @@ def _gemma4(k: _Keys, cfg: dict[str, object], tensor_names: Collection[str]) -> 
         hidden_activation="gelu_pytorch_tanh",
         rope_parameters={
             SLIDING: {"rope_type": "default", "rope_theta": k.positive("rope.freq_base_swa", GEMMA4_SWA_ROPE_BASE)},
-            FULL: {"rope_type": "proportional", "partial_rotary_factor": GEMMA4_PARTIAL_ROTARY,
-                   "rope_theta": k.positive("rope.freq_base", 1_000_000.0)},
+            FULL: {
+                "rope_type": "proportional",
+                "partial_rotary_factor": GEMMA4_PARTIAL_ROTARY,
+                "rope_theta": k.positive("rope.freq_base", 1_000_000.0),
+            },
         },
         attention_bias=False,
         sliding_window=k.count("attention.sliding_window"),
@@ -369,17 +383,26 @@ def hf_config_from_metadata(metadata: Mapping[str, object], tensor_names: Collec
 def _check_relations(k: _Keys, cfg: Mapping[str, object]) -> None:
     heads, kv_heads = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"])  # type: ignore[call-overload]
     if heads % kv_heads:
-        raise ModelLoadError(f"{k.full('attention.head_count_kv')} {kv_heads} does not divide {k.full('attention.head_count')} {heads}")
-    for total, used, name in (("num_local_experts", "num_experts_per_tok", "expert"), ("num_experts", "num_experts_per_tok", "expert"),
-                              ("num_experts", "top_k_experts", "expert")):
+        raise ModelLoadError(
+            f"{k.full('attention.head_count_kv')} {kv_heads} does not divide {k.full('attention.head_count')} {heads}"
+        )
+    for total, used, name in (
+        ("num_local_experts", "num_experts_per_tok", "expert"),
+        ("num_experts", "num_experts_per_tok", "expert"),
+        ("num_experts", "top_k_experts", "expert"),
+    ):
         if cfg.get(total) is not None and cfg.get(used) is not None and int(cfg[used]) > int(cfg[total]):  # type: ignore[call-overload]
-            raise ModelLoadError(f"{k.full(name + '_used_count')} {cfg[used]} is more than {k.full(name + '_count')} {cfg[total]}")
+            raise ModelLoadError(
+                f"{k.full(name + '_used_count')} {cfg[used]} is more than {k.full(name + '_count')} {cfg[total]}"
+            )
 
 
 _BLOCK = re.compile(r"blk\.(\d+)\.")
 
 
-def check_tensor_shapes(metadata: Mapping[str, object], cfg: Mapping[str, object], shapes: Mapping[str, tuple[int, ...]]) -> None:
+def check_tensor_shapes(
+    metadata: Mapping[str, object], cfg: Mapping[str, object], shapes: Mapping[str, tuple[int, ...]]
+) -> None:
     """The config agrees with the tensors the file holds, so that nothing sized from the metadata
     (layers, embedding, heads, MLP) is built larger than the file: `block_count` is the number of
     `blk.N` blocks present (0..N-1, none missing; a file with no blocks has at most one per tensor), and the embedding width, the query / key rows
@@ -388,7 +411,9 @@ def check_tensor_shapes(metadata: Mapping[str, object], cfg: Mapping[str, object
     layers = int(cfg["num_hidden_layers"])  # type: ignore[call-overload]
     blocks = {int(m[1]) for name in shapes if (m := _BLOCK.match(name))}
     if blocks and blocks != set(range(layers)):
-        present = f"blocks 0..{max(blocks)}" if blocks == set(range(max(blocks) + 1)) else f"{len(blocks)} scattered blocks"
+        present = (
+            f"blocks 0..{max(blocks)}" if blocks == set(range(max(blocks) + 1)) else f"{len(blocks)} scattered blocks"
+        )
         raise ModelLoadError(f"{k.full('block_count')} is {layers} but the file has tensors for {present}")
     if layers > len(shapes):  # no blk.N tensor at all (a weights-only file): at most one layer per tensor
         raise ModelLoadError(f"{k.full('block_count')} is {layers} but the file has only {len(shapes)} tensors")
@@ -411,4 +436,6 @@ def check_tensor_shapes(metadata: Mapping[str, object], cfg: Mapping[str, object
         for suffix, (rows, key) in want.items():
             shape = shapes.get(f"blk.{i}.{suffix}")
             if shape is not None and (len(shape) != 2 or shape[0] != rows or shape[1] != hidden):
-                raise ModelLoadError(f"{k.full(key)} (with the head size and width) gives {rows} rows but blk.{i}.{suffix} has shape {list(shape)}")
+                raise ModelLoadError(
+                    f"{k.full(key)} (with the head size and width) gives {rows} rows but blk.{i}.{suffix} has shape {list(shape)}"
+                )

@@ -267,7 +267,9 @@ def parse_layout(buf: memoryview) -> GGUFLayout:
             n_elements *= d
         n_bytes = n_elements * type_size // block_size
         if offset % alignment:
-            raise GGUFFormatError(f"tensor {name} has data offset {offset}, not a multiple of the alignment {alignment}")
+            raise GGUFFormatError(
+                f"tensor {name} has data offset {offset}, not a multiple of the alignment {alignment}"
+            )
         if offset != expected:  # llama.cpp's rule too: a changed type or shape shows here
             raise GGUFFormatError(
                 f"tensor {name} has data offset {offset}, but the tensors before it end at {expected} "

@@ -37,8 +37,11 @@ def _safetensors_header(path: Path) -> list[TensorEntry]:
             header = json.loads(f.read(size))
     except (OSError, ValueError, struct.error) as err:
         raise ModelLoadError(f"{path} is not a readable safetensors file ({err})") from None
-    return [TensorEntry(name, str(info["dtype"]), tuple(info["shape"]), info["data_offsets"][1] - info["data_offsets"][0])
-            for name, info in header.items() if name != "__metadata__"]
+    return [
+        TensorEntry(name, str(info["dtype"]), tuple(info["shape"]), info["data_offsets"][1] - info["data_offsets"][0])
+        for name, info in header.items()
+        if name != "__metadata__"
+    ]
 
 
 def inventory(source: ModelSource) -> list[TensorEntry]:
@@ -48,4 +51,6 @@ def inventory(source: ModelSource) -> list[TensorEntry]:
     from freetoken.weights.dequant import type_name
     from freetoken.weights.gguf_metadata import open_gguf
 
-    return [TensorEntry(t.name, type_name(t.ggml_type), tuple(t.shape), t.n_bytes) for t in open_gguf(source.path).tensors]
+    return [
+        TensorEntry(t.name, type_name(t.ggml_type), tuple(t.shape), t.n_bytes) for t in open_gguf(source.path).tensors
+    ]

@@ -40,8 +40,9 @@ def read_hf_config(directory: Path) -> dict[str, object]:
     return config
 
 
-def load_checkpoint(source: ModelSource, dtype: torch.dtype, keep_quantized: bool = False,
-                    progress: ProgressCallback | None = None) -> Checkpoint:
+def load_checkpoint(
+    source: ModelSource, dtype: torch.dtype, keep_quantized: bool = False, progress: ProgressCallback | None = None
+) -> Checkpoint:
     """Read the checkpoint's config and tensors (for GGUF: dequantized to `dtype`, or with
     `keep_quantized` the integer-typed matrices as QuantizedWeights); `progress` after each tensor."""
     if source.kind == "safetensors":
@@ -69,5 +70,14 @@ def checkpoint_files(source: ModelSource) -> list[Path]:
     return [Path(source.path) / "config.json", *shard_files(source.path)]
 
 
-__all__ = ["DEFAULT_MODEL", "SHORT_NAMES", "Checkpoint", "ModelSource", "checkpoint_files", "load_checkpoint", "read_header", "read_hf_config",
-           "resolve_model"]
+__all__ = [
+    "DEFAULT_MODEL",
+    "SHORT_NAMES",
+    "Checkpoint",
+    "ModelSource",
+    "checkpoint_files",
+    "load_checkpoint",
+    "read_header",
+    "read_hf_config",
+    "resolve_model",
+]

@@ -234,7 +234,11 @@ class HFTensorAssembler:
         halves[target.part] = t
         if len(halves) == 2:
             del self._halves[target.hf_name]
-            joined = torch.cat((halves[0], halves[1]), dim=-2) if self.arch in _ROW_JOINED else _interleave(halves[0], halves[1])
+            joined = (
+                torch.cat((halves[0], halves[1]), dim=-2)
+                if self.arch in _ROW_JOINED
+                else _interleave(halves[0], halves[1])
+            )
             self._put(target.hf_name, joined, gguf_name)
 
     def add_quantized(self, gguf_name: str, qw: QuantizedWeight | SuperBlockWeight) -> None:

@@ -129,7 +129,9 @@ INTEGER_TYPES: frozenset[QType] = frozenset(_TRANSLATORS)
 _CHUNK_BLOCKS = 4096
 
 
-def to_quantized(raw: np.ndarray | torch.Tensor, qtype: QType | int, shape: Sequence[int], name: str = "<unnamed>") -> QuantizedWeight:
+def to_quantized(
+    raw: np.ndarray | torch.Tensor, qtype: QType | int, shape: Sequence[int], name: str = "<unnamed>"
+) -> QuantizedWeight:
     """The matrix of `shape` [N, K] stored as GGML `qtype` blocks in `raw`, in group-32 form.
 
     Raises ModelLoadError for a type without a translation, a shape that is not a matrix, or
@@ -185,7 +187,9 @@ SUPERBLOCK_TYPES: frozenset[QType] = frozenset({QType.Q4_K, QType.Q6_K})
 ROWS_PER_PASS = 2048
 
 
-def to_superblocks(raw: np.ndarray | torch.Tensor, qtype: QType | int, shape: Sequence[int], name: str = "<unnamed>") -> SuperBlockWeight:
+def to_superblocks(
+    raw: np.ndarray | torch.Tensor, qtype: QType | int, shape: Sequence[int], name: str = "<unnamed>"
+) -> SuperBlockWeight:
     """The Q4_K or Q6_K matrix of `shape` [N, K] in `raw` as a SuperBlockWeight (exact), converted
     ROWS_PER_PASS rows at a time."""
     if qtype not in SUPERBLOCK_TYPES:
@@ -193,7 +197,9 @@ def to_superblocks(raw: np.ndarray | torch.Tensor, qtype: QType | int, shape: Se
     qtype = QType(qtype)
     n, k, rows = _block_rows(raw, qtype, shape, name)
     c = _Constants.on(torch.device("cpu"))
-    parts = [_superblocks(rows(start, min(n, start + ROWS_PER_PASS)), qtype, k, c) for start in range(0, n, ROWS_PER_PASS)]
+    parts = [
+        _superblocks(rows(start, min(n, start + ROWS_PER_PASS)), qtype, k, c) for start in range(0, n, ROWS_PER_PASS)
+    ]
     if len(parts) == 1:
         return parts[0]
     first = parts[0]
@@ -205,11 +211,13 @@ def to_superblocks(raw: np.ndarray | torch.Tensor, qtype: QType | int, shape: Se
         for p in parts:
             setattr(p, field, None)  # each part's copy freed as soon as it is joined
         return out
+
     return SuperBlockWeight(first.kind, joined("q"), joined("sc"), joined("d"), joined("m"), joined("dmin"))
 
 
-def superblock_rows(raw: np.ndarray | torch.Tensor, qtype: QType | int, shape: Sequence[int],
-                    name: str = "<unnamed>") -> RawSuperBlocks:
+def superblock_rows(
+    raw: np.ndarray | torch.Tensor, qtype: QType | int, shape: Sequence[int], name: str = "<unnamed>"
+) -> RawSuperBlocks:
     """The Q4_K or Q6_K matrix of `shape` [N, K] in `raw` kept in its blocks, one row of blocks per
     matrix row (a read-only view of the memory map: no copy): packed for the kernel straight from
     them (ops/superblock.py), decoded by `to_superblocks` on first use anywhere else."""
@@ -222,8 +230,9 @@ def superblock_rows(raw: np.ndarray | torch.Tensor, qtype: QType | int, shape: S
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             data = torch.from_numpy(data)
-    return RawSuperBlocks("q4_k" if qtype == QType.Q4_K else "q6_k", [data.view(n, -1)], k, _decode_blocks,
-                          _release_blocks)
+    return RawSuperBlocks(
+        "q4_k" if qtype == QType.Q4_K else "q6_k", [data.view(n, -1)], k, _decode_blocks, _release_blocks
+    )
 
 
 def _release_blocks(parts: list[torch.Tensor]) -> None:
@@ -250,7 +259,7 @@ def _block_rows(raw: np.ndarray | torch.Tensor, qtype: QType, shape: Sequence[in
     row_bytes = k // block_size * type_size
 
     def rows(a: int, b: int) -> torch.Tensor:
-        part = data[a * row_bytes:b * row_bytes]
+        part = data[a * row_bytes : b * row_bytes]
         t = torch.from_numpy(part.copy()) if isinstance(part, np.ndarray) else part
         return t.view(-1, type_size)
 
@@ -269,5 +278,11 @@ def _superblocks(blocks: torch.Tensor, qtype: QType, k: int, c: _Constants) -> S
     q = _nibbles(blocks[:, 16:].reshape(-1, 4, 32)).view(torch.int8).reshape(n, k)
     ints = k_scale_ints(blocks, c)  # [n blocks, 2, 8]
     dmin = blocks[:, 2:4].contiguous().view(torch.float16).reshape(n, per_row)
-    return SuperBlockWeight("q4_k", q, ints[:, 0].reshape(n, k // GROUP).contiguous(), d,
-                            ints[:, 1].reshape(n, k // GROUP).contiguous(), dmin)
+    return SuperBlockWeight(
+        "q4_k",
+        q,
+        ints[:, 0].reshape(n, k // GROUP).contiguous(),
+        d,
+        ints[:, 1].reshape(n, k // GROUP).contiguous(),
+        dmin,
+    )

@@ -36,7 +36,7 @@ def shard_files(directory: str | Path) -> list[Path]:
 
 
 def load_safetensors_dir(
-    directory: str | Path, dtype: torch.dtype | None = None, progress: ProgressCallback | None = None,
+    directory: str | Path, dtype: torch.dtype | None = None, progress: ProgressCallback | None = None
 ) -> dict[str, torch.Tensor]:
     """All tensors of the directory by HF name; floating tensors cast to `dtype` when given.
     `progress(tensors read, tensors, bytes read, bytes)` after each tensor (bytes as stored; the
@@ -66,7 +66,9 @@ def load_safetensors_dir(
                         t = t.to(dtype)
                     tensors[name] = t
                     if progress is not None:
-                        progress(done, total, total_bytes if done == total else min(done_bytes, total_bytes), total_bytes)
+                        progress(
+                            done, total, total_bytes if done == total else min(done_bytes, total_bytes), total_bytes
+                        )
         except ModelLoadError:
             raise
         except Exception as err:

@@ -85,7 +85,7 @@ def _checksums(path: Path, size: int) -> list[int]:
         def digest(which: range) -> None:
             for i in which:
                 length = min(CHUNK, size - starts[i])
-                out[i] = xxhash.xxh3_64_intdigest(view[starts[i]:starts[i] + length])
+                out[i] = xxhash.xxh3_64_intdigest(view[starts[i] : starts[i] + length])
                 # out of this process's page tables again (the page cache keeps them): a GB-sized
                 # entry read once must not count as resident memory of the engine (VmHWM)
                 mm.madvise(mmap.MADV_DONTNEED, starts[i], length)
@@ -153,8 +153,12 @@ class WeightCache:
             need = nbytes(value)
             free = shutil.disk_usage(self.directory).free
             if free < need + SPARE_DISK:
-                log.warning("weight cache: %d MiB free in %s, %d MiB needed: not written",
-                            free >> 20, self.directory, (need + SPARE_DISK) >> 20)
+                log.warning(
+                    "weight cache: %d MiB free in %s, %d MiB needed: not written",
+                    free >> 20,
+                    self.directory,
+                    (need + SPARE_DISK) >> 20,
+                )
                 return None
             tmp = data.with_name(f"{data.name}.{os.getpid()}.tmp")
             torch.save(value, tmp)
@@ -184,7 +188,8 @@ class WeightCache:
                 self._remove(manifest.with_suffix(".pt"), manifest)
                 continue
             if [s[0] for s in other.get("source", [])] == paths and (
-                    other.get("source") != key["source"] or other.get("code") != key["code"]):
+                other.get("source") != key["source"] or other.get("code") != key["code"]
+            ):
                 self._remove(manifest.with_suffix(".pt"), manifest)
 
     @staticmethod

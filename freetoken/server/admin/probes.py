@@ -53,14 +53,18 @@ def probe_router(ctx: ServingContext) -> APIRouter:
     @router.get("/health_generate")
     async def health_generate() -> Response:
         if ctx.drain.draining:
-            return JSONResponse({"status": "error", "message": "the server is shutting down (draining)"}, status_code=503)
+            return JSONResponse(
+                {"status": "error", "message": "the server is shutting down (draining)"}, status_code=503
+            )
         try:
             ctx.ready_info()
             await generate_one_token(ctx)
         except APIError as err:
             return JSONResponse({"status": "error", "message": err.message}, status_code=503)
         except (FreeTokenError, TimeoutError) as err:
-            return JSONResponse({"status": "error", "message": f"the engine did not generate: {err or 'timed out'}"}, status_code=503)
+            return JSONResponse(
+                {"status": "error", "message": f"the engine did not generate: {err or 'timed out'}"}, status_code=503
+            )
         return JSONResponse({"status": "ok"})
 
     return router

@@ -34,13 +34,21 @@ def health(ctx: ServingContext) -> Response:
     info = client.info
     if ctx.drain.draining:
         return JSONResponse(
-            {"status": "error", "message": "the server is shutting down (draining)", "state": "draining",
-             "restarts": client.restarts, "in_flight": client.num_in_flight},
-            status_code=503, headers={"Retry-After": "30"},
+            {
+                "status": "error",
+                "message": "the server is shutting down (draining)",
+                "state": "draining",
+                "restarts": client.restarts,
+                "in_flight": client.num_in_flight,
+            },
+            status_code=503,
+            headers={"Retry-After": "30"},
         )
     if client.state != "ready" or info is None:
         reason = client.reason or ("the engine is loading" if client.state == "loading" else "the engine is down")
-        return JSONResponse({"status": "error", "message": reason, "state": client.state, "restarts": client.restarts}, status_code=503)
+        return JSONResponse(
+            {"status": "error", "message": reason, "state": client.state, "restarts": client.restarts}, status_code=503
+        )
     return JSONResponse(
         {
             "status": "ok",
@@ -62,8 +70,12 @@ async def metrics_text(ctx: ServingContext) -> Response:
         except (FreeTokenError, TimeoutError):
             status = None
     ctx.metrics.update_engine(
-        up=ctx.client.state == "ready", restarts=ctx.client.restarts, in_flight=ctx.client.num_in_flight, status=status,
-        hangs=ctx.client.hangs, heartbeat_max_gap_s=ctx.client.heartbeat.max_gap_s,
+        up=ctx.client.state == "ready",
+        restarts=ctx.client.restarts,
+        in_flight=ctx.client.num_in_flight,
+        status=status,
+        hangs=ctx.client.hangs,
+        heartbeat_max_gap_s=ctx.client.heartbeat.max_gap_s,
     )
     return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -91,8 +103,12 @@ def admin_router(ctx: ServingContext) -> APIRouter:
     async def admin_drain() -> Response:
         started = ctx.begin_drain("POST /admin/drain")
         return JSONResponse(
-            {"status": "draining", "started": started, "in_flight": ctx.client.num_in_flight,
-             "shutdown_timeout_s": ctx.config.shutdown_timeout_s},
+            {
+                "status": "draining",
+                "started": started,
+                "in_flight": ctx.client.num_in_flight,
+                "shutdown_timeout_s": ctx.config.shutdown_timeout_s,
+            },
             status_code=202,
         )
 

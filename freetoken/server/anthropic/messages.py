@@ -54,8 +54,13 @@ def message_input(req: MessagesRequest) -> ChatInput:
     params = req.sampling_params(req.max_tokens)  # range checks before anything else
     messages, tools, thinking = conversation(req)
     return ChatInput(
-        messages=messages, params=params, max_tokens=req.max_tokens, tools=tools, thinking=thinking,
-        reasoning_budget=req.thinking_budget(), pins=anthropic_pin_marks(req),
+        messages=messages,
+        params=params,
+        max_tokens=req.max_tokens,
+        tools=tools,
+        thinking=thinking,
+        reasoning_budget=req.thinking_budget(),
+        pins=anthropic_pin_marks(req),
     )
 
 
@@ -98,19 +103,25 @@ def continued(req: MessagesRequest, threads: ThreadStore | None) -> MessagesRequ
     if threads is None:
         raise bad_request("this server keeps no threads; send the whole conversation", param="thread")
     kept = threads.get(previous)
-    return req.model_copy(update={
-        "messages": [*kept.messages, *req.messages],
-        "system": kept.system if req.system is None else req.system,
-        "tools": kept.tools if req.tools is None else req.tools,
-    })
+    return req.model_copy(
+        update={
+            "messages": [*kept.messages, *req.messages],
+            "system": kept.system if req.system is None else req.system,
+            "tools": kept.tools if req.tools is None else req.tools,
+        }
+    )
 
 
-async def create_message(ctx: ServingContext, req: MessagesRequest, request_id: str, threads: ThreadStore | None = None) -> Response:
+async def create_message(
+    ctx: ServingContext, req: MessagesRequest, request_id: str, threads: ThreadStore | None = None
+) -> Response:
     """One message. With `threads`, a `thread` request keeps its conversation there and a
     `continue` one is rendered after the conversation kept under its previous message id."""
     clock = Clock()
     req = continued(req, threads)
-    prepared = await prepare_chat(ctx, await anyio.to_thread.run_sync(message_input, req))  # block conversion: off the event loop
+    prepared = await prepare_chat(
+        ctx, await anyio.to_thread.run_sync(message_input, req)
+    )  # block conversion: off the event loop
     message_id = f"msg_{uuid.uuid4().hex}"
     run = start(ctx, ENDPOINT, prepared, request_id, message_id, clock)
     head = {"id": message_id, "type": "message", "role": "assistant", "model": ctx.served_name}
@@ -125,14 +136,22 @@ async def create_message(ctx: ServingContext, req: MessagesRequest, request_id: 
         return JSONResponse(message_body(head, result, prepared, req.omits_thinking(), keep))
     first = await run.first()
     framing = MessageFraming(
-        tooling=prepared.tooling, head=head, prompt_tokens=len(prepared.prompt.ids), request_id=request_id, on_done=keep,
+        tooling=prepared.tooling,
+        head=head,
+        prompt_tokens=len(prepared.prompt.ids),
+        request_id=request_id,
+        on_done=keep,
         omit_thinking=req.omits_thinking(),
     )
     return sse_response(run.events(first, framing))
 
 
 def message_body(
-    head: dict[str, Any], result: ChoiceResult, prepared: PreparedChat, omit_thinking: bool, keep: Callable[[list[dict[str, Any]]], None]
+    head: dict[str, Any],
+    result: ChoiceResult,
+    prepared: PreparedChat,
+    omit_thinking: bool,
+    keep: Callable[[list[dict[str, Any]]], None],
 ) -> dict[str, Any]:
     """The `message` object of a whole reply (its content kept for the thread first)."""
     parsed = prepared.tooling.parse(result.text)
@@ -145,7 +164,10 @@ def message_body(
         "stop_reason": tool_stop_reason(reason, len(parsed.tool_calls)),
         "stop_sequence": sequence,
         "usage": usage(
-            len(prepared.prompt.ids), result.report.cached_tokens, len(result.token_ids), result.report.cache_creation_tokens,
+            len(prepared.prompt.ids),
+            result.report.cached_tokens,
+            len(result.token_ids),
+            result.report.cache_creation_tokens,
         ),
     }
 
@@ -174,8 +196,14 @@ class MessageFraming:
     `event: error`. `on_done` gets the message's content blocks once it ended well."""
 
     def __init__(
-        self, *, tooling: ToolCalling, head: dict[str, Any], prompt_tokens: int, request_id: str,
-        on_done: Callable[[list[dict[str, Any]]], None], omit_thinking: bool = False,
+        self,
+        *,
+        tooling: ToolCalling,
+        head: dict[str, Any],
+        prompt_tokens: int,
+        request_id: str,
+        on_done: Callable[[list[dict[str, Any]]], None],
+        omit_thinking: bool = False,
     ) -> None:
         self._tooling = tooling
         self._head = head
@@ -193,7 +221,9 @@ class MessageFraming:
 
     def opening(self, first: Piece | None) -> list[str]:
         cached = 0 if first is None else first.report.cached_tokens
-        self._created = 0 if first is None else first.report.cache_creation_tokens  # pins are applied before the first token
+        self._created = (
+            0 if first is None else first.report.cache_creation_tokens
+        )  # pins are applied before the first token
         start_usage = usage(self._prompt_tokens, cached, 0, self._created)
         start = {**self._head, "content": [], "stop_reason": None, "stop_sequence": None, "usage": start_usage}
         return [event("message_start", {"type": "message_start", "message": start})]
@@ -210,7 +240,11 @@ class MessageFraming:
         last = self._parser.finish()
         self._written.append(last)
         yield from self._frame(self._blocks.events(last) + self._blocks.close())
-        self._on_done(anthropic_content(merge_deltas(self._written), thinking=self._tooling.thinking, omit_thinking=self._omit_thinking))
+        self._on_done(
+            anthropic_content(
+                merge_deltas(self._written), thinking=self._tooling.thinking, omit_thinking=self._omit_thinking
+            )
+        )
         reason, sequence = stop_reason(self._finish, self._stop_string)
         final_usage = usage(self._prompt_tokens, tally.cached_tokens, tally.completion_tokens, self._created)
         delta = {"stop_reason": tool_stop_reason(reason, self._blocks.num_calls), "stop_sequence": sequence}

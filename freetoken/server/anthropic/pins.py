@@ -20,7 +20,9 @@ ANTHROPIC_TTL_S = {None: 300.0, "5m": 300.0, "1h": 3600.0}
 
 def _ttl(control: CacheControl, where: str) -> float:
     if control.ttl not in ANTHROPIC_TTL_S:
-        raise bad_request(f"{where}.cache_control.ttl must be '5m' or '1h', got {control.ttl!r}", param=f"{where}.cache_control.ttl")
+        raise bad_request(
+            f"{where}.cache_control.ttl must be '5m' or '1h', got {control.ttl!r}", param=f"{where}.cache_control.ttl"
+        )
     return ANTHROPIC_TTL_S[control.ttl]
 
 

@@ -30,7 +30,9 @@ from freetoken.server.errors import bad_request
 
 MAX_STOP_SEQUENCES = 16
 MAX_TEMPERATURE = 1.0  # Anthropic's range is [0, 1]
-BILLING_HEADER = "x-anthropic-billing-header:"  # Claude Code's first system block: for Anthropic's billing, not the model
+BILLING_HEADER = (
+    "x-anthropic-billing-header:"  # Claude Code's first system block: for Anthropic's billing, not the model
+)
 
 
 class _Strict(BaseModel):
@@ -203,13 +205,17 @@ class Conversation(_Strict):
 
     def output_grammar(self) -> tuple[str, str] | None:
         """The grammar of `output_config.format` / `output_format` (one of them, or both the same)."""
-        formats = [f for f in (self.output_config.format if self.output_config else None, self.output_format) if f is not None]
+        formats = [
+            f for f in (self.output_config.format if self.output_config else None, self.output_format) if f is not None
+        ]
         if len(formats) == 2 and formats[0].schema_ != formats[1].schema_:
             raise bad_request("output_format and output_config.format disagree; send one", param="output_format")
         if not formats:
             return None
         grammar = ("json_schema", json.dumps(formats[0].schema_))
-        check_grammar(grammar, "output_config.format" if self.output_config and self.output_config.format else "output_format")
+        check_grammar(
+            grammar, "output_config.format" if self.output_config and self.output_config.format else "output_format"
+        )
         return grammar
 
     def chat_messages(self) -> list[dict[str, Any]]:
@@ -253,7 +259,9 @@ class MessagesRequest(Conversation):
         if self.thread is None or self.thread.type != "continue":
             return None
         if not self.thread.previous_message_id:
-            raise bad_request("thread.previous_message_id is required to continue a thread", param="thread.previous_message_id")
+            raise bad_request(
+                "thread.previous_message_id is required to continue a thread", param="thread.previous_message_id"
+            )
         return self.thread.previous_message_id
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -266,7 +274,9 @@ class MessagesRequest(Conversation):
         """Range-checked SamplingParams (a 400 naming the field when one is out of range:
         `temperature` in Anthropic's [0, 1] first, then the engine's ranges)."""
         if self.temperature is not None and not 0.0 <= self.temperature <= MAX_TEMPERATURE:
-            raise bad_request(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}", param="temperature")
+            raise bad_request(
+                f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}", param="temperature"
+            )
         if self.max_tokens < 1:
             raise bad_request(f"max_tokens must be at least 1, got {self.max_tokens}", param="max_tokens")
         params = SamplingParams(
@@ -320,7 +330,11 @@ def convert_message(message: AnthropicMessage, where: str) -> list[dict[str, Any
             if message.role != "assistant":
                 raise bad_request("tool_use blocks belong in assistant messages", param=param)
             calls.append(
-                {"id": block.id, "type": "function", "function": {"name": block.name, "arguments": json.dumps(block.input, ensure_ascii=False)}}
+                {
+                    "id": block.id,
+                    "type": "function",
+                    "function": {"name": block.name, "arguments": json.dumps(block.input, ensure_ascii=False)},
+                }
             )
         else:
             if message.role != "user":

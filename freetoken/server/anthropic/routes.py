@@ -28,11 +28,18 @@ def anthropic_router(ctx: ServingContext) -> APIRouter:
     @router.post(PATH_PREFIX)
     async def messages(request: Request) -> Response:
         return await run_endpoint(
-            ctx, "messages", request, MessagesRequest, lambda c, r, rid: create_message(c, r, rid, threads), ANTHROPIC_DIALECT
+            ctx,
+            "messages",
+            request,
+            MessagesRequest,
+            lambda c, r, rid: create_message(c, r, rid, threads),
+            ANTHROPIC_DIALECT,
         )
 
     @router.post(f"{PATH_PREFIX}/count_tokens")
     async def messages_count_tokens(request: Request) -> Response:
-        return await run_endpoint(ctx, "count_tokens", request, CountTokensRequest, count_message_tokens, ANTHROPIC_DIALECT)
+        return await run_endpoint(
+            ctx, "count_tokens", request, CountTokensRequest, count_message_tokens, ANTHROPIC_DIALECT
+        )
 
     return router

@@ -33,7 +33,12 @@ class KeptThread:
 
 
 class ThreadStore:
-    def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES, ttl_s: float = DEFAULT_TTL_S, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        max_entries: int = DEFAULT_MAX_ENTRIES,
+        ttl_s: float = DEFAULT_TTL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.max_entries = max_entries
         self.ttl_s = ttl_s
         self._clock = clock
@@ -53,8 +58,10 @@ class ThreadStore:
         found = self._entries.get(message_id)
         if found is None:
             raise APIError(
-                404, f"no thread is kept under message id {message_id!r} (unknown, expired or evicted); send the whole conversation",
-                param="thread.previous_message_id", code="not_found",
+                404,
+                f"no thread is kept under message id {message_id!r} (unknown, expired or evicted); send the whole conversation",
+                param="thread.previous_message_id",
+                code="not_found",
             )
         self._entries.move_to_end(message_id)
         return found[1]

@@ -27,7 +27,9 @@ def anthropic_tool_options(tools: list[dict[str, Any]] | None, tool_choice: dict
         if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
             raise bad_request(f"tools[{k}] must be an object with a name and an input_schema", param=f"tools[{k}]")
         if tool.get("type") not in (None, "custom"):
-            raise bad_request(f"tools[{k}]: server tools of type {tool.get('type')!r} are not supported", param=f"tools[{k}].type")
+            raise bad_request(
+                f"tools[{k}]: server tools of type {tool.get('type')!r} are not supported", param=f"tools[{k}].type"
+            )
         fn = {"name": tool["name"], "parameters": tool.get("input_schema")}
         if tool.get("description") is not None:
             fn["description"] = tool["description"]
@@ -38,7 +40,9 @@ def anthropic_tool_options(tools: list[dict[str, Any]] | None, tool_choice: dict
         kind = tool_choice.get("type")
         disable = tool_choice.get("disable_parallel_tool_use", False)
         if not isinstance(disable, bool):
-            raise bad_request("tool_choice.disable_parallel_tool_use must be a boolean", param="tool_choice.disable_parallel_tool_use")
+            raise bad_request(
+                "tool_choice.disable_parallel_tool_use must be a boolean", param="tool_choice.disable_parallel_tool_use"
+            )
         parallel = not disable
         if kind == "tool":
             choice = {"type": "function", "function": {"name": tool_choice.get("name")}}
@@ -50,7 +54,11 @@ def anthropic_tool_options(tools: list[dict[str, Any]] | None, tool_choice: dict
         return openai_tool_options(converted or None, choice, parallel)
     except APIError as err:  # the OpenAI field names, put in Anthropic's terms
         message = err.message.replace("function.parameters", "input_schema").replace(".function", "")
-        param = None if err.param is None else err.param.replace(".function.parameters", ".input_schema").replace(".function", "")
+        param = (
+            None
+            if err.param is None
+            else err.param.replace(".function.parameters", ".input_schema").replace(".function", "")
+        )
         raise bad_request(message, param=param) from None
 
 
@@ -78,7 +86,9 @@ def thinking_block(text: str) -> dict[str, Any]:
     return {"type": "thinking", "thinking": text, "signature": ""}
 
 
-def anthropic_content(out: ParsedOutput, *, thinking: bool | None = False, omit_thinking: bool = False) -> list[dict[str, Any]]:
+def anthropic_content(
+    out: ParsedOutput, *, thinking: bool | None = False, omit_thinking: bool = False
+) -> list[dict[str, Any]]:
     """A message's `content` blocks: the reasoning first when the request asked to think (empty
     with `display: "omitted"`), the text (if any, or when there is nothing else), then one
     `tool_use` block per call."""
@@ -122,7 +132,9 @@ class AnthropicBlockStream:
         for d in delta.tool_calls:
             if d.first:
                 out += self._stop_open()
-                out.append(self._start({"type": "tool_use", "id": tool_use_id(d.call), "name": d.call.name, "input": {}}))
+                out.append(
+                    self._start({"type": "tool_use", "id": tool_use_id(d.call), "name": d.call.name, "input": {}})
+                )
                 self._open = "tool_use"
                 self.num_calls += 1
             if d.call.arguments and self._open == "tool_use":

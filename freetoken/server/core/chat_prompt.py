@@ -44,7 +44,9 @@ def render_chat(
     `extra_context` adds template variables (`ToolCalling.template_context`)."""
     messages = fold_system_messages(tokenizer, messages)
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools, extra_context=extra_context)
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tools=tools, extra_context=extra_context
+        )
     except NoChatTemplate:
         raise bad_request(
             "this model has no chat template and none is built in for its architecture; start the server with "
@@ -62,7 +64,9 @@ def render_chat(
     boundaries: list[int] = []
     for k in range(1, len(messages) + 1):
         try:
-            prefix = tokenizer.apply_chat_template(messages[:k], add_generation_prompt=False, tools=tools, extra_context=extra_context)
+            prefix = tokenizer.apply_chat_template(
+                messages[:k], add_generation_prompt=False, tools=tools, extra_context=extra_context
+            )
         except (ChatTemplateError, NoChatTemplate):
             continue
         if text.startswith(prefix) and len(prefix) in token_end:

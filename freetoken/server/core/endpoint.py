@@ -63,7 +63,12 @@ DEFAULT_DIALECT = Dialect(lambda err, _: err.response(), lambda err, _: sse(err.
 
 
 async def run_endpoint(
-    ctx: ServingContext, endpoint: str, request: Request, model: type[M], handler: Handler[M], dialect: Dialect = DEFAULT_DIALECT
+    ctx: ServingContext,
+    endpoint: str,
+    request: Request,
+    model: type[M],
+    handler: Handler[M],
+    dialect: Dialect = DEFAULT_DIALECT,
 ) -> Response:
     """Parse, run under --request-timeout, and answer failures in the route's dialect."""
     request_id = request_id_of(request)

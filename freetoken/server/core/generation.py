@@ -97,10 +97,15 @@ async def run_choice(client: EngineClient, spec: ChoiceSpec, tokenizer: Tokenize
     client before the first piece."""
     params = spec.params
     detok = IncrementalDetokenizer(
-        tokenizer, skip_special_tokens=params.skip_special_tokens, stop=params.stop, include_stop_string=spec.include_stop,
+        tokenizer,
+        skip_special_tokens=params.skip_special_tokens,
+        stop=params.stop,
+        include_stop_string=spec.include_stop,
         context_ids=spec.prompt_ids[-_CONTEXT_IDS:],
     )
-    stream = client.generate(spec.rid, spec.prompt_ids, params, eos_ids=spec.eos_ids, boundaries=spec.boundaries, pins=spec.pins)
+    stream = client.generate(
+        spec.rid, spec.prompt_ids, params, eos_ids=spec.eos_ids, boundaries=spec.boundaries, pins=spec.pins
+    )
     finished = False
     try:
         async for upd in stream:
@@ -174,7 +179,9 @@ def engine_error(client: EngineClient, err: FreeTokenError) -> APIError:
     """EngineRefused -> 400 with its code and param (429 for a full queue); EngineUnavailable (and other engine errors) -> 503."""
     code = getattr(err, "code", None)
     if code == "queue_full":
-        return APIError(429, str(getattr(err, "message", err)), code="rate_limit_exceeded", headers={"Retry-After": "1"})
+        return APIError(
+            429, str(getattr(err, "message", err)), code="rate_limit_exceeded", headers={"Retry-After": "1"}
+        )
     if code is not None:  # EngineRefused carries .message .code .param
         return bad_request(str(getattr(err, "message", err)), param=getattr(err, "param", None), code=code)
     return APIError(503, f"engine unavailable: {err}", code="engine_unavailable", headers={"Retry-After": "5"})

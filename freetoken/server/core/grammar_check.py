@@ -80,7 +80,8 @@ def check_tool_schemas(schemas: list[tuple[str, Any]]) -> None:
         if where is not None:
             raise bad_request(
                 f"{param}: the schema admits no finite JSON value: the $ref at {where} never ends (a $ref cycle)",
-                param=param, code="invalid_grammar",
+                param=param,
+                code="invalid_grammar",
             )
 
 
@@ -183,7 +184,9 @@ def _needs(schema: dict[str, Any], node: dict[str, Any]) -> tuple[list[Any], lis
     return every, groups
 
 
-def _productive(nodes: dict[int, tuple[dict[str, Any], str]], needs: dict[int, tuple[list[Any], list[list[Any]]]]) -> set[int]:
+def _productive(
+    nodes: dict[int, tuple[dict[str, Any], str]], needs: dict[int, tuple[list[Any], list[list[Any]]]]
+) -> set[int]:
     """The ids of the productive nodes. Horn-clause propagation (linear): each node waits for its
     `every` dependencies and for one member of each group; a dependency that is not a dict node
     is settled at once."""
@@ -203,7 +206,10 @@ def _productive(nodes: dict[int, tuple[dict[str, Any], str]], needs: dict[int, t
                 count += 1
         open_groups = 0
         for g, members in enumerate(groups):
-            if any(not isinstance(m, dict) and m is not False or (isinstance(m, dict) and id(m) not in nodes) for m in members):
+            if any(
+                not isinstance(m, dict) and m is not False or (isinstance(m, dict) and id(m) not in nodes)
+                for m in members
+            ):
                 continue  # a member that is settled productive already
             open_groups += 1
             for m in members:

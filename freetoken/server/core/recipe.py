@@ -103,12 +103,24 @@ async def prepare_chat(ctx: ServingContext, chat: ChatInput) -> PreparedChat:
         partial(with_tools, ctx, chat.tools, chat.messages, thinking=chat.thinking, render=chat.render)
     )
     max_tokens = chat.max_tokens if chat.max_tokens is not None else info.context_length - len(prompt.ids)
-    check_context(len(prompt.ids), max(max_tokens, 1), info.context_length, prompt_param=chat.prompt_param, max_param=chat.max_param)
-    params = tooling.sampling(_sized(chat.params, max_tokens, chat.check_vocab, info), reasoning_budget=chat.reasoning_budget)
+    check_context(
+        len(prompt.ids),
+        max(max_tokens, 1),
+        info.context_length,
+        prompt_param=chat.prompt_param,
+        max_param=chat.max_param,
+    )
+    params = tooling.sampling(
+        _sized(chat.params, max_tokens, chat.check_vocab, info), reasoning_budget=chat.reasoning_budget
+    )
     ctx.check_capacity(chat.num_choices)
     return PreparedChat(
-        prompts=(prompt,), params=params, num_choices=chat.num_choices, include_stop=chat.include_stop,
-        pins=chat.pins.at(prompt.boundaries), tooling=tooling,
+        prompts=(prompt,),
+        params=params,
+        num_choices=chat.num_choices,
+        include_stop=chat.include_stop,
+        pins=chat.pins.at(prompt.boundaries),
+        tooling=tooling,
     )
 
 
@@ -120,7 +132,10 @@ async def prepare_prompts(ctx: ServingContext, raw: PromptInput) -> Prepared:
     params = _sized(raw.params, raw.max_tokens, raw.check_vocab, info)
     ctx.check_capacity(len(prompts) * raw.num_choices)
     return Prepared(
-        prompts=tuple(Prompt(ids) for ids in prompts), params=params, num_choices=raw.num_choices, include_stop=raw.include_stop
+        prompts=tuple(Prompt(ids) for ids in prompts),
+        params=params,
+        num_choices=raw.num_choices,
+        include_stop=raw.include_stop,
     )
 
 

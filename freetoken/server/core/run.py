@@ -18,7 +18,15 @@ from freetoken.request import SamplingParams
 from freetoken.server.context import ServingContext
 from freetoken.server.operations.activity import Throughput
 from freetoken.server.core.generation import (
-    ChoiceResult, ChoiceSpec, Clock, Piece, _close, collect, first_piece, merge, run_choice,
+    ChoiceResult,
+    ChoiceSpec,
+    Clock,
+    Piece,
+    _close,
+    collect,
+    first_piece,
+    merge,
+    run_choice,
 )
 from freetoken.server.core.recipe import Prepared
 from freetoken.server.core.streaming import Framing, Tally, event_stream, record
@@ -47,7 +55,9 @@ class Run:
 
     def events(self, first: Piece | None, framing: Framing) -> AsyncIterator[str]:
         """The request's stream in `framing`'s events (its metrics recorded as it ends)."""
-        return event_stream(self.ctx, self.endpoint, self.pieces, first, tally=self.tally, clock=self.clock, framing=framing)
+        return event_stream(
+            self.ctx, self.endpoint, self.pieces, first, tally=self.tally, clock=self.clock, framing=framing
+        )
 
 
 def seeded(params: SamplingParams, choice: int) -> SamplingParams:
@@ -55,7 +65,9 @@ def seeded(params: SamplingParams, choice: int) -> SamplingParams:
     return params if params.seed is None or choice == 0 else replace(params, seed=params.seed + choice)
 
 
-async def metered(pieces: AsyncIterator[Piece], specs: list[ChoiceSpec], throughput: Throughput) -> AsyncIterator[Piece]:
+async def metered(
+    pieces: AsyncIterator[Piece], specs: list[ChoiceSpec], throughput: Throughput
+) -> AsyncIterator[Piece]:
     """`pieces` as they come, their tokens counted in the dashboard's tok/s: a choice's prompt
     past its cache hit as prefill when its first piece comes, every generated token as decode.
     Closing this closes (aborts) `pieces`."""
@@ -72,17 +84,27 @@ async def metered(pieces: AsyncIterator[Piece], specs: list[ChoiceSpec], through
         await _close(pieces)
 
 
-def start(ctx: ServingContext, endpoint: str, prepared: Prepared, request_id: str, response_id: str, clock: Clock) -> Run:
+def start(
+    ctx: ServingContext, endpoint: str, prepared: Prepared, request_id: str, response_id: str, clock: Clock
+) -> Run:
     n = prepared.num_choices
     eos = frozenset(ctx.tokenizer.stop_ids)
     specs = [
         ChoiceSpec(
-            p * n + j, engine_rid(request_id, response_id, p * n + j), prompt.ids, seeded(prepared.params, j), eos, prompt.boundaries,
-            include_stop=prepared.include_stop, pins=prepared.pins,
+            p * n + j,
+            engine_rid(request_id, response_id, p * n + j),
+            prompt.ids,
+            seeded(prepared.params, j),
+            eos,
+            prompt.boundaries,
+            include_stop=prepared.include_stop,
+            pins=prepared.pins,
         )
         for p, prompt in enumerate(prepared.prompts)
         for j in range(n)
     ]
     tally = Tally([len(prompt.ids) for prompt in prepared.prompts], [spec.index // n for spec in specs], request_id)
-    pieces = metered(merge([run_choice(ctx.client, spec, ctx.tokenizer) for spec in specs]), specs, ctx.activity.throughput)
+    pieces = metered(
+        merge([run_choice(ctx.client, spec, ctx.tokenizer) for spec in specs]), specs, ctx.activity.throughput
+    )
     return Run(ctx, endpoint, specs, pieces, tally, clock)

@@ -27,7 +27,16 @@ from freetoken.request import CacheReport
 from freetoken.server.context import ServingContext
 from freetoken.server.errors import APIError
 from freetoken.server.operations.activity import FinishedRequest
-from freetoken.server.core.generation import DONE_EVENT, ChoiceResult, Clock, Piece, _close, engine_error, failed_choice, sse
+from freetoken.server.core.generation import (
+    DONE_EVENT,
+    ChoiceResult,
+    Clock,
+    Piece,
+    _close,
+    engine_error,
+    failed_choice,
+    sse,
+)
 from freetoken.server.operations.request_log import RequestEnd, log_request
 
 CLIENT_CLOSED = 499  # the status recorded for a client that went away mid-stream
@@ -105,7 +114,8 @@ class Tally:
         if drafted:  # --speculative: OpenAI's predicted-output counts (drafted tokens kept / thrown away)
             accepted = sum(r.accepted_tokens for r in self.reports)
             out["completion_tokens_details"] = {
-                "accepted_prediction_tokens": accepted, "rejected_prediction_tokens": drafted - accepted,
+                "accepted_prediction_tokens": accepted,
+                "rejected_prediction_tokens": drafted - accepted,
             }
         return out
 
@@ -115,10 +125,19 @@ def record(ctx: ServingContext, endpoint: str, status: int, tally: Tally, clock:
     now = time.perf_counter()
     ctx.activity.finished(finished_request(endpoint, status, tally, clock, now))
     ttft_s = None if clock.first_token is None else clock.first_token - clock.start
-    log_request(RequestEnd(
-        endpoint, status, tally.request_id, tally.prompt_tokens, tally.cached_tokens, tally.completion_tokens, ttft_s,
-        None if clock.first_token is None else now - clock.first_token, tally.finish,
-    ))
+    log_request(
+        RequestEnd(
+            endpoint,
+            status,
+            tally.request_id,
+            tally.prompt_tokens,
+            tally.cached_tokens,
+            tally.completion_tokens,
+            ttft_s,
+            None if clock.first_token is None else now - clock.first_token,
+            tally.finish,
+        )
+    )
     ctx.metrics.record_request(
         endpoint,
         status,
@@ -136,9 +155,16 @@ def finished_request(endpoint: str, status: int, tally: Tally, clock: Clock, now
     reasons = [r for r in dict.fromkeys(tally.finish) if r is not None]
     misses = tally.prompt_misses()
     return FinishedRequest(
-        at=time.time(), endpoint=endpoint, status=status, prompt_tokens=tally.prompt_tokens, cached_tokens=tally.cached_tokens,
-        completion_tokens=tally.completion_tokens, ttft_s=None if clock.first_token is None else clock.first_token - clock.start,
-        latency_s=now - clock.start, finish_reason=",".join(reasons) or None, miss_reason=misses[0][1] if misses else None,
+        at=time.time(),
+        endpoint=endpoint,
+        status=status,
+        prompt_tokens=tally.prompt_tokens,
+        cached_tokens=tally.cached_tokens,
+        completion_tokens=tally.completion_tokens,
+        ttft_s=None if clock.first_token is None else clock.first_token - clock.start,
+        latency_s=now - clock.start,
+        finish_reason=",".join(reasons) or None,
+        miss_reason=misses[0][1] if misses else None,
     )
 
 
@@ -165,7 +191,13 @@ class Framing(Protocol):
 
 
 async def event_stream(
-    ctx: ServingContext, endpoint: str, pieces: AsyncIterator[Piece], first: Piece | None, *, tally: Tally, clock: Clock,
+    ctx: ServingContext,
+    endpoint: str,
+    pieces: AsyncIterator[Piece],
+    first: Piece | None,
+    *,
+    tally: Tally,
+    clock: Clock,
     framing: Framing,
 ) -> AsyncIterator[str]:
     """The events of one request (its first piece already taken, see `generation.first_piece`)."""

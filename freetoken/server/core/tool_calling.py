@@ -78,7 +78,11 @@ def openai_tool_options(tools: Sequence[Any] | None, tool_choice: Any, parallel:
         choice = "auto" if checked else "none"
     elif isinstance(tool_choice, str) and tool_choice in CHOICES:
         choice = tool_choice
-    elif isinstance(tool_choice, dict) and tool_choice.get("type") == "function" and isinstance(tool_choice.get("function"), dict):
+    elif (
+        isinstance(tool_choice, dict)
+        and tool_choice.get("type") == "function"
+        and isinstance(tool_choice.get("function"), dict)
+    ):
         choice, named = "required", tool_choice["function"].get("name")
         if named not in names:
             raise bad_request(f"tool_choice names function {named!r}, which is not in tools", param="tool_choice")
@@ -99,12 +103,16 @@ def _check_tool(tool: Any, k: int) -> dict[str, Any]:
     fn = tool["function"]
     name = fn.get("name")
     if not isinstance(name, str) or not _NAME.match(name):
-        raise bad_request(f"{param}.function.name must be 1-64 letters, digits, '_', '-' or '.'", param=f"{param}.function.name")
+        raise bad_request(
+            f"{param}.function.name must be 1-64 letters, digits, '_', '-' or '.'", param=f"{param}.function.name"
+        )
     if fn.get("description") is not None and not isinstance(fn.get("description"), str):
         raise bad_request(f"{param}.function.description must be a string", param=f"{param}.function.description")
     params = fn.get("parameters")
     if params is not None and not isinstance(params, dict):
-        raise bad_request(f"{param}.function.parameters must be a JSON schema object", param=f"{param}.function.parameters")
+        raise bad_request(
+            f"{param}.function.parameters must be a JSON schema object", param=f"{param}.function.parameters"
+        )
     out: dict[str, Any] = {"name": name}
     if fn.get("description"):
         out["description"] = fn["description"]
@@ -120,7 +128,9 @@ def tool_parser_name(ctx: ServingContext) -> str:
     special = [tokenizer.id_to_token(i) or "" for i in tokenizer.special_ids]
     info = ctx.client.info
     return detect_tool_parser(
-        chat_template=tokenizer.chat_template, special_tokens=special, architecture=None if info is None else info.architecture
+        chat_template=tokenizer.chat_template,
+        special_tokens=special,
+        architecture=None if info is None else info.architecture,
     )
 
 
@@ -170,7 +180,9 @@ class ToolCalling:
             return False
         return self.reasoning is not None and text.rstrip().endswith(MARKERS[self.reasoning][0])
 
-    def template_inputs(self, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    def template_inputs(
+        self, messages: list[dict[str, Any]]
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
         """The messages and `tools` to hand the chat template (see `tool_messages.prepare_messages`)."""
         tools = list(self.options.tools) if self.options.active else []
         return prepare_messages(self._ctx.tokenizer, messages, tools, self.parser, parallel=self.options.parallel)
@@ -182,10 +194,13 @@ class ToolCalling:
             params = replace(params, skip_special_tokens=False)
         if self.options.forced:
             forced = self.options.forced_tools()
-            check_tool_schemas([
-                (f"tools[{k}].function.parameters", t["function"].get("parameters"))
-                for k, t in enumerate(self.options.tools) if any(t is f for f in forced)
-            ])
+            check_tool_schemas(
+                [
+                    (f"tools[{k}].function.parameters", t["function"].get("parameters"))
+                    for k, t in enumerate(self.options.tools)
+                    if any(t is f for f in forced)
+                ]
+            )
             params = replace(params, grammar=("lark", self.parser.forced_grammar(forced)))
         self._constrained = params.grammar is not None
         if reasoning_budget is not None and self._splits_reasoning:
@@ -222,11 +237,19 @@ class ToolCalling:
         """A choice's incremental parse. `incremental`: a call's arguments come as fragments while
         they are written (`ToolCallDelta.first` opens the call); otherwise each call comes whole,
         once the next one starts or the output ends."""
-        think = reasoning_stream(self.reasoning, in_reasoning=self._opened) if self._splits_reasoning and self.reasoning else None
+        think = (
+            reasoning_stream(self.reasoning, in_reasoning=self._opened)
+            if self._splits_reasoning and self.reasoning
+            else None
+        )
         forced = self.options.forced and self._constrained
         tools = self.options.forced_tools() if forced else []
         return ToolStream(
-            self.parser.stream() if self.parses else None, self.options.parallel, think, incremental=incremental, forced=forced,
+            self.parser.stream() if self.parses else None,
+            self.options.parallel,
+            think,
+            incremental=incremental,
+            forced=forced,
             forced_name=tools[0]["function"]["name"] if len(tools) == 1 else None,
         )
 
@@ -289,7 +312,9 @@ class ToolStream:
         delta = StreamDelta()
         if self._think is not None:
             reasoning, text = self._think.finish()
-            delta = self._limit(reasoning, self._inner.feed(text) if self._inner is not None else StreamDelta(content=text))
+            delta = self._limit(
+                reasoning, self._inner.feed(text) if self._inner is not None else StreamDelta(content=text)
+            )
         delta.extend(self._limit("", self._inner.finish() if self._inner is not None else StreamDelta()))
         if self._forced_name is not None and not self.num_calls:  # cut off before the call's head was written
             delta.tool_calls.append(ToolCallDelta(0, ToolCall(new_call_id(), self._forced_name, "")))

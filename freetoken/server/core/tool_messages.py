@@ -21,7 +21,9 @@ _PROBE_TOOL = "ft_probe_tool_q7x"
 _PROBE_RESULT = "ft_probe_result_k3w"
 
 
-def _renders(tokenizer: Tokenizer, messages: list[dict[str, Any]], needle: str, tools: list[dict[str, Any]] | None = None) -> bool:
+def _renders(
+    tokenizer: Tokenizer, messages: list[dict[str, Any]], needle: str, tools: list[dict[str, Any]] | None = None
+) -> bool:
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
     except (ChatTemplateError, NoChatTemplate):
@@ -36,9 +38,14 @@ def _probe_call() -> dict[str, Any]:
 def template_support(tokenizer: Tokenizer) -> tuple[bool, bool, bool]:
     """Whether the template renders (a tools list, assistant tool_calls, tool-role results)."""
     user = {"role": "user", "content": "hi"}
-    tool = {"type": "function", "function": {"name": _PROBE_TOOL, "description": "probe", "parameters": {"type": "object"}}}
+    tool = {
+        "type": "function",
+        "function": {"name": _PROBE_TOOL, "description": "probe", "parameters": {"type": "object"}},
+    }
     tools = _renders(tokenizer, [user], _PROBE_TOOL, tools=[tool])
-    calls = _renders(tokenizer, [user, {"role": "assistant", "content": "", "tool_calls": [_probe_call()]}], _PROBE_TOOL)
+    calls = _renders(
+        tokenizer, [user, {"role": "assistant", "content": "", "tool_calls": [_probe_call()]}], _PROBE_TOOL
+    )
     result = _renders(
         tokenizer,
         [
@@ -73,7 +80,12 @@ def _as_tool_call(call: dict[str, Any]) -> ToolCall:
 
 
 def prepare_messages(
-    tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]], parser: ToolParser, *, parallel: bool
+    tokenizer: Tokenizer,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]],
+    parser: ToolParser,
+    *,
+    parallel: bool,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """The messages and `tools` argument for `tokenizer`'s template (tools None when it does not
     render them and the tool prompt went into the system message instead)."""

@@ -40,9 +40,15 @@ def chat_input(req: ChatCompletionRequest) -> ChatInput:
     tools = openai_tool_options(req.tools, req.tool_choice, req.parallel_tool_calls)
     messages = req.template_messages()
     return ChatInput(
-        messages=messages, params=params, max_tokens=max_tokens, tools=tools,
-        pins=openai_pin_marks(messages, req.prompt_cache_key, req.prompt_cache_retention), num_choices=req.num_choices,
-        include_stop=bool(req.no_stop_trim), max_param=req.max_param, check_vocab=partial(logit_bias_pairs, req.logit_bias),
+        messages=messages,
+        params=params,
+        max_tokens=max_tokens,
+        tools=tools,
+        pins=openai_pin_marks(messages, req.prompt_cache_key, req.prompt_cache_retention),
+        num_choices=req.num_choices,
+        include_stop=bool(req.no_stop_trim),
+        max_param=req.max_param,
+        check_vocab=partial(logit_bias_pairs, req.logit_bias),
     )
 
 
@@ -63,7 +69,9 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     return sse_response(run.events(first, framing))
 
 
-def chat_choice(ctx: ServingContext, index: int, res: ChoiceResult, tooling: ToolCalling, with_logprobs: bool) -> dict[str, Any]:
+def chat_choice(
+    ctx: ServingContext, index: int, res: ChoiceResult, tooling: ToolCalling, with_logprobs: bool
+) -> dict[str, Any]:
     """One choice of a `chat.completion` body: its message (content, reasoning, tool calls)."""
     out = tooling.parse(res.text)
     return {
@@ -80,7 +88,13 @@ class ChatChunks:
     chunk when `stream_options.include_usage` asked for it (then every chunk has `usage: null`)."""
 
     def __init__(
-        self, ctx: ServingContext, head: dict[str, Any], tooling: ToolCalling, n: int, with_logprobs: bool, include_usage: bool
+        self,
+        ctx: ServingContext,
+        head: dict[str, Any],
+        tooling: ToolCalling,
+        n: int,
+        with_logprobs: bool,
+        include_usage: bool,
     ) -> None:
         self._ctx = ctx
         self._head = {**head, "object": "chat.completion.chunk"}
@@ -90,7 +104,10 @@ class ChatChunks:
         self._parsers = [tooling.stream(incremental=True) for _ in range(n)]
 
     def chunk(self, index: int, delta: dict[str, Any], logprobs: Any, finish: str | None) -> dict[str, Any]:
-        out = {**self._head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+        out = {
+            **self._head,
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+        }
         if self._include_usage:
             out["usage"] = None
         return out

@@ -30,7 +30,9 @@ ENDPOINT = "completions"
 MAX_PROMPTS = 64
 
 
-def prompt_ids(tokenizer: Tokenizer, prompt: str | list[str] | list[int] | list[list[int]], vocab_size: int) -> list[list[int]]:
+def prompt_ids(
+    tokenizer: Tokenizer, prompt: str | list[str] | list[int] | list[list[int]], vocab_size: int
+) -> list[list[int]]:
     """The token ids of each prompt; 400 for an empty prompt or an id outside the vocabulary."""
     if isinstance(prompt, str):
         batch: list[list[int]] = [tokenizer.encode(prompt)]
@@ -50,7 +52,9 @@ def prompt_ids(tokenizer: Tokenizer, prompt: str | list[str] | list[int] | list[
         bad = [i for i in ids if not 0 <= i < vocab_size]
         if bad:
             raise bad_request(
-                f"token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})", param="prompt", code="invalid_token_id"
+                f"token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})",
+                param="prompt",
+                code="invalid_token_id",
             )
     return batch
 
@@ -81,7 +85,9 @@ def _echo_logprobs(tokenizer: Tokenizer, ids: list[int], prompt_lps: list[Any] |
         text = tokenizer.decode([token_id])
         out["tokens"].append(text)
         out["token_logprobs"].append(None if entry is None else wire_logprob(entry[1]))
-        out["top_logprobs"].append(None if entry is None else {tokenizer.decode([t]): wire_logprob(lp) for t, lp in entry[2]})
+        out["top_logprobs"].append(
+            None if entry is None else {tokenizer.decode([t]): wire_logprob(lp) for t, lp in entry[2]}
+        )
         out["text_offset"].append(offset)
         offset += len(text)
     return out
@@ -98,8 +104,11 @@ def completion_input(req: CompletionRequest) -> PromptInput:
     prompt_logprobs = logprobs if req.echo and logprobs is not None else None
     return PromptInput(
         tokenize=lambda tokenizer, vocab_size: prompt_ids(tokenizer, req.prompt, vocab_size),
-        params=req.sampling_params(max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs), max_tokens=max_tokens,
-        num_choices=req.num_choices, include_stop=bool(req.no_stop_trim), check_vocab=partial(logit_bias_pairs, req.logit_bias),
+        params=req.sampling_params(max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs),
+        max_tokens=max_tokens,
+        num_choices=req.num_choices,
+        include_stop=bool(req.no_stop_trim),
+        check_vocab=partial(logit_bias_pairs, req.logit_bias),
     )
 
 
@@ -120,20 +129,31 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
     response_id = f"cmpl-{uuid.uuid4().hex}"
     run = start(ctx, ENDPOINT, prepared, request_id, response_id, clock)
     head = {"id": response_id, "object": "text_completion", "created": int(time.time()), "model": ctx.served_name}
-    shapes = CompletionShapes(ctx, head, run.specs, echo_texts(req, ctx.tokenizer, [p.ids for p in prepared.prompts]), req)
+    shapes = CompletionShapes(
+        ctx, head, run.specs, echo_texts(req, ctx.tokenizer, [p.ids for p in prepared.prompts]), req
+    )
     if not req.stream:
         results = await run.collect()
         choices = [shapes.choice(spec, res) for spec, res in zip(run.specs, results)]
         return JSONResponse({**head, "choices": choices, "usage": run.tally.usage(ctx.config.enable_cache_report)})
     first = await run.first()
-    return sse_response(run.events(first, DataFraming([], shapes.chunks, shapes.usage_chunk if req.include_usage else None)))
+    return sse_response(
+        run.events(first, DataFraming([], shapes.chunks, shapes.usage_chunk if req.include_usage else None))
+    )
 
 
 class CompletionShapes:
     """The `text_completion` choices and stream chunks of one request: each choice's text after
     its prompt's echo, with legacy logprobs (the echoed prompt's first, under `echo`) when asked."""
 
-    def __init__(self, ctx: ServingContext, head: dict[str, Any], specs: list[ChoiceSpec], echoes: list[str], req: CompletionRequest) -> None:
+    def __init__(
+        self,
+        ctx: ServingContext,
+        head: dict[str, Any],
+        specs: list[ChoiceSpec],
+        echoes: list[str],
+        req: CompletionRequest,
+    ) -> None:
         self._ctx = ctx
         self._head = head
         self._specs = specs
@@ -151,8 +171,15 @@ class CompletionShapes:
         if self._logprobs:
             logprobs = legacy_logprobs(self._ctx.tokenizer, res.logprobs, len(prefix))
             if self._echo:
-                logprobs = _merge_logprobs(_echo_logprobs(self._ctx.tokenizer, spec.prompt_ids, res.prompt_logprobs), logprobs)
-        return {"index": spec.index, "text": prefix + res.text, "logprobs": logprobs, "finish_reason": res.finish_reason}
+                logprobs = _merge_logprobs(
+                    _echo_logprobs(self._ctx.tokenizer, spec.prompt_ids, res.prompt_logprobs), logprobs
+                )
+        return {
+            "index": spec.index,
+            "text": prefix + res.text,
+            "logprobs": logprobs,
+            "finish_reason": res.finish_reason,
+        }
 
     def chunk(self, index: int, text: str, logprobs: dict[str, Any] | None, finish: str | None) -> dict[str, Any]:
         out = {**self._head, "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
@@ -165,7 +192,9 @@ class CompletionShapes:
         out = []
         if self._echo and piece.index not in self._echoed:
             self._echoed.add(piece.index)
-            lps = _echo_logprobs(self._ctx.tokenizer, spec.prompt_ids, piece.prompt_logprobs) if self._logprobs else None
+            lps = (
+                _echo_logprobs(self._ctx.tokenizer, spec.prompt_ids, piece.prompt_logprobs) if self._logprobs else None
+            )
             out.append(self.chunk(piece.index, self._echoes[spec.index // self._n], lps, None))
         lps = None
         if self._logprobs:

@@ -78,8 +78,10 @@ class _Sampling(_Strict):
             if value is not None and value != supported:
                 raise bad_request(
                     f"'{name}': {str(value).lower()} is not supported by this server (only {str(supported).lower()})",
-                    param=name, code="unsupported_parameter",
+                    param=name,
+                    code="unsupported_parameter",
                 )
+
     # -- end of the router fields --
 
     def unimplemented_fields(self) -> tuple[str, ...]:
@@ -120,7 +122,12 @@ class _Sampling(_Strict):
         return self
 
     def sampling_params(
-        self, max_tokens: int, *, logprobs: int | None, prompt_logprobs: int | None = None, vocab_size: int | None = None
+        self,
+        max_tokens: int,
+        *,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        vocab_size: int | None = None,
     ) -> SamplingParams:
         """Range-checked SamplingParams (a 400 naming the field when one is out of range);
         `logit_bias` ids are checked against `vocab_size` when it is given."""
@@ -246,7 +253,9 @@ class ChatMessage(_Strict):
         for j, part in enumerate(self.content):
             if isinstance(part, UnsupportedPart):
                 param = f"{where}.content[{j}]"
-                raise bad_request(f"{param}: content parts of type '{part.type}' are not supported by this server", param=param)
+                raise bad_request(
+                    f"{param}: content parts of type '{part.type}' are not supported by this server", param=param
+                )
             texts.append(part.text if isinstance(part, TextPart) else part.refusal)
         return "\n".join(texts)
 
@@ -311,9 +320,13 @@ class ChatCompletionRequest(_Sampling):
 
     def router_defaults(self) -> dict[str, bool]:
         return {
-            "return_hidden_states": False, "continue_final_message": False,
-            "separate_reasoning": True, "stream_reasoning": True, "include_reasoning": True,
+            "return_hidden_states": False,
+            "continue_final_message": False,
+            "separate_reasoning": True,
+            "stream_reasoning": True,
+            "include_reasoning": True,
         }
+
     # -- end of the router fields --
 
     def check_messages(self) -> None:
@@ -334,7 +347,11 @@ class ChatCompletionRequest(_Sampling):
     def requested_max_tokens(self) -> int | None:
         """`max_completion_tokens` or `max_tokens` (None: the rest of the context); a 400 when
         they disagree or below 1."""
-        if self.max_tokens is not None and self.max_completion_tokens is not None and self.max_tokens != self.max_completion_tokens:
+        if (
+            self.max_tokens is not None
+            and self.max_completion_tokens is not None
+            and self.max_tokens != self.max_completion_tokens
+        ):
             raise bad_request("max_tokens and max_completion_tokens disagree; send one", param="max_completion_tokens")
         requested = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         check_max_tokens(requested, self.max_param)
@@ -365,8 +382,14 @@ def logit_bias_pairs(bias: dict[str, float] | None, vocab_size: int | None) -> t
             raise bad_request(f"logit_bias keys must be token ids, got {key!r}", param=param, code="invalid_value")
         token = int(key)
         if vocab_size is not None and token >= vocab_size:
-            raise bad_request(f"logit_bias: token id {token} is outside the vocabulary (size {vocab_size})", param=param, code="invalid_value")
+            raise bad_request(
+                f"logit_bias: token id {token} is outside the vocabulary (size {vocab_size})",
+                param=param,
+                code="invalid_value",
+            )
         if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
-            raise bad_request(f"logit_bias values must be in [-100, 100], got {value} for {key}", param=param, code="invalid_value")
+            raise bad_request(
+                f"logit_bias values must be in [-100, 100], got {value} for {key}", param=param, code="invalid_value"
+            )
         pairs.append((token, value))
     return tuple(pairs)

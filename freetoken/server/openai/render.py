@@ -33,5 +33,7 @@ def render_completion_request(ctx: ServingContext, req: CompletionRequest) -> li
     ctx.check_model(req.model)
     info = ctx.ready_info()
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    return [{"request_id": request_id, "model": ctx.served_name, "token_ids": ids}
-            for ids in prompt_ids(ctx.tokenizer, req.prompt, info.vocab_size)]
+    return [
+        {"request_id": request_id, "model": ctx.served_name, "token_ids": ids}
+        for ids in prompt_ids(ctx.tokenizer, req.prompt, info.vocab_size)
+    ]

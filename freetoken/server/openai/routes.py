@@ -58,12 +58,16 @@ def openai_router(ctx: ServingContext) -> APIRouter:
     @router.post("/v1/chat/completions/render")
     async def chat_render(request: Request) -> Response:
         body = await parse_body(request, ChatCompletionRequest)
-        return await anyio.to_thread.run_sync(lambda: JSONResponse(render_chat_request(ctx, body)))  # off the event loop
+        return await anyio.to_thread.run_sync(
+            lambda: JSONResponse(render_chat_request(ctx, body))
+        )  # off the event loop
 
     @router.post("/v1/completions/render")
     async def completions_render(request: Request) -> Response:
         body = await parse_body(request, CompletionRequest)
-        return await anyio.to_thread.run_sync(lambda: JSONResponse(render_completion_request(ctx, body)))  # off the event loop
+        return await anyio.to_thread.run_sync(
+            lambda: JSONResponse(render_completion_request(ctx, body))
+        )  # off the event loop
 
     @router.post("/v1/detokenize")
     async def detokenize_route(request: Request) -> Response:

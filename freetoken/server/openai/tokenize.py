@@ -54,7 +54,9 @@ def _chat_ids(
     try:
         text = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=False, tools=template_tools)
     except NoChatTemplate:
-        raise bad_request("this model has no chat template; tokenize a prompt instead", param="messages", code="no_chat_template") from None
+        raise bad_request(
+            "this model has no chat template; tokenize a prompt instead", param="messages", code="no_chat_template"
+        ) from None
     except ChatTemplateError as err:
         raise bad_request(f"the chat template refused these messages: {err}", param="messages") from None
     return ctx.tokenizer.encode(text, add_special_tokens=False)
@@ -64,7 +66,9 @@ async def tokenize(ctx: ServingContext, req: TokenizeRequest) -> Response:
     if req.model is not None:
         ctx.check_model(req.model)
     if (req.prompt is None) == (req.messages is None):
-        raise bad_request("send exactly one of 'prompt' and 'messages'", param="prompt" if req.prompt is None else "messages")
+        raise bad_request(
+            "send exactly one of 'prompt' and 'messages'", param="prompt" if req.prompt is None else "messages"
+        )
     if req.prompt is not None:
         if req.tools is not None:
             raise bad_request("tools applies to 'messages' only", param="tools")
@@ -74,11 +78,15 @@ async def tokenize(ctx: ServingContext, req: TokenizeRequest) -> Response:
         ids = await anyio.to_thread.run_sync(partial(ctx.tokenizer.encode, req.prompt, add_special_tokens=add_special))
     else:
         if req.add_special_tokens is not None:
-            raise bad_request("add_special_tokens applies to 'prompt' only (templates write their own)", param="add_special_tokens")
+            raise bad_request(
+                "add_special_tokens applies to 'prompt' only (templates write their own)", param="add_special_tokens"
+            )
         if not req.messages:
             raise bad_request("messages must not be empty", param="messages")
         add_generation = True if req.add_generation_prompt is None else req.add_generation_prompt
-        ids = await anyio.to_thread.run_sync(_chat_ids, ctx, [m.for_template() for m in req.messages], req.tools, add_generation)
+        ids = await anyio.to_thread.run_sync(
+            _chat_ids, ctx, [m.for_template() for m in req.messages], req.tools, add_generation
+        )
     info = ctx.client.info
     body = {"tokens": ids, "count": len(ids), "max_model_len": None if info is None else info.context_length}
     return await anyio.to_thread.run_sync(JSONResponse, body)  # millions of ids take a while to write
@@ -93,6 +101,8 @@ async def detokenize(ctx: ServingContext, req: DetokenizeRequest) -> Response:
     for i, token in enumerate(req.tokens):
         if not 0 <= token < vocab:
             raise bad_request(
-                f"token id {token} is outside the vocabulary (0..{vocab - 1})", param=f"tokens[{i}]", code="invalid_token_id"
+                f"token id {token} is outside the vocabulary (0..{vocab - 1})",
+                param=f"tokens[{i}]",
+                code="invalid_token_id",
             )
     return JSONResponse({"prompt": ctx.tokenizer.decode(req.tokens)})

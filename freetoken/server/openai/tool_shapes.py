@@ -24,17 +24,27 @@ def openai_tool_calls(out: ParsedOutput | StreamDelta) -> list[dict[str, Any]]:
     in a call's first delta (later ones add argument text)."""
     if isinstance(out, StreamDelta):
         return [
-            {"index": d.index, "id": d.call.id, "type": "function", "function": {"name": d.call.name, "arguments": d.call.arguments}}
+            {
+                "index": d.index,
+                "id": d.call.id,
+                "type": "function",
+                "function": {"name": d.call.name, "arguments": d.call.arguments},
+            }
             if d.first
             else {"index": d.index, "function": {"arguments": d.call.arguments}}
             for d in out.tool_calls
         ]
-    return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in out.tool_calls]
+    return [
+        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in out.tool_calls
+    ]
 
 
 def openai_message(out: ParsedOutput) -> dict[str, Any]:
     """The assistant `message` of a non-streamed choice."""
-    message: dict[str, Any] = {"role": "assistant", "content": out.content if out.content or not out.tool_calls else None}
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": out.content if out.content or not out.tool_calls else None,
+    }
     if out.reasoning:
         message["reasoning_content"] = out.reasoning
     if out.tool_calls:
@@ -52,4 +62,3 @@ def openai_delta(delta: StreamDelta) -> dict[str, Any]:
     if delta.tool_calls:
         out["tool_calls"] = openai_tool_calls(delta)
     return out
-

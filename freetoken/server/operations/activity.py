@@ -25,7 +25,9 @@ class Throughput:
     """Tokens per `bucket_s` bucket: `add` counts into the bucket of now; `series` gives the last
     `span_s` of complete buckets, oldest first, as (prefill tok/s, decode tok/s), zeros included."""
 
-    def __init__(self, bucket_s: float = BUCKET_S, span_s: float = SPAN_S, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, bucket_s: float = BUCKET_S, span_s: float = SPAN_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.bucket_s = bucket_s
         self.size = max(1, int(span_s / bucket_s))
         self.clock = clock

@@ -30,7 +30,9 @@ class ResizeRequest(BaseModel):
 async def resize_cache(ctx: ServingContext, req: ResizeRequest) -> JSONResponse:
     ctx.ready_info()
     if req.full_tokens is None and req.swa_tokens is None and req.expert_cache_gb is None:
-        raise bad_request("give full_tokens, swa_tokens (tokens of KV memory per pool) or expert_cache_gb", param="full_tokens")
+        raise bad_request(
+            "give full_tokens, swa_tokens (tokens of KV memory per pool) or expert_cache_gb", param="full_tokens"
+        )
     answer = await ctx.client.resize_cache(req.full_tokens, req.swa_tokens, req.expert_cache_gb)
     if not answer.get("ok"):
         message, param = str(answer.get("error")), answer.get("param")

@@ -40,8 +40,10 @@ class DrainGate:
         """503 + Retry-After once draining."""
         if self.draining:
             raise APIError(
-                503, "the server is shutting down (draining) and admits no new requests; retry on another server",
-                code="server_draining", headers={"Retry-After": str(RETRY_AFTER_S)},
+                503,
+                "the server is shutting down (draining) and admits no new requests; retry on another server",
+                code="server_draining",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
             )
 
     @contextmanager
@@ -60,7 +62,9 @@ class DrainGate:
             return False
         self.draining = True
         self.since = time.monotonic()
-        log.warning("%s: draining (admitting nothing; in-flight requests get up to %g s, --shutdown-timeout)", why, timeout_s)
+        log.warning(
+            "%s: draining (admitting nothing; in-flight requests get up to %g s, --shutdown-timeout)", why, timeout_s
+        )
         self.task = asyncio.get_running_loop().create_task(drain(self, client, timeout_s, done), name="freetoken-drain")
         return True
 

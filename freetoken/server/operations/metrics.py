@@ -31,15 +31,35 @@ class VllmAliases:
         m = ["model_name"]
         self.running = Gauge("vllm:num_requests_running", "Requests in the engine's running batch", m, registry=r)
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled", m, registry=r)
-        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV cache usage (FULL pool pages held by requests); 1 = 100 percent", m, registry=r)
+        self.kv_usage = Gauge(
+            "vllm:kv_cache_usage_perc",
+            "KV cache usage (FULL pool pages held by requests); 1 = 100 percent",
+            m,
+            registry=r,
+        )
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed", m, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Generation tokens processed", m, registry=r)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", m, registry=r, buckets=_LATENCY_BUCKETS)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", m, registry=r, buckets=_LATENCY_BUCKETS)
-        self.cache_queries = Counter("vllm:prefix_cache_queries", "Prefix cache queries, in prompt tokens", m, registry=r)
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token", m, registry=r, buckets=_LATENCY_BUCKETS
+        )
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds", "End-to-end request latency", m, registry=r, buckets=_LATENCY_BUCKETS
+        )
+        self.cache_queries = Counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in prompt tokens", m, registry=r
+        )
         self.cache_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in prompt tokens", m, registry=r)
-        for metric in (self.running, self.waiting, self.kv_usage, self.prompt_tokens, self.generation_tokens,
-                       self.ttft, self.e2e, self.cache_queries, self.cache_hits):
+        for metric in (
+            self.running,
+            self.waiting,
+            self.kv_usage,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.ttft,
+            self.e2e,
+            self.cache_queries,
+            self.cache_hits,
+        ):
             metric.labels(model_name=model_name)  # present (at 0) from the first scrape
 
     def record(self, prompt: int, completion: int, cached: int, ttft_s: float | None, latency_s: float | None) -> None:
@@ -72,28 +92,58 @@ class Metrics:
         self.vllm = VllmAliases(r, model_name)
         self.experts = ExpertMetrics(r)
         self.speculative = SpeculativeMetrics(r)
-        self.requests = Counter("freetoken_requests", "HTTP generation requests by endpoint and status", ["endpoint", "status"], registry=r)
-        self.rejected = Counter("freetoken_requests_rejected_full", "Requests refused with 429 (queue full)", registry=r)
+        self.requests = Counter(
+            "freetoken_requests", "HTTP generation requests by endpoint and status", ["endpoint", "status"], registry=r
+        )
+        self.rejected = Counter(
+            "freetoken_requests_rejected_full", "Requests refused with 429 (queue full)", registry=r
+        )
         self.prompt_tokens = Counter("freetoken_prompt_tokens", "Prompt tokens of served requests", registry=r)
         self.generation_tokens = Counter("freetoken_generation_tokens", "Tokens generated", registry=r)
-        self.cache_hit_tokens = Counter("freetoken_cache_hit_tokens", "Prompt tokens served from the prefix cache", registry=r)
-        self.cache_misses = Counter(
-            "freetoken_cache_misses", "Prompts by why their prefix-cache hit stopped (kv/miss.py; diverged_at_token N counts as diverged)",
-            ["reason"], registry=r,
+        self.cache_hit_tokens = Counter(
+            "freetoken_cache_hit_tokens", "Prompt tokens served from the prefix cache", registry=r
         )
-        self.ttft = Histogram("freetoken_time_to_first_token_seconds", "Time to the first generated token", registry=r, buckets=_LATENCY_BUCKETS)
-        self.latency = Histogram("freetoken_request_latency_seconds", "Time from request to its last token", registry=r, buckets=_LATENCY_BUCKETS)
+        self.cache_misses = Counter(
+            "freetoken_cache_misses",
+            "Prompts by why their prefix-cache hit stopped (kv/miss.py; diverged_at_token N counts as diverged)",
+            ["reason"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "freetoken_time_to_first_token_seconds",
+            "Time to the first generated token",
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.latency = Histogram(
+            "freetoken_request_latency_seconds",
+            "Time from request to its last token",
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
         self.in_flight = Gauge("freetoken_requests_in_flight", "Requests the engine client holds", registry=r)
         self.engine_up = Gauge("freetoken_engine_up", "1 while the engine process is ready", registry=r)
-        self.engine_restarts = Gauge("freetoken_engine_restarts", "Engine process restarts since the server started", registry=r)
-        self.pool_pages = Gauge("freetoken_kv_pool_pages", "KV pool pages by pool and state", ["pool", "state"], registry=r)
+        self.engine_restarts = Gauge(
+            "freetoken_engine_restarts", "Engine process restarts since the server started", registry=r
+        )
+        self.pool_pages = Gauge(
+            "freetoken_kv_pool_pages", "KV pool pages by pool and state", ["pool", "state"], registry=r
+        )
         self.audits = Gauge("freetoken_kv_audits", "KV audits run by the current engine process", registry=r)
-        self.violations = Gauge("freetoken_kv_audit_violations", "Failed KV audits since the engine started", registry=r)
-        self.quarantined = Gauge("freetoken_kv_quarantined_pages", "KV pages quarantined after an integrity failure", registry=r)
+        self.violations = Gauge(
+            "freetoken_kv_audit_violations", "Failed KV audits since the engine started", registry=r
+        )
+        self.quarantined = Gauge(
+            "freetoken_kv_quarantined_pages", "KV pages quarantined after an integrity failure", registry=r
+        )
         self.preemptions = Gauge("freetoken_preemptions", "Requests preempted by the scheduler", registry=r)
-        self.engine_hangs = Gauge("freetoken_engine_hangs", "Engine processes killed for missing their heartbeat", registry=r)
+        self.engine_hangs = Gauge(
+            "freetoken_engine_hangs", "Engine processes killed for missing their heartbeat", registry=r
+        )
         self.heartbeat_max_gap = Gauge(
-            "freetoken_engine_heartbeat_max_gap_seconds", "Longest wait between two heartbeats of the current engine process", registry=r,
+            "freetoken_engine_heartbeat_max_gap_seconds",
+            "Longest wait between two heartbeats of the current engine process",
+            registry=r,
         )
 
     def record_request(
@@ -121,7 +171,14 @@ class Metrics:
         self.vllm.record(prompt_tokens, completion_tokens, cached_tokens, ttft_s, latency_s)
 
     def update_engine(
-        self, *, up: bool, restarts: int, in_flight: int, status: dict[str, Any] | None, hangs: int = 0, heartbeat_max_gap_s: float = 0.0,
+        self,
+        *,
+        up: bool,
+        restarts: int,
+        in_flight: int,
+        status: dict[str, Any] | None,
+        hangs: int = 0,
+        heartbeat_max_gap_s: float = 0.0,
     ) -> None:
         """Refresh the gauges from the client's counters and (when the engine answered) its status."""
         self.engine_up.set(1 if up else 0)

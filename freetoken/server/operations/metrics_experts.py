@@ -26,7 +26,9 @@ _FIELDS = {
 
 class ExpertMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.gauges = {key: Gauge(f"freetoken_expert_cache_{key}", text, registry=registry) for key, text in _FIELDS.items()}
+        self.gauges = {
+            key: Gauge(f"freetoken_expert_cache_{key}", text, registry=registry) for key, text in _FIELDS.items()
+        }
 
     def update(self, status: dict[str, Any]) -> None:
         cache = (status.get("experts") or {}).get("cache") or {}

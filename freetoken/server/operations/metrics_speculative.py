@@ -16,9 +16,17 @@ from prometheus_client import CollectorRegistry, Gauge
 
 class SpeculativeMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.drafted = Gauge("freetoken_spec_drafted_tokens", "Tokens drafted and verified (total since the engine started)", registry=registry)
-        self.accepted = Gauge("freetoken_spec_accepted_tokens", "Drafted tokens the verification accepted (total)", registry=registry)
-        self.rate = Gauge("freetoken_spec_acceptance_rate", "Accepted / drafted tokens since the engine started", registry=registry)
+        self.drafted = Gauge(
+            "freetoken_spec_drafted_tokens",
+            "Tokens drafted and verified (total since the engine started)",
+            registry=registry,
+        )
+        self.accepted = Gauge(
+            "freetoken_spec_accepted_tokens", "Drafted tokens the verification accepted (total)", registry=registry
+        )
+        self.rate = Gauge(
+            "freetoken_spec_acceptance_rate", "Accepted / drafted tokens since the engine started", registry=registry
+        )
 
     def update(self, status: dict[str, Any]) -> None:
         spec = status.get("speculative") or {}

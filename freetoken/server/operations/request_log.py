@@ -50,16 +50,24 @@ class RequestEnd:
         speed = "-" if self.tokens_per_s is None else f"{self.tokens_per_s:.1f}"
         if self.error is not None:
             return f"{self.route} {self.status} id={self.request_id} error={self.error!r}"
-        return (f"{self.route} {self.status} id={self.request_id} prompt={self.prompt_tokens} cached={self.cached_tokens} "
-                f"generated={self.generated_tokens} ttft={ttft} tok/s={speed} finish={self.finish}")
+        return (
+            f"{self.route} {self.status} id={self.request_id} prompt={self.prompt_tokens} cached={self.cached_tokens} "
+            f"generated={self.generated_tokens} ttft={ttft} tok/s={speed} finish={self.finish}"
+        )
 
     def fields(self) -> dict[str, object]:
         return {
-            "event": "request", "route": self.route, "status": self.status, "request_id": self.request_id,
-            "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens, "generated_tokens": self.generated_tokens,
+            "event": "request",
+            "route": self.route,
+            "status": self.status,
+            "request_id": self.request_id,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "generated_tokens": self.generated_tokens,
             "ttft_s": None if self.ttft_s is None else round(self.ttft_s, 4),
             "tokens_per_s": None if self.tokens_per_s is None else round(self.tokens_per_s, 2),
-            "finish_reason": self.finish, **({} if self.error is None else {"error": self.error}),
+            "finish_reason": self.finish,
+            **({} if self.error is None else {"error": self.error}),
         }
 
 

@@ -104,18 +104,22 @@ async def load(ctx: ServingContext, status: Callable[[], Awaitable[dict[str, Any
     doc = await status()
     engine = doc.get("engine") or {}
     in_use = int(doc["pools"]["full"]["in_use"])
-    return [{
-        "dp_rank": 0,
-        "num_reqs": int(engine.get("running", 0)),
-        "num_waiting_reqs": int(engine.get("waiting", 0)),
-        "num_tokens": in_use * int(doc["page_size"]),
-    }]
+    return [
+        {
+            "dp_rank": 0,
+            "num_reqs": int(engine.get("running", 0)),
+            "num_waiting_reqs": int(engine.get("waiting", 0)),
+            "num_tokens": in_use * int(doc["page_size"]),
+        }
+    ]
 
 
 async def generate_one_token(ctx: ServingContext) -> None:
     """Run one greedy token through the engine; raises FreeTokenError or TimeoutError if it cannot."""
     ids = ctx.tokenizer.encode(HEALTH_PROMPT)
-    stream = ctx.client.generate(f"health-{uuid.uuid4().hex}", ids, SamplingParams(max_tokens=1, temperature=0.0), eos_ids=())
+    stream = ctx.client.generate(
+        f"health-{uuid.uuid4().hex}", ids, SamplingParams(max_tokens=1, temperature=0.0), eos_ids=()
+    )
     async with contextlib.aclosing(stream), asyncio.timeout(HEALTH_GENERATE_TIMEOUT_S):  # closing aborts it
         async for update in stream:
             if update.finished:

@@ -32,13 +32,34 @@ import zmq.asyncio
 from freetoken.config import EngineConfig
 from freetoken.errors import FreeTokenError
 from freetoken.request import SamplingParams
-from freetoken.server.process.heartbeat import DEFAULT_HANG_TIMEOUT_S, INTERVAL_S as HEARTBEAT_INTERVAL_S, HeartbeatWatch
+from freetoken.server.process.heartbeat import (
+    DEFAULT_HANG_TIMEOUT_S,
+    INTERVAL_S as HEARTBEAT_INTERVAL_S,
+    HeartbeatWatch,
+)
 from freetoken.server.process.messages import (
-    AbortRequest, AddRequest, EngineError, FinishRequest, Heartbeat, Ready, Refused, ResizeCache, Shutdown, StatusQuery, StatusReply,
-    TokenUpdate, decode, encode,
+    AbortRequest,
+    AddRequest,
+    EngineError,
+    FinishRequest,
+    Heartbeat,
+    Ready,
+    Refused,
+    ResizeCache,
+    Shutdown,
+    StatusQuery,
+    StatusReply,
+    TokenUpdate,
+    decode,
+    encode,
 )
 from freetoken.server.process.supervisor import (
-    DEFAULT_LOAD_TIMEOUT_S, ExitReport, RestartPolicy, Supervisor, WorkerEndpoints, start_engine_process,
+    DEFAULT_LOAD_TIMEOUT_S,
+    ExitReport,
+    RestartPolicy,
+    Supervisor,
+    WorkerEndpoints,
+    start_engine_process,
 )
 from freetoken.utils.heap import freeze_startup_heap
 
@@ -173,12 +194,19 @@ class EngineClient:
         self._dir = early.directory if early is not None else tempfile.mkdtemp(prefix="freetoken-")
         self._ctx = zmq.asyncio.Context()
         self._supervisor = Supervisor(
-            self.config, served_name=self.served_name, on_spawn=self._on_spawn, on_exit=self._on_exit,
-            policy=self._policy, load_timeout_s=self.load_timeout_s, first=early.process if early is not None else None,
+            self.config,
+            served_name=self.served_name,
+            on_spawn=self._on_spawn,
+            on_exit=self._on_exit,
+            policy=self._policy,
+            load_timeout_s=self.load_timeout_s,
+            first=early.process if early is not None else None,
         )
         self._set_loading("the engine is loading the model")
         self._supervisor.start()
-        self._watchdog = asyncio.get_running_loop().create_task(self._watch_heartbeat(), name="freetoken-heartbeat-watch")
+        self._watchdog = asyncio.get_running_loop().create_task(
+            self._watch_heartbeat(), name="freetoken-heartbeat-watch"
+        )
 
     async def wait_ready(self, timeout: float) -> bool:
         """Wait until the engine serves; False after `timeout` or once the supervisor gave up."""
@@ -333,7 +361,9 @@ class EngineClient:
             self._send_now(make(qid), required=True)
             return await asyncio.wait_for(future, STATUS_TIMEOUT_S)
         except asyncio.TimeoutError:
-            raise EngineUnavailable(f"the engine did not answer a status query within {STATUS_TIMEOUT_S:.0f} s") from None
+            raise EngineUnavailable(
+                f"the engine did not answer a status query within {STATUS_TIMEOUT_S:.0f} s"
+            ) from None
         finally:
             self._status_waiters.pop(qid, None)
 
@@ -496,8 +526,14 @@ class EngineClient:
             if self._supervisor is not None:
                 self._supervisor.ready()
             self.info = msg
-            log.log(logging.DEBUG if self._on_ready is not None else logging.INFO, "engine process %d ready: %s (%s), context %d",
-                    msg.pid, msg.model_name, msg.architecture, msg.context_length)
+            log.log(
+                logging.DEBUG if self._on_ready is not None else logging.INFO,
+                "engine process %d ready: %s (%s), context %d",
+                msg.pid,
+                msg.model_name,
+                msg.architecture,
+                msg.context_length,
+            )
             self._set_state("ready", None)
             if self._on_ready is not None:
                 self._on_ready(msg)

@@ -56,9 +56,16 @@ class Progress:
         started = self.step_started
         running = 0.0 if started is None else time.monotonic() - started
         tensors, tensors_total, done_bytes, total_bytes = self.load if self.phase == "loading" else (0, 0, 0, 0)
-        return Heartbeat(pid=pid, phase=self.phase, steps=self.steps, step_running_s=round(running, 3),
-                         load_tensors=tensors, load_tensors_total=tensors_total, load_bytes=done_bytes,
-                         load_bytes_total=total_bytes)
+        return Heartbeat(
+            pid=pid,
+            phase=self.phase,
+            steps=self.steps,
+            step_running_s=round(running, 3),
+            load_tensors=tensors,
+            load_tensors_total=tensors_total,
+            load_bytes=done_bytes,
+            load_bytes_total=total_bytes,
+        )
 
 
 class HeartbeatSender:
@@ -122,7 +129,9 @@ class HeartbeatWatch:
             self._long_step_logged = beat.step_running_s
             log.warning(
                 "engine process %d: step %d has run for %.0f s (the engine is alive: its heartbeat goes on)",
-                beat.pid, beat.steps + 1, beat.step_running_s,
+                beat.pid,
+                beat.steps + 1,
+                beat.step_running_s,
             )
         elif beat.step_running_s < self._long_step_logged:
             self._long_step_logged = 0.0

@@ -158,8 +158,18 @@ class EngineError:
 MESSAGES: dict[str, type] = {
     cls.__name__: cls
     for cls in (
-        AddRequest, AbortRequest, FinishRequest, StatusQuery, ResizeCache, Shutdown,
-        Ready, TokenUpdate, Refused, StatusReply, Heartbeat, EngineError,
+        AddRequest,
+        AbortRequest,
+        FinishRequest,
+        StatusQuery,
+        ResizeCache,
+        Shutdown,
+        Ready,
+        TokenUpdate,
+        Refused,
+        StatusReply,
+        Heartbeat,
+        EngineError,
     )
 }
 

@@ -81,14 +81,21 @@ class ExitReport:
     cause: str | None = None  # why the supervisor killed it (a hang, the load deadline)
 
 
-def start_engine_process(config: EngineConfig, endpoints: WorkerEndpoints, served_name: str,
-                         incarnation: int, go: GoSignal | None = None) -> multiprocessing.process.BaseProcess:
+def start_engine_process(
+    config: EngineConfig, endpoints: WorkerEndpoints, served_name: str, incarnation: int, go: GoSignal | None = None
+) -> multiprocessing.process.BaseProcess:
     """Start (`spawn`) one engine process on `endpoints`; returns once it is started (OSError
     when it cannot be). With `go`, the process imports its modules and then waits for `go` to be
     set before it reads any weight (`ft serve` starts it before its own checks are done)."""
     process = multiprocessing.get_context("spawn").Process(
         target=_engine_process_main,
-        args=(config, endpoints, served_name, go, logs.current()),  # it logs as this process was told to (-v, --log-format)
+        args=(
+            config,
+            endpoints,
+            served_name,
+            go,
+            logs.current(),
+        ),  # it logs as this process was told to (-v, --log-format)
         name=f"freetoken-engine-{incarnation}",
         daemon=True,  # if the API process exits without stop(), multiprocessing ends it
     )
@@ -110,9 +117,11 @@ def out_of_memory_hint(config: EngineConfig) -> str:
     except (FreeTokenError, OSError):
         size = ""
     available = psutil.virtual_memory().available / 2**30
-    return ("it was killed while loading the model, most likely by the kernel's out-of-memory killer (`dmesg` says); "
-            f"{size}{available:.1f} GiB of memory is available now; "
-            "free memory, lower --num-tokens / --memory-ratio, or use a smaller quantization")
+    return (
+        "it was killed while loading the model, most likely by the kernel's out-of-memory killer (`dmesg` says); "
+        f"{size}{available:.1f} GiB of memory is available now; "
+        "free memory, lower --num-tokens / --memory-ratio, or use a smaller quantization"
+    )
 
 
 def describe_exit(exitcode: int | None) -> str:
@@ -144,8 +153,13 @@ def wait_for_go(go: GoSignal, parent_pid: int, getppid: Callable[[], int]) -> bo
     return True
 
 
-def _engine_process_main(config: EngineConfig, endpoints: WorkerEndpoints, served_name: str,
-                         go: GoSignal | None = None, log_settings: logs.LogSettings | None = None) -> None:
+def _engine_process_main(
+    config: EngineConfig,
+    endpoints: WorkerEndpoints,
+    served_name: str,
+    go: GoSignal | None = None,
+    log_settings: logs.LogSettings | None = None,
+) -> None:
     """The engine process's entry point. The worker module (and with it torch) is imported here,
     in the engine process, so that the API process never pays for it; a held process (`go`)
     imports first, then waits to be released. It logs in the API process's format and level."""
@@ -194,8 +208,9 @@ class Supervisor:
         policy: RestartPolicy | None = None,
         load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
         first: multiprocessing.process.BaseProcess | None = None,
-        start_process: Callable[[EngineConfig, WorkerEndpoints, str, int], multiprocessing.process.BaseProcess]
-        = start_engine_process,
+        start_process: Callable[
+            [EngineConfig, WorkerEndpoints, str, int], multiprocessing.process.BaseProcess
+        ] = start_engine_process,
     ) -> None:
         self._config = config
         self._start_process = start_process  # tests put processes that never load here
@@ -257,10 +272,17 @@ class Supervisor:
                 if self._stopping:
                     return
                 cause, self._killed_because = self._killed_because, None
-                report = self._plan(process.pid, process.exitcode, describe_exit(process.exitcode), cause, load_timed_out)
+                report = self._plan(
+                    process.pid, process.exitcode, describe_exit(process.exitcode), cause, load_timed_out
+                )
             log.error(
-                "engine process %s %s%s; %s", report.pid, report.how, f" ({report.cause})" if report.cause else "",
-                f"restarting in {report.restart_in:.1f} s" if report.restart_in is not None else f"giving up: {report.why_not}",
+                "engine process %s %s%s; %s",
+                report.pid,
+                report.how,
+                f" ({report.cause})" if report.cause else "",
+                f"restarting in {report.restart_in:.1f} s"
+                if report.restart_in is not None
+                else f"giving up: {report.why_not}",
             )
             await self._on_exit(report)
             if report.restart_in is None:
@@ -275,7 +297,9 @@ class Supervisor:
         gone = asyncio.ensure_future(_sentinel_ready(process, None))
         ready = asyncio.ensure_future(self._ready.wait())
         try:
-            done, _ = await asyncio.wait({gone, ready}, timeout=self.load_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(
+                {gone, ready}, timeout=self.load_timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
         finally:
             for waiter in (gone, ready):
                 waiter.cancel()

@@ -30,8 +30,12 @@ class Totals:
 
 
 class ThroughputLog:
-    def __init__(self, period_s: float = DEFAULT_PERIOD_S, clock: Callable[[], float] = time.monotonic,
-                 emit: Callable[[str, dict[str, object]], None] | None = None) -> None:
+    def __init__(
+        self,
+        period_s: float = DEFAULT_PERIOD_S,
+        clock: Callable[[], float] = time.monotonic,
+        emit: Callable[[str, dict[str, object]], None] | None = None,
+    ) -> None:
         if period_s <= 0:
             raise ValueError(f"the throughput log's period must be positive, got {period_s}")
         self.period_s = period_s
@@ -61,11 +65,18 @@ class ThroughputLog:
         generated = totals.generated - self._base.generated
         prompt = totals.prompt - self._base.prompt
         finished = totals.finished - self._base.finished
-        text = (f"busy: {running} running, {waiting} waiting; last {elapsed:.0f} s: {generated} tokens generated "
-                f"({generated / elapsed:.1f} tok/s), {prompt} prompt tokens in, {finished} requests finished")
+        text = (
+            f"busy: {running} running, {waiting} waiting; last {elapsed:.0f} s: {generated} tokens generated "
+            f"({generated / elapsed:.1f} tok/s), {prompt} prompt tokens in, {finished} requests finished"
+        )
         fields: dict[str, object] = {
-            "event": "throughput", "running": running, "waiting": waiting, "period_s": round(elapsed, 3),
-            "generated_tokens": generated, "generated_tokens_per_s": round(generated / elapsed, 2), "prompt_tokens": prompt,
+            "event": "throughput",
+            "running": running,
+            "waiting": waiting,
+            "period_s": round(elapsed, 3),
+            "generated_tokens": generated,
+            "generated_tokens_per_s": round(generated / elapsed, 2),
+            "prompt_tokens": prompt,
             "requests_finished": finished,
         }
         return text, fields

@@ -32,8 +32,20 @@ from freetoken.models.load import finish_cache_write
 from freetoken.request import FinishReason, Request, SamplingParams, TokenLogprob
 from freetoken.server.process.heartbeat import HeartbeatSender, Progress
 from freetoken.server.process.messages import (
-    AbortRequest, AddRequest, EngineError, FinishRequest, Ready, Refused, ResizeCache, Shutdown, StatusQuery, StatusReply,
-    TokenUpdate, decode, encode, report_fields,
+    AbortRequest,
+    AddRequest,
+    EngineError,
+    FinishRequest,
+    Ready,
+    Refused,
+    ResizeCache,
+    Shutdown,
+    StatusQuery,
+    StatusReply,
+    TokenUpdate,
+    decode,
+    encode,
+    report_fields,
 )
 from freetoken.server.process.throughput import ThroughputLog, Totals
 from freetoken.utils.heap import freeze_startup_heap
@@ -87,8 +99,13 @@ def _param_of(err: Exception) -> str | None:
 class WorkerLoop:
     """Applies messages to an engine and steps it; `send` puts a message on the wire."""
 
-    def __init__(self, engine: Engine, send: Callable[[object], None], progress: Progress | None = None,
-                 throughput: ThroughputLog | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        send: Callable[[object], None],
+        progress: Progress | None = None,
+        throughput: ThroughputLog | None = None,
+    ) -> None:
         self.engine = engine
         self.send = send
         self.progress = progress or Progress()
@@ -126,8 +143,11 @@ class WorkerLoop:
     def _add(self, msg: AddRequest) -> None:
         try:
             req = Request(
-                msg.rid, list(msg.prompt_ids), sampling_params(msg.params),
-                eos_ids=frozenset(msg.eos_ids), boundaries=tuple(msg.boundaries),
+                msg.rid,
+                list(msg.prompt_ids),
+                sampling_params(msg.params),
+                eos_ids=frozenset(msg.eos_ids),
+                boundaries=tuple(msg.boundaries),
                 pins=tuple((int(end), float(ttl)) for end, ttl in msg.pins),
             )
             self._check_queue()
@@ -157,8 +177,7 @@ class WorkerLoop:
         sched = self.engine.scheduler
         if len(sched.waiting) + len(sched.running) >= cfg.max_running_requests + cfg.max_waiting_requests:
             raise RequestRefused(
-                f"the engine's waiting queue is full ({cfg.max_waiting_requests} requests waiting)",
-                code="queue_full",
+                f"the engine's waiting queue is full ({cfg.max_waiting_requests} requests waiting)", code="queue_full"
             )
 
     def status(self) -> dict[str, object]:
@@ -184,8 +203,12 @@ class WorkerLoop:
         """One engine step (if there is work) and, while busy, the periodic audit. Raises
         EngineFatal (or KVIntegrityError under debug_kv) when serving cannot go on."""
         sched = self.engine.scheduler
-        self.throughput.observe(busy=self.engine.has_work(), running=len(sched.running), waiting=len(sched.waiting),
-                                totals=Totals(self.tokens_generated, self.prompt_tokens, self.requests_finished))
+        self.throughput.observe(
+            busy=self.engine.has_work(),
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            totals=Totals(self.tokens_generated, self.prompt_tokens, self.requests_finished),
+        )
         if not self.engine.has_work():
             self._next_audit = time.monotonic() + AUDIT_INTERVAL_S  # idle steps audit already
             return
@@ -257,7 +280,9 @@ def serve(loop: WorkerLoop, pull: zmq.Socket, parent_pid: int) -> int:  # type: 
 def run_worker(config: EngineConfig, *, engine_endpoint: str, api_endpoint: str, served_name: str) -> int:
     """The engine process: bind `engine_endpoint` (PULL), connect `api_endpoint` (PUSH), start
     the heartbeat, build the engine, send Ready, serve. Returns the process's exit code."""
-    logging.basicConfig(level=logging.INFO)  # a no-op in an engine process, which configured its logging first (supervisor.py)
+    logging.basicConfig(
+        level=logging.INFO
+    )  # a no-op in an engine process, which configured its logging first (supervisor.py)
     # Ctrl-C and a SIGTERM to the process group reach the API process, which sends Shutdown
     # (and escalates to SIGKILL if that is not obeyed).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -287,15 +312,17 @@ def run_worker(config: EngineConfig, *, engine_endpoint: str, api_endpoint: str,
             log.error("the engine cannot start: %s", err)
             send(EngineError(str(err)))
             return EXIT_STARTUP
-        send(Ready(
-            model_name=served_name,
-            architecture=loaded.config.architecture,
-            vocab_size=loaded.config.vocab_size,
-            context_length=engine.config.context_length,
-            cache_type=engine.config.cache_type,
-            page_size=config.page_size,
-            pid=os.getpid(),
-        ))
+        send(
+            Ready(
+                model_name=served_name,
+                architecture=loaded.config.architecture,
+                vocab_size=loaded.config.vocab_size,
+                context_length=engine.config.context_length,
+                cache_type=engine.config.cache_type,
+                page_size=config.page_size,
+                pid=os.getpid(),
+            )
+        )
         freeze_startup_heap()  # the loaded model's objects: never rescanned by a full collection
         code = serve(WorkerLoop(engine, send, progress), pull, parent_pid)
         finish_cache_write(loaded, CACHE_WRITE_GRACE_S)

@@ -83,8 +83,10 @@ def response_turn(req: ResponsesRequest, store: ResponseStore) -> Turn:
         prior = store.get(req.previous_response_id)
         if prior is None:
             raise APIError(
-                404, f"Previous response with id '{req.previous_response_id}' not found.",
-                param="previous_response_id", code="previous_response_not_found",
+                404,
+                f"Previous response with id '{req.previous_response_id}' not found.",
+                param="previous_response_id",
+                code="previous_response_not_found",
             )
     tools = responses_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
     grammar = text_grammar(req.text)
@@ -100,14 +102,21 @@ def response_turn(req: ResponsesRequest, store: ResponseStore) -> Turn:
     instructions = [{"role": "system", "content": req.instructions}] if req.instructions else []
     output_at = len(instructions) + len(history) - 1 if prior is not None and prior.plain_output else None
     chat = ChatInput(
-        messages=instructions + history + conversation.messages, params=params, max_tokens=req.max_output_tokens,
-        tools=tools.options, thinking=req.thinking(), prompt_param="input", max_param="max_output_tokens",
+        messages=instructions + history + conversation.messages,
+        params=params,
+        max_tokens=req.max_output_tokens,
+        tools=tools.options,
+        thinking=req.thinking(),
+        prompt_param="input",
+        max_param="max_output_tokens",
         render=lambda tokenizer, tooling, messages: build_prompt(tokenizer, tooling, messages, prior, output_at),
     )
     return Turn(chat, tools, history + conversation.messages, tuple(listed_items(req.input)))
 
 
-async def create_response(ctx: ServingContext, store: ResponseStore, req: ResponsesRequest, request_id: str) -> Response:
+async def create_response(
+    ctx: ServingContext, store: ResponseStore, req: ResponsesRequest, request_id: str
+) -> Response:
     clock = Clock()
     turn = response_turn(req, store)
     prepared = await prepare_chat(ctx, turn.chat)
@@ -119,7 +128,10 @@ async def create_response(ctx: ServingContext, store: ResponseStore, req: Respon
         result = (await run.collect())[0]
         incomplete = result.finish_reason == "length"
         items = collected_items(  # fed as the stream feeds them: the streamed items and logprobs
-            result.pieces, prepared.tooling.stream(incremental=True), incomplete=incomplete, seal_reasoning=req.seals_reasoning,
+            result.pieces,
+            prepared.tooling.stream(incremental=True),
+            incomplete=incomplete,
+            seal_reasoning=req.seals_reasoning,
             logprobs_of=answer.logprobs_of,
         )
         final = answer.body("incomplete" if incomplete else "completed", items.items, answer.usage_of(run.tally))
@@ -127,8 +139,17 @@ async def create_response(ctx: ServingContext, store: ResponseStore, req: Respon
         return JSONResponse(final, headers=headers)
     first = await run.first()
     events = response_events(
-        ctx, ENDPOINT, run.pieces, first, tally=run.tally, clock=clock, parser=prepared.tooling.stream(incremental=True),
-        body=answer.body, usage_of=answer.usage_of, on_done=answer.keep, seal_reasoning=req.seals_reasoning,
+        ctx,
+        ENDPOINT,
+        run.pieces,
+        first,
+        tally=run.tally,
+        clock=clock,
+        parser=prepared.tooling.stream(incremental=True),
+        body=answer.body,
+        usage_of=answer.usage_of,
+        on_done=answer.keep,
+        seal_reasoning=req.seals_reasoning,
         logprobs_of=answer.logprobs_of,
     )
     response = sse_response(events)
@@ -141,7 +162,13 @@ class Answer:
     logprobs (when asked), and its entry in the store (unless `store` is false)."""
 
     def __init__(
-        self, ctx: ServingContext, req: ResponsesRequest, store: ResponseStore, turn: Turn, prompt: Prompt, response_id: str
+        self,
+        ctx: ServingContext,
+        req: ResponsesRequest,
+        store: ResponseStore,
+        turn: Turn,
+        prompt: Prompt,
+        response_id: str,
     ) -> None:
         self._ctx = ctx
         self._store = store if req.stores else None
@@ -155,7 +182,13 @@ class Answer:
     def body(self, status: str, output: list[dict[str, Any]], usage_doc: dict[str, Any] | None) -> dict[str, Any]:
         incomplete = "max_output_tokens" if status == "incomplete" else None
         return response_body(
-            self._id, self._created, self._ctx.served_name, self._echo, status=status, output=output, usage_doc=usage_doc,
+            self._id,
+            self._created,
+            self._ctx.served_name,
+            self._echo,
+            status=status,
+            output=output,
+            usage_doc=usage_doc,
             incomplete_reason=incomplete,
         )
 
@@ -171,7 +204,11 @@ class Answer:
 
 
 def stored(
-    final: dict[str, Any], messages: list[dict[str, Any]], prompt: Prompt, output_ids: list[int], inputs: tuple[dict[str, Any], ...]
+    final: dict[str, Any],
+    messages: list[dict[str, Any]],
+    prompt: Prompt,
+    output_ids: list[int],
+    inputs: tuple[dict[str, Any], ...],
 ) -> StoredResponse:
     """What a later turn needs: the conversation (with this response's output as messages) and the exact tokens."""
     output = items_to_messages(final["output"], "output", names=call_names(messages)).messages

@@ -24,13 +24,35 @@ from freetoken.server.responses.reasoning import unseal
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = {"input_text": "text", "output_text": "text", "text": "text", "refusal": "refusal"}
 # Items of tools that run at OpenAI (or in a client this server cannot drive): left out of the prompt.
-HOSTED_ITEMS = frozenset({
-    "web_search_call", "file_search_call", "computer_call", "computer_call_output", "code_interpreter_call",
-    "image_generation_call", "local_shell_call", "local_shell_call_output", "shell_call", "shell_call_output",
-    "apply_patch_call", "apply_patch_call_output", "custom_tool_call", "custom_tool_call_output", "mcp_call",
-    "mcp_list_tools", "mcp_approval_request", "mcp_approval_response", "tool_search_call", "tool_search_output",
-    "compaction", "compaction_trigger", "additional_tools", "program", "program_output",
-})
+HOSTED_ITEMS = frozenset(
+    {
+        "web_search_call",
+        "file_search_call",
+        "computer_call",
+        "computer_call_output",
+        "code_interpreter_call",
+        "image_generation_call",
+        "local_shell_call",
+        "local_shell_call_output",
+        "shell_call",
+        "shell_call_output",
+        "apply_patch_call",
+        "apply_patch_call_output",
+        "custom_tool_call",
+        "custom_tool_call_output",
+        "mcp_call",
+        "mcp_list_tools",
+        "mcp_approval_request",
+        "mcp_approval_response",
+        "tool_search_call",
+        "tool_search_output",
+        "compaction",
+        "compaction_trigger",
+        "additional_tools",
+        "program",
+        "program_output",
+    }
+)
 
 _ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 
@@ -43,7 +65,9 @@ class Conversation:
     dropped: list[str] = field(default_factory=list)
 
 
-def items_to_messages(value: str | list[Any], param: str = "input", *, names: dict[str, str] | None = None) -> Conversation:
+def items_to_messages(
+    value: str | list[Any], param: str = "input", *, names: dict[str, str] | None = None
+) -> Conversation:
     """The chat messages of `input` (or a stored `output`). `names` maps earlier call ids to
     function names (for `function_call_output` items answering a call of an earlier turn)."""
     out = Conversation()
@@ -69,7 +93,11 @@ def items_to_messages(value: str | list[Any], param: str = "input", *, names: di
                 out.messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
             call_id = _string(item, "call_id", where)
-            message = {"role": "tool", "tool_call_id": call_id, "content": _output_text(item.get("output"), f"{where}.output")}
+            message = {
+                "role": "tool",
+                "tool_call_id": call_id,
+                "content": _output_text(item.get("output"), f"{where}.output"),
+            }
             if call_id in call_names:
                 message["name"] = call_names[call_id]
             out.messages.append(message)
@@ -81,7 +109,9 @@ def items_to_messages(value: str | list[Any], param: str = "input", *, names: di
         elif kind in HOSTED_ITEMS:
             out.dropped.append(str(kind))
         elif kind == "item_reference":
-            raise bad_request(f"{where}: item references are not supported; send the item itself", param=f"{where}.type")
+            raise bad_request(
+                f"{where}: item references are not supported; send the item itself", param=f"{where}.type"
+            )
         else:
             raise bad_request(f"{where}.type: unknown input item type {kind!r}", param=f"{where}.type")
         if reasoning and kind in ("message", "function_call", "function_call_output"):
@@ -148,7 +178,8 @@ def _add_message(messages: list[dict[str, Any]], item: dict[str, Any], where: st
     role = ROLES.get(item.get("role"))  # type: ignore[arg-type]
     if role is None:
         raise bad_request(
-            f"{where}.role must be one of 'user', 'assistant', 'system', 'developer', got {item.get('role')!r}", param=f"{where}.role"
+            f"{where}.role must be one of 'user', 'assistant', 'system', 'developer', got {item.get('role')!r}",
+            param=f"{where}.role",
         )
     content = item.get("content")
     if isinstance(content, str):

@@ -89,17 +89,38 @@ class OutputItems:
 
     def _open_item(self, kind: str) -> list[Event]:
         if kind == "message":
-            item: dict[str, Any] = {"id": new_id("msg"), "type": "message", "role": "assistant", "status": "in_progress", "content": []}
+            item: dict[str, Any] = {
+                "id": new_id("msg"),
+                "type": "message",
+                "role": "assistant",
+                "status": "in_progress",
+                "content": [],
+            }
             part: dict[str, Any] = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         else:
-            item = {"id": new_id("rs"), "type": "reasoning", "summary": [], "content": [], "encrypted_content": None, "status": "in_progress"}
+            item = {
+                "id": new_id("rs"),
+                "type": "reasoning",
+                "summary": [],
+                "content": [],
+                "encrypted_content": None,
+                "status": "in_progress",
+            }
             part = {"type": "reasoning_text", "text": ""}
         self.items.append(item)
         self._open = item
         index = len(self.items) - 1
         events = [{"type": "response.output_item.added", "output_index": index, "item": {**item, "content": []}}]
         item["content"].append(part)
-        events.append({"type": "response.content_part.added", "item_id": item["id"], "output_index": index, "content_index": 0, "part": dict(part)})
+        events.append(
+            {
+                "type": "response.content_part.added",
+                "item_id": item["id"],
+                "output_index": index,
+                "content_index": 0,
+                "part": dict(part),
+            }
+        )
         return events
 
     def _append(self, text: str) -> list[Event]:
@@ -124,7 +145,12 @@ class OutputItems:
         if item["type"] == "function_call":
             head = {"item_id": item["id"], "output_index": index}
             return [
-                {"type": "response.function_call_arguments.done", **head, "name": item["name"], "arguments": item["arguments"]},
+                {
+                    "type": "response.function_call_arguments.done",
+                    **head,
+                    "name": item["name"],
+                    "arguments": item["arguments"],
+                },
                 {"type": "response.output_item.done", "output_index": index, "item": item},
             ]
         part = item["content"][0]
@@ -132,7 +158,12 @@ class OutputItems:
         if item["type"] == "reasoning" and self._seal:
             item["encrypted_content"] = seal(part["text"])
         if item["type"] == "message":
-            done: Event = {"type": "response.output_text.done", **head, "text": part["text"], "logprobs": part["logprobs"]}
+            done: Event = {
+                "type": "response.output_text.done",
+                **head,
+                "text": part["text"],
+                "logprobs": part["logprobs"],
+            }
         else:
             done = {"type": "response.reasoning_text.done", **head, "text": part["text"]}
         return [
@@ -142,7 +173,14 @@ class OutputItems:
         ]
 
     def _open_call(self, call: ToolCall) -> list[Event]:
-        item = {"id": new_id("fc"), "type": "function_call", "status": "in_progress", "call_id": call.id, "name": call.name, "arguments": ""}
+        item = {
+            "id": new_id("fc"),
+            "type": "function_call",
+            "status": "in_progress",
+            "call_id": call.id,
+            "name": call.name,
+            "arguments": "",
+        }
         self.items.append(item)
         self._open = item
         return [{"type": "response.output_item.added", "output_index": len(self.items) - 1, "item": dict(item)}]
@@ -152,7 +190,14 @@ class OutputItems:
         if item is None or not text:
             return []
         item["arguments"] += text
-        return [{"type": "response.function_call_arguments.delta", "item_id": item["id"], "output_index": len(self.items) - 1, "delta": text}]
+        return [
+            {
+                "type": "response.function_call_arguments.delta",
+                "item_id": item["id"],
+                "output_index": len(self.items) - 1,
+                "delta": text,
+            }
+        ]
 
 
 def usage(input_tokens: int, output_tokens: int, cached_tokens: int) -> dict[str, Any]:

@@ -30,7 +30,11 @@ MARKER = "\x00ft-earlier-output\x00"  # stands for the earlier output's content 
 
 
 def build_prompt(
-    tokenizer: Tokenizer, tooling: ToolCalling, messages: list[dict[str, Any]], prior: StoredResponse | None, output_at: int | None = None
+    tokenizer: Tokenizer,
+    tooling: ToolCalling,
+    messages: list[dict[str, Any]],
+    prior: StoredResponse | None,
+    output_at: int | None = None,
 ) -> Prompt:
     """`output_at`: the index in `messages` of the earlier turn's plain-text output message."""
     text = _render(tokenizer, tooling, messages)
@@ -44,7 +48,9 @@ def build_prompt(
         if spliced is not None:
             return spliced
     template_messages, tools = tooling.template_inputs(messages)
-    ids, boundaries = render_chat(tokenizer, template_messages, tools, tooling.template_context())  # raises the template's 400
+    ids, boundaries = render_chat(
+        tokenizer, template_messages, tools, tooling.template_context()
+    )  # raises the template's 400
     return Prompt(ids, boundaries, text or "")
 
 
@@ -53,7 +59,9 @@ def _render(tokenizer: Tokenizer, tooling: ToolCalling, messages: list[dict[str,
     template_messages, tools = tooling.template_inputs(messages)
     try:
         return tokenizer.apply_chat_template(
-            fold_system_messages(tokenizer, template_messages), add_generation_prompt=True, tools=tools,
+            fold_system_messages(tokenizer, template_messages),
+            add_generation_prompt=True,
+            tools=tools,
             extra_context=tooling.template_context(),
         )
     except (ChatTemplateError, NoChatTemplate):
@@ -64,13 +72,13 @@ def _splice_marked(tokenizer: Tokenizer, text: str, marked: str | None, prior: S
     head = prior.prompt_text + MARKER
     if marked is None or not prior.prompt_text or not marked.startswith(head):
         return None
-    rest = marked[len(head):]
+    rest = marked[len(head) :]
     output = list(prior.output_ids)
     if output and output[-1] in tokenizer.stop_ids:
         end = tokenizer.decode(output[-1:], skip_special_tokens=False)
         if not rest.startswith(end):
             return None  # the template closes the turn with another token than the model did
-        rest = rest[len(end):]
+        rest = rest[len(end) :]
     return _joined(tokenizer, text, prior, [*prior.prompt_ids, *output], rest)
 
 
@@ -82,7 +90,7 @@ def _splice_text(tokenizer: Tokenizer, text: str, prior: StoredResponse) -> Prom
     ]
     for head_text, head_ids in candidates:
         if head_text and text.startswith(head_text):
-            return _joined(tokenizer, text, prior, head_ids, text[len(head_text):])
+            return _joined(tokenizer, text, prior, head_ids, text[len(head_text) :])
     return None
 
 

@@ -71,16 +71,24 @@ class ResponsesRequest(BaseModel):
         """The refused fields and the simple ranges (a 400 naming the field), as the body is
         parsed (an APIError, which pydantic passes through)."""
         if self.background:
-            raise bad_request("background responses are not supported by this server", param="background", code="unsupported_parameter")
+            raise bad_request(
+                "background responses are not supported by this server",
+                param="background",
+                code="unsupported_parameter",
+            )
         for name in ("conversation", "prompt"):
             if getattr(self, name) is not None:
                 raise bad_request(f"'{name}' is not supported by this server", param=name, code="unsupported_parameter")
         if self.max_output_tokens is not None and self.max_output_tokens < 1:
             raise bad_request(
-                f"max_output_tokens must be at least 1, got {self.max_output_tokens}", param="max_output_tokens", code="invalid_value"
+                f"max_output_tokens must be at least 1, got {self.max_output_tokens}",
+                param="max_output_tokens",
+                code="invalid_value",
             )
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
-            raise bad_request(f"top_logprobs must be in [0, 20], got {self.top_logprobs}", param="top_logprobs", code="invalid_value")
+            raise bad_request(
+                f"top_logprobs must be in [0, 20], got {self.top_logprobs}", param="top_logprobs", code="invalid_value"
+            )
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise bad_request(f"seed must be in [0, 2**63), got {self.seed}", param="seed", code="invalid_value")
         if self.stream_options is not None and not self.stream:

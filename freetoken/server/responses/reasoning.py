@@ -27,6 +27,6 @@ def unseal(token: str, param: str) -> str | None:
     if not token.startswith(PREFIX):
         return None
     try:
-        return base64.b64decode(token[len(PREFIX):].encode("ascii"), altchars=b"-_", validate=True).decode("utf-8")
+        return base64.b64decode(token[len(PREFIX) :].encode("ascii"), altchars=b"-_", validate=True).decode("utf-8")
     except (binascii.Error, UnicodeError, ValueError):
         raise bad_request(f"{param} is not a reasoning token this server made", param=param) from None

@@ -25,14 +25,18 @@ def responses_router(ctx: ServingContext) -> APIRouter:
 
     @router.post("/v1/responses")
     async def create_response_route(request: Request) -> Response:
-        return await run_endpoint(ctx, "responses", request, ResponsesRequest, lambda c, r, rid: create_response(c, store, r, rid))
+        return await run_endpoint(
+            ctx, "responses", request, ResponsesRequest, lambda c, r, rid: create_response(c, store, r, rid)
+        )
 
     @router.get("/v1/responses/{response_id}")
     async def get_response_route(response_id: str) -> Response:
         return get_response(store, response_id)
 
     @router.get("/v1/responses/{response_id}/input_items")
-    async def list_input_items_route(response_id: str, limit: int = 20, order: str = "desc", after: str | None = None) -> Response:
+    async def list_input_items_route(
+        response_id: str, limit: int = 20, order: str = "desc", after: str | None = None
+    ) -> Response:
         return list_input_items(store, response_id, limit=limit, order=order, after=after)
 
     @router.delete("/v1/responses/{response_id}")
@@ -69,13 +73,15 @@ def list_input_items(store: ResponseStore, response_id: str, *, limit: int, orde
             raise bad_request(f"after: no input item {after!r} in response '{response_id}'", param="after")
         items = items[ids.index(after) + 1 :]
     page = items[:limit]
-    return JSONResponse({
-        "object": "list",
-        "data": page,
-        "first_id": page[0]["id"] if page else None,
-        "last_id": page[-1]["id"] if page else None,
-        "has_more": len(items) > limit,
-    })
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > limit,
+        }
+    )
 
 
 def delete_response(store: ResponseStore, response_id: str) -> Response:

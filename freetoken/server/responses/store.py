@@ -39,7 +39,12 @@ class StoredResponse:
 
 
 class ResponseStore:
-    def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES, ttl_s: float = DEFAULT_TTL_S, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        max_entries: int = DEFAULT_MAX_ENTRIES,
+        ttl_s: float = DEFAULT_TTL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if max_entries < 0 or ttl_s <= 0:
             raise ValueError(f"a response store needs max_entries >= 0 and ttl_s > 0, got {max_entries}, {ttl_s}")
         self.max_entries = max_entries

@@ -67,8 +67,12 @@ class ResponseFraming:
     from 0 by `sequence_number`."""
 
     def __init__(
-        self, parser: ToolStream, body: BodyOf, usage_of: Callable[[Tally], dict[str, Any]],
-        on_done: Callable[[dict[str, Any], list[int]], None], seal_reasoning: bool,
+        self,
+        parser: ToolStream,
+        body: BodyOf,
+        usage_of: Callable[[Tally], dict[str, Any]],
+        on_done: Callable[[dict[str, Any], list[int]], None],
+        seal_reasoning: bool,
         logprobs_of: Callable[[Piece], list[dict[str, Any]]] | None,
     ) -> None:
         self._parser = parser

@@ -20,7 +20,17 @@ from freetoken.server.core.tool_calling import CHOICES, ToolOptions, openai_tool
 from freetoken.server.errors import bad_request
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
-_FUNCTION_KEYS = {"type", "name", "description", "parameters", "strict", "defer_loading", "allowed_callers", "output_schema", "async"}
+_FUNCTION_KEYS = {
+    "type",
+    "name",
+    "description",
+    "parameters",
+    "strict",
+    "defer_loading",
+    "allowed_callers",
+    "output_schema",
+    "async",
+}
 _SCHEMA_KEYS = {"type", "name", "schema", "strict", "description"}
 
 
@@ -121,7 +131,9 @@ def text_grammar(text: dict[str, Any] | None) -> tuple[str, str] | None:
             raise bad_request(f"text.format: unknown field {min(extra)!r}", param=f"text.format.{min(extra)}")
         return grammar_of({"type": kind})
     if kind != "json_schema":
-        raise bad_request(f"text.format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}", param="text.format.type")
+        raise bad_request(
+            f"text.format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}", param="text.format.type"
+        )
     unknown = sorted(set(fmt) - _SCHEMA_KEYS)
     if unknown:
         raise bad_request(f"text.format: unknown field {unknown[0]!r}", param=f"text.format.{unknown[0]}")

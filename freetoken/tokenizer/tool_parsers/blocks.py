@@ -22,7 +22,14 @@ from dataclasses import dataclass
 from typing import Literal
 
 from freetoken.tokenizer.detokenizer import held_back
-from freetoken.tokenizer.tool_parsers.base import CallGapContent, StreamDelta, ToolCall, ToolCallDelta, ToolCallStream, new_call_id
+from freetoken.tokenizer.tool_parsers.base import (
+    CallGapContent,
+    StreamDelta,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallStream,
+    new_call_id,
+)
 
 BlockParser = Callable[[str], list[ToolCall] | None]
 _DECODER = json.JSONDecoder()
@@ -38,7 +45,9 @@ class BlockMarker:
     head: ArgumentsHead | None = None
 
 
-def object_head(body: str, keys: tuple[str, str], tool_names: frozenset[str] | None) -> tuple[str, int] | Literal[False] | None:
+def object_head(
+    body: str, keys: tuple[str, str], tool_names: frozenset[str] | None
+) -> tuple[str, int] | Literal[False] | None:
     """Reads `{"<keys[0]>": "<name>", "<keys[1]>": {` at the start of `body` (whitespace anywhere
     JSON allows it): the name of a known tool and the offset of the arguments object, False once
     the body cannot be that, None while it may still become it."""
@@ -74,7 +83,7 @@ def object_head(body: str, keys: tuple[str, str], tool_names: frozenset[str] | N
     try:
         name, i = _DECODER.raw_decode(body, i)
     except ValueError:
-        return None if "\"" not in body[i + 1 :] else False
+        return None if '"' not in body[i + 1 :] else False
     if tool_names is not None and name not in tool_names:
         return False
     got = expect(i, (",", json.dumps(keys[1]), ":"))
@@ -84,7 +93,9 @@ def object_head(body: str, keys: tuple[str, str], tool_names: frozenset[str] | N
     return (name, i) if body[i] == "{" else False
 
 
-def call_head(body: str, arg_keys: tuple[str, ...], tool_names: frozenset[str] | None) -> tuple[str, int] | Literal[False] | None:
+def call_head(
+    body: str, arg_keys: tuple[str, ...], tool_names: frozenset[str] | None
+) -> tuple[str, int] | Literal[False] | None:
     """`object_head` for a call object whose arguments may sit under any of `arg_keys`
     (`"parameters"` or `"arguments"`): the first reading that succeeds, None while any may."""
     heads = [object_head(body, ("name", key), tool_names) for key in arg_keys]
@@ -127,7 +138,12 @@ class JsonValueEnd:
 
 class BlockStream(CallGapContent, ToolCallStream):
     def __init__(
-        self, markers: Sequence[BlockMarker], parse_block: BlockParser, *, bare_json_at_start: bool, bare_head: ArgumentsHead | None = None
+        self,
+        markers: Sequence[BlockMarker],
+        parse_block: BlockParser,
+        *,
+        bare_json_at_start: bool,
+        bare_head: ArgumentsHead | None = None,
     ) -> None:
         self._markers = tuple(markers)
         self._starts = tuple(m.start for m in markers)

@@ -21,7 +21,16 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from freetoken.tokenizer.detokenizer import held_back
-from freetoken.tokenizer.tool_parsers.base import CallGapContent, StreamDelta, ToolCall, ToolCallDelta, ToolCallStream, ToolParser, new_call_id, tools_json
+from freetoken.tokenizer.tool_parsers.base import (
+    CallGapContent,
+    StreamDelta,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallStream,
+    ToolParser,
+    new_call_id,
+    tools_json,
+)
 from freetoken.tokenizer.tool_parsers.grammar import ANY_OBJECT, COMPACT_JSON
 
 START, END = "<|tool_call>", "<tool_call|>"

@@ -27,12 +27,14 @@ def call_schema(tools: Sequence[Mapping[str, Any]], key: str) -> dict[str, Any]:
     for tool in tools:
         fn = _function(tool)
         params = fn.get("parameters") or ANY_OBJECT
-        options.append({
-            "type": "object",
-            "properties": {"name": {"const": fn.get("name")}, key: params},
-            "required": ["name", key],
-            "additionalProperties": False,
-        })
+        options.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": fn.get("name")}, key: params},
+                "required": ["name", key],
+                "additionalProperties": False,
+            }
+        )
     schema = options[0] if len(options) == 1 else {"anyOf": options}
     # Compact JSON with no free whitespace: a weak model cannot spend its tokens on blank space.
     return {**schema, "x-guidance": COMPACT_JSON}

@@ -168,7 +168,9 @@ class HarmonyParser(ToolParser):
         heads, rules = [], []
         for k, tool in enumerate(tools):
             fn = tool.get("function", tool)
-            heads.append(lark_text(f"{CHANNEL}commentary to=functions.{fn.get('name')} <|constrain|>json{MESSAGE}") + f" args{k}")
+            heads.append(
+                lark_text(f"{CHANNEL}commentary to=functions.{fn.get('name')} <|constrain|>json{MESSAGE}") + f" args{k}"
+            )
             schema = {**(fn.get("parameters") or {"type": "object"}), "x-guidance": COMPACT_JSON}
             rules.append(f"args{k}: %json {json.dumps(schema)}\n")
         start, rules = " | ".join(heads), "".join(rules)

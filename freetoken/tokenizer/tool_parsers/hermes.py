@@ -48,6 +48,4 @@ class HermesParser(ToolParser):
         return forced_call_grammar(START + "\n", call_schema(tools, "arguments"), "\n" + END)
 
     def format_calls(self, calls: Sequence[ToolCall]) -> str:
-        return "\n".join(
-            f'{START}\n{{"name": {json.dumps(c.name)}, "arguments": {c.arguments}}}\n{END}' for c in calls
-        )
+        return "\n".join(f'{START}\n{{"name": {json.dumps(c.name)}, "arguments": {c.arguments}}}\n{END}' for c in calls)

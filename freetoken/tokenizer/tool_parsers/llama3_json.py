@@ -27,7 +27,12 @@ class Llama3JsonParser(ToolParser):
     name = "llama3_json"
 
     def stream(self) -> ToolCallStream:
-        return BlockStream([BlockMarker(PYTHON_TAG, None, self._head)], self._parse_block, bare_json_at_start=True, bare_head=self._head)
+        return BlockStream(
+            [BlockMarker(PYTHON_TAG, None, self._head)],
+            self._parse_block,
+            bare_json_at_start=True,
+            bare_head=self._head,
+        )
 
     def _head(self, body: str) -> tuple[str, int] | Literal[False] | None:
         return call_head(body, ARG_KEYS, self.tool_names)

@@ -33,10 +33,17 @@ _MARKERS = (
     ("<|eot_id|>", "llama3_json"),
 )
 _ARCHITECTURES = {
-    "gpt_oss": "harmony", "gpt-oss": "harmony",
-    "gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma", "gemma3_text": "gemma",
-    "gemma4": "gemma4", "gemma4_text": "gemma4",
-    "llama": "llama3_json", "qwen2": "hermes", "qwen3": "hermes",
+    "gpt_oss": "harmony",
+    "gpt-oss": "harmony",
+    "gemma": "gemma",
+    "gemma2": "gemma",
+    "gemma3": "gemma",
+    "gemma3_text": "gemma",
+    "gemma4": "gemma4",
+    "gemma4_text": "gemma4",
+    "llama": "llama3_json",
+    "qwen2": "hermes",
+    "qwen3": "hermes",
 }
 DEFAULT_PARSER = "hermes"
 
