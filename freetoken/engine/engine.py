@@ -95,6 +95,7 @@ class Engine:
         self.steps = 0
         self.drafted_tokens = 0  # speculative decoding, since start (the /metrics counters)
         self.accepted_tokens = 0
+        self.prefilled_tokens = 0  # prompt tokens computed (cache hits excluded), since start
         self._pending: dict[str, RequestUpdate] = {}  # updates produced outside step()
 
     # -- requests in ----------------------------------------------------------------------
@@ -219,6 +220,7 @@ class Engine:
         logits = self.runner.forward(items)
         row = 0
         for item in items:
+            self.prefilled_tokens += max(0, min(item.n, len(item.req.prompt_ids) - item.start))
             item.req.num_computed += item.n  # a verified chunk: set again per token kept (_emit)
             if item.all_logits:
                 self._record_prompt_logprobs(item, logits[row : row + item.n])

@@ -55,16 +55,21 @@ def test_throughput_line_every_period_while_busy_and_none_when_idle() -> None:
     # work: a period begins; the prompt that brought it (added before this turn) counts in it
     assert tl.observe(busy=True, running=1, waiting=0, totals=Totals(0, 100, 0)) is None
     clock.now += 9.9
-    assert tl.observe(busy=True, running=2, waiting=1, totals=Totals(50, 300, 0)) is None  # not yet
+    assert tl.observe(busy=True, running=2, waiting=1, totals=Totals(50, 300, 0, 120)) is None  # not yet
     clock.now += 0.1
-    text = tl.observe(busy=True, running=2, waiting=1, totals=Totals(100, 300, 1))
-    assert text == "busy: 2 running, 1 waiting; last 10 s: 100 tokens generated (10.0 tok/s), 300 prompt tokens in, 1 requests finished"
+    text = tl.observe(busy=True, running=2, waiting=1, totals=Totals(100, 300, 1, 250))
+    assert text == (
+        "busy: 2 running, 1 waiting; last 10 s: 100 tokens generated (10.0 tok/s), 250 prompt tokens prefilled "
+        "(25.0 tok/s), 300 prompt tokens in, 1 requests finished"
+    )
     assert lines[0][1]["generated_tokens_per_s"] == 10.0 and lines[0][1]["waiting"] == 1
+    assert lines[0][1]["prefilled_tokens_per_s"] == 25.0
     clock.now += 5
-    tl.observe(busy=False, running=0, waiting=0, totals=Totals(150, 300, 2))  # went idle mid-period
+    tl.observe(busy=False, running=0, waiting=0, totals=Totals(150, 300, 2, 250))  # went idle mid-period
     clock.now += 5
-    text = tl.observe(busy=False, running=0, waiting=0, totals=Totals(150, 300, 2))  # the period's tail is still told
+    text = tl.observe(busy=False, running=0, waiting=0, totals=Totals(150, 300, 2, 250))  # the period's tail is still told
     assert text is not None and "50 tokens generated (5.0 tok/s)" in text and "1 requests finished" in text
+    assert "0 prompt tokens prefilled" in text
     for _ in range(5):  # idle again: quiet
         clock.now += 10
         assert tl.observe(busy=False, running=0, waiting=0, totals=Totals(150, 300, 2)) is None

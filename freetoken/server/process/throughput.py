@@ -1,6 +1,7 @@
 """The engine process's periodic throughput and queue line: while requests are in flight, one
 log line every `period_s` (10 s by default) with the queue (running, waiting) and what the last
-period did (tokens generated and their rate, prompt tokens taken in, requests finished).
+period did (tokens generated and their rate, prompt tokens prefilled and their rate, prompt tokens
+taken in, requests finished).
 
 Owns `ThroughputLog`: it is handed the worker's running totals at every turn of its loop and
 says when a line is due; the clock and the period are injected (tests drive it with a fake clock).
@@ -27,6 +28,7 @@ class Totals:
     generated: int = 0  # tokens generated
     prompt: int = 0  # prompt tokens of the requests added
     finished: int = 0  # requests finished
+    prefilled: int = 0  # prompt tokens the engine computed (cache hits excluded)
 
 
 class ThroughputLog:
@@ -65,9 +67,11 @@ class ThroughputLog:
         generated = totals.generated - self._base.generated
         prompt = totals.prompt - self._base.prompt
         finished = totals.finished - self._base.finished
+        prefilled = totals.prefilled - self._base.prefilled
         text = (
             f"busy: {running} running, {waiting} waiting; last {elapsed:.0f} s: {generated} tokens generated "
-            f"({generated / elapsed:.1f} tok/s), {prompt} prompt tokens in, {finished} requests finished"
+            f"({generated / elapsed:.1f} tok/s), {prefilled} prompt tokens prefilled ({prefilled / elapsed:.1f} tok/s), "
+            f"{prompt} prompt tokens in, {finished} requests finished"
         )
         fields: dict[str, object] = {
             "event": "throughput",
@@ -77,6 +81,8 @@ class ThroughputLog:
             "generated_tokens": generated,
             "generated_tokens_per_s": round(generated / elapsed, 2),
             "prompt_tokens": prompt,
+            "prefilled_tokens": prefilled,
+            "prefilled_tokens_per_s": round(prefilled / elapsed, 2),
             "requests_finished": finished,
         }
         return text, fields

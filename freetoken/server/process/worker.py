@@ -207,7 +207,9 @@ class WorkerLoop:
             busy=self.engine.has_work(),
             running=len(sched.running),
             waiting=len(sched.waiting),
-            totals=Totals(self.tokens_generated, self.prompt_tokens, self.requests_finished),
+            totals=Totals(
+                self.tokens_generated, self.prompt_tokens, self.requests_finished, self.engine.prefilled_tokens
+            ),
         )
         if not self.engine.has_work():
             self._next_audit = time.monotonic() + AUDIT_INTERVAL_S  # idle steps audit already
