@@ -264,15 +264,12 @@ class RadixTree:
         `tokens` is page-aligned; `full[i]` / `swa[i]` are the request's pages for page i. Where
         the tree already has an entry it keeps its own page (the request keeps its duplicate);
         new pages get a new node. SWA entries are kept live (healing tombstones with the
-        request's live page) only in the window before the end of `tokens` (and, when `tokens` is
-        page-aligned, before its last page: where a resend of the same tokens hits), before every
-        branch point of the path and before every marked boundary; older ones are stored as
-        tombstones.
+        request's live page) only in the window before the end of `tokens`, before every branch
+        point of the path and before every marked boundary; older ones are stored as tombstones.
         Nothing is released and the request's table is not touched.
         """
         p = self.page_size
         n = floor_to_page(len(tokens), p)
-        aligned = len(tokens) == n
         tokens = tokens[:n]
         if n == 0:
             return
@@ -300,11 +297,6 @@ class RadixTree:
         entries = self._walk(tokens, n // p)
         end = len(entries) * p
         anchors = {end: False}
-        if aligned and end == n and end > p:
-            # The same tokens sent again must compute their last one, so they hit one page
-            # earlier (hit_length's cap): without that page's window a page-aligned prompt
-            # longer than the window would never hit again.
-            anchors[end - p] = False
         for nd in dict.fromkeys(e[0] for e in entries):
             if nd.end <= end and (nd.marked or len(nd.children) >= 2):
                 anchors[nd.end] = True

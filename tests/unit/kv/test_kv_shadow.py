@@ -46,10 +46,6 @@ def traffic(kv_class: type[CheckedKV], page_size: int = 2) -> None:
     engine.kv.evict("swa", 4)
     submit(engine, "r5", S[:26] + [66], 3)
     drain(engine)
-    # A prompt leaving the path where the window before its cap is gone: it recomputes pages the
-    # tree holds live, and its commit heals the entry past them.
-    submit(engine, "r6", S[:16] + [67, 68, 69], 3)
-    drain(engine)
 
 
 def rotate(pages: list[int]) -> list[int]:
