@@ -89,7 +89,10 @@ def paged_attention(
     n_kv = k_pages.shape[2]
     B, Lq = batch.num_requests, batch.max_query_len
     if 1 < Lq <= batch.alone_max:  # every chunk short enough to attend query by query, as decode rows
-        out = _alone(q, k_pages, v_pages, flat.view(B, S), visible, batch.token_request, batch.token_offset, scale)
+        keys = _memo_alone(
+            key + ("alone",), flat.view(B, S), visible, batch.token_request, batch.token_offset, batch.memo
+        )
+        out = _alone(q, k_pages, v_pages, keys, scale)
         if out is not None:
             return out
     k = take_rows(k_pages, flat, q.dtype).view(B, S, n_kv, D).transpose(1, 2)  # [B, n_kv, S, D], dequantized
@@ -175,7 +178,8 @@ def _mixed(
         L = e - s
         if L <= alone_max:
             rows = torch.arange(L, device=device)
-            ob = _alone(q[s:e], k_pages, v_pages, slots, visible, torch.full_like(rows, b), rows, scale)
+            keys = _memo_alone(key + ("alone", b), slots, visible, torch.full_like(rows, b), rows, memo)
+            ob = _alone(q[s:e], k_pages, v_pages, keys, scale)
             if ob is not None:
                 out[s:e] = ob
                 continue
@@ -194,19 +198,33 @@ def _mixed(
 ALONE_ROWS = 64
 
 
+def _memo_alone(
+    key: tuple, slots: torch.Tensor, visible: torch.Tensor, request: torch.Tensor, offset: torch.Tensor, memo: dict
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The slots and mask ([rows, S] each) of every ALONE_ROWS query rows as the decode op takes
+    them, from the rows' request index and offset ([R] each), slots [B, S] and visible [B, 1, Lq, S]:
+    the same for every layer of a kind, so made once per step."""
+    keys = memo.get(key)
+    if keys is None:
+        keys = memo[key] = [
+            (
+                slots.index_select(0, request[r0 : r0 + ALONE_ROWS]),
+                visible[request[r0 : r0 + ALONE_ROWS], 0, offset[r0 : r0 + ALONE_ROWS]].contiguous(),
+            )
+            for r0 in range(0, request.shape[0], ALONE_ROWS)
+        ]
+    return keys  # type: ignore[return-value]
+
+
 def _alone(
     q: torch.Tensor,
     k_pages: torch.Tensor,
     v_pages: torch.Tensor,
-    slots: torch.Tensor,
-    visible: torch.Tensor,
-    request: torch.Tensor,
-    offset: torch.Tensor,
+    keys: list[tuple[torch.Tensor, torch.Tensor]],
     scale: float,
 ) -> torch.Tensor | None:
-    """Each query row attended alone by the decode op: q [R, H, D], the row's request index and
-    its offset among that request's new tokens ([R] each), slots [B, S], visible [B, 1, Lq, S] ->
-    [R, H, D]; None where the op cannot run (the caller takes its other path).
+    """Each query row of q [R, H, D] attended alone by the decode op over its keys (`_memo_alone`)
+    -> [R, H, D]; None where the op cannot run (the caller takes its other path).
 
     A row's result is then the one a decode step computes for it: the op's sums run over the
     visible keys in position order, in float32 lanes fixed by the key's index modulo 16 (a page
@@ -215,11 +233,9 @@ def _alone(
     if q.device.type != "cpu" or k_pages.dtype != q.dtype:
         return None
     out = q.new_empty(q.shape)
-    for r0 in range(0, q.shape[0], ALONE_ROWS):
-        b, o = request[r0 : r0 + ALONE_ROWS], offset[r0 : r0 + ALONE_ROWS]
-        got = decode_attention(
-            q[r0 : r0 + ALONE_ROWS], k_pages, v_pages, slots.index_select(0, b), visible[b, 0, o].contiguous(), scale
-        )
+    for i, (slots, visible) in enumerate(keys):
+        r0 = i * ALONE_ROWS
+        got = decode_attention(q[r0 : r0 + ALONE_ROWS], k_pages, v_pages, slots, visible, scale)
         if got is None:
             return None
         out[r0 : r0 + ALONE_ROWS] = got
