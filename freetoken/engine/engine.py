@@ -291,7 +291,9 @@ class Engine:
         for item in items:
             req = item.req
             if item.prompt_chunk and req.status is RequestStatus.RUNNING:
-                self.kv.commit(req.rid, req.all_ids[: req.num_computed], boundaries=req.boundaries)
+                prompt_done = req.num_computed >= len(req.prompt_ids)
+                resend_at = len(req.prompt_ids) - 1 if prompt_done else None
+                self.kv.commit(req.rid, req.all_ids[: req.num_computed], req.boundaries, resend_at)
                 self._pin(req, updates)
 
     def _release(self, items: list[ScheduledItem]) -> None:

@@ -237,10 +237,14 @@ class KVManager:
         swa = None if req.swa is None else np.asarray(req.swa, dtype=np.int32)
         return full, swa
 
-    def commit(self, rid: str, tokens: Sequence[int], boundaries: Sequence[int] = ()) -> None:
+    def commit(
+        self, rid: str, tokens: Sequence[int], boundaries: Sequence[int] = (), resend_at: int | None = None
+    ) -> None:
         """Let the tree keep the request's written K/V: `tokens` are exactly the tokens whose
         K/V is written (whole pages of them are committed); `boundaries` are positions the
-        request marks (a chat request: the end of each message). Only adds tree references."""
+        request marks (a chat request: the end of each message); `resend_at` is where a resend of
+        the request's prompt would hit (its length - 1), whose window is kept too. Only adds tree
+        references."""
         req = self._req(rid)
         n = floor_to_page(len(tokens), self.page_size)
         if n > len(req.full) * self.page_size:
@@ -248,7 +252,7 @@ class KVManager:
         if self.tree is None or n == 0:
             return
         committed = tuple(tokens[:n])
-        self.tree.insert(committed, req.full, req.swa, boundaries)
+        self.tree.insert(committed, req.full, req.swa, boundaries, resend_at)
         req.committed = committed
 
     def release_out_of_window(self, rid: str, next_pos: int) -> int:

@@ -257,15 +257,22 @@ class RadixTree:
         node.marked = True
 
     def insert(
-        self, tokens: Tokens, full: Sequence[int], swa: Sequence[int] | None, boundaries: Sequence[int] = ()
+        self,
+        tokens: Tokens,
+        full: Sequence[int],
+        swa: Sequence[int] | None,
+        boundaries: Sequence[int] = (),
+        resend_at: int | None = None,
     ) -> None:
         """Commit: the tree takes its own references to a request's written pages.
 
         `tokens` is page-aligned; `full[i]` / `swa[i]` are the request's pages for page i. Where
         the tree already has an entry it keeps its own page (the request keeps its duplicate);
         new pages get a new node. SWA entries are kept live (healing tombstones with the
-        request's live page) only in the window before the end of `tokens`, before every branch
-        point of the path and before every marked boundary; older ones are stored as tombstones.
+        request's live page) only in the window before the end of `tokens`, before `resend_at`
+        (floored to a page: where a resend of the request's prompt hits, for it must compute its
+        last token), before every branch point of the path and before every marked boundary;
+        older ones are stored as tombstones.
         Nothing is released and the request's table is not touched.
         """
         p = self.page_size
@@ -297,6 +304,10 @@ class RadixTree:
         entries = self._walk(tokens, n // p)
         end = len(entries) * p
         anchors = {end: False}
+        if resend_at is not None and 0 < floor_to_page(resend_at, p) < end:
+            # A page-aligned prompt sent again hits one page short of its end (hit_length's cap):
+            # without that window such a prompt longer than the window would never hit again.
+            anchors[floor_to_page(resend_at, p)] = False
         for nd in dict.fromkeys(e[0] for e in entries):
             if nd.end <= end and (nd.marked or len(nd.children) >= 2):
                 anchors[nd.end] = True

@@ -51,7 +51,7 @@ def spy_on_b_commit(engine: Engine, run: SeedRun, head_pages: int) -> None:
     real = engine.kv.commit
     kv = engine.kv
 
-    def commit(rid: str, tokens: list[int], boundaries: tuple[int, ...] = ()) -> None:
+    def commit(rid: str, tokens: list[int], boundaries: tuple[int, ...] = (), resend_at: int | None = None) -> None:
         first_b = rid == "B" and not run.at_b_commit
         if first_b:
             before = head_entries(engine, run.b.prompt_ids, head_pages)
@@ -67,7 +67,7 @@ def spy_on_b_commit(engine: Engine, run: SeedRun, head_pages: int) -> None:
                 head_full=[n.full[j] for n, j in before],
                 a_holds_head=a_tables is not None and a_tables.full[:head_pages] == [n.full[j] for n, j in before],
             )
-        real(rid, tokens, boundaries)
+        real(rid, tokens, boundaries, resend_at)
         if first_b:
             n_pages = run.at_b_commit["committed"] // kv.page_size  # type: ignore[operator]
             after = head_entries(engine, run.b.prompt_ids, n_pages)

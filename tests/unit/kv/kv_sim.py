@@ -83,11 +83,14 @@ class Sim:
         req = self.running[rid]
         full, swa = self.kv.page_tables(rid)
         self.shadow.write(rid, req.tokens, req.computed, req.scheduled, full, swa)
+        was = req.computed
         req.computed += req.scheduled
         req.scheduled = 0
         if req.computed >= len(req.prompt) and req.computed == len(req.tokens):
             req.output.append(1000 + (len(req.output) * 7 + len(req.prompt)) % 50)
-        self.kv.commit(rid, req.tokens[: req.computed], req.boundaries)
+        # as the engine: the chunk that ends the prompt says where a resend of it would hit
+        resend_at = len(req.prompt) - 1 if was < len(req.prompt) <= req.computed else None
+        self.kv.commit(rid, req.tokens[: req.computed], req.boundaries, resend_at)
         self.kv.release_out_of_window(rid, req.computed)
 
     def step(self, *rids: str) -> bool:

@@ -159,14 +159,16 @@ class ReferenceCommits(CheckedKV):
     def unfinished_commit(self, rid: str, tokens: Sequence[int]) -> None:
         """Hook: what the reference does after an unfinished commit."""
 
-    def commit(self, rid: str, tokens: Sequence[int], boundaries: Sequence[int] = ()) -> None:
+    def commit(
+        self, rid: str, tokens: Sequence[int], boundaries: Sequence[int] = (), resend_at: int | None = None
+    ) -> None:
         tree = self.tree
         if tree is None or self.swa_pool is None:
-            return super().commit(rid, tokens, boundaries)
+            return super().commit(rid, tokens, boundaries, resend_at)
         others = {p for r, t in self._requests.items() if r != rid for p in t.full}
         locked = {n.full[j] for n, j in path_entries(self, tokens)
                   if n.swa[j] == 0 and n.full[j] in others}
-        super().commit(rid, tokens, boundaries)
+        super().commit(rid, tokens, boundaries, resend_at)
         for node in tree.nodes():
             for j, (f, s) in enumerate(zip(node.full, node.swa)):
                 if s and f in locked:  # undo the heal: the tree drops the reference it took
@@ -211,7 +213,9 @@ class ReferenceDefect(ReferenceCommits):
         self.accepted[rid] = length
         self.doomed.pop(rid, None)  # the last commit was unfinished: the request goes on
 
-    def commit(self, rid: str, tokens: Sequence[int], boundaries: Sequence[int] = ()) -> None:
+    def commit(
+        self, rid: str, tokens: Sequence[int], boundaries: Sequence[int] = (), resend_at: int | None = None
+    ) -> None:
         if self.tree is not None:
             req = self._requests[rid]
             start = self.accepted.get(rid, 0) // self.page_size
@@ -220,7 +224,7 @@ class ReferenceDefect(ReferenceCommits):
                 for i, (nd, j) in enumerate(path_entries(self, tokens))
                 if i >= start and i < len(req.full) and nd.swa[j] and nd.full[j] == req.full[i]
             ]
-        super().commit(rid, tokens, boundaries)
+        super().commit(rid, tokens, boundaries, resend_at)
 
     def release(self, rid: str, *, preempted: bool = False) -> None:
         for full, swa in self.doomed.pop(rid, []):

@@ -256,7 +256,9 @@ class CheckedKV(KVManager):
         self.verify(f"extend({rid}, {num_tokens}) -> {ok}")
         return ok
 
-    def commit(self, rid: str, tokens: Sequence[int], boundaries: Sequence[int] = ()) -> None:
+    def commit(
+        self, rid: str, tokens: Sequence[int], boundaries: Sequence[int] = (), resend_at: int | None = None
+    ) -> None:
         tomb: set[int] = set()
         beneath_held = False
         before = self.tree.num_pages("full") if self.tree is not None else 0
@@ -268,7 +270,7 @@ class CheckedKV(KVManager):
                     tomb.add(node.full[j])
                     if node.full[j] in others and node.full[j] not in req.full:
                         beneath_held = True
-        super().commit(rid, tokens, boundaries)
+        super().commit(rid, tokens, boundaries, resend_at)
         self.log.append(("commit beneath held" if beneath_held else "commit", rid))
         if self.tree is not None:
             healed = sum(1 for n in self.tree.nodes() for f, s in zip(n.full, n.swa)

@@ -46,6 +46,10 @@ def traffic(kv_class: type[CheckedKV], page_size: int = 2) -> None:
     engine.kv.evict("swa", 4)
     submit(engine, "r5", S[:26] + [66], 3)
     drain(engine)
+    # A prompt leaving the path where the window before its cap is gone: it recomputes pages the
+    # tree holds live, and its commit heals the entry past them.
+    submit(engine, "r6", S[:16] + [67, 68, 69], 3)
+    drain(engine)
 
 
 def rotate(pages: list[int]) -> list[int]:
@@ -67,7 +71,7 @@ def heal_with_wrong_page(monkeypatch: pytest.MonkeyPatch) -> None:
     where the tree already has that earlier entry live (so the page is in no tree entry)."""
     original = RadixTree.insert
 
-    def insert(self: RadixTree, tokens, full, swa, boundaries=()):  # type: ignore[no-untyped-def]
+    def insert(self: RadixTree, tokens, full, swa, boundaries=(), resend_at=None):  # type: ignore[no-untyped-def]
         if swa is not None:
             entries = self._walk(tuple(tokens), len(tokens) // self.page_size)
             swa = list(swa)
@@ -78,7 +82,7 @@ def heal_with_wrong_page(monkeypatch: pytest.MonkeyPatch) -> None:
                 if before_live and absent and swa[i] and swa[i - 1]:
                     swa[i] = swa[i - 1]
                     break
-        return original(self, tokens, full, swa, boundaries)
+        return original(self, tokens, full, swa, boundaries, resend_at)
 
     monkeypatch.setattr(RadixTree, "insert", insert)
 

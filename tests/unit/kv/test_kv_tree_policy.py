@@ -65,9 +65,12 @@ def test_non_monotone_hit_on_the_tree() -> None:
     sim = make(1, 4)
     seq = list(range(300, 312))
     sim.admit("a", seq, 1, boundaries=[3])
-    sim.run_to_end("a")  # committed 12 tokens; live [0,3) (boundary) and [9,12) (end)
-    # prompt == seq: cap 11; L=12 would be valid but is above the cap; 11..4 are not; 3 is.
-    assert sim.admit("b", seq, 1).cached == 3
+    sim.run_to_end("a")  # committed 12 tokens; live [0,3) (boundary), [9,12) (end), [8,11) (a resend's)
+    # The same 12 tokens again hit at their cap, 11 (the window before it is kept for exactly that).
+    # A prompt that leaves the path at 10: L=10..4 have a dead page in their window; 3 has not.
+    assert sim.admit("b", seq[:10] + [998, 999], 1).cached == 3
+    sim.run_to_end("b")
+    assert sim.admit("c", seq, 1).cached == 11
 
 
 def test_swa_eviction_tombstones_oldest_unprotected_first() -> None:
@@ -78,9 +81,10 @@ def test_swa_eviction_tombstones_oldest_unprotected_first() -> None:
     sim.run_to_end("new")
     kv = sim.kv
     old_end = kv.tree._walk(tuple([1] * 3 + list(range(10, 20))), 13)
-    assert all(n.swa[j] for n, j in old_end[-3:])
-    kv.evict("swa", 3)
-    assert not any(n.swa[j] for n, j in old_end[-3:])  # the oldest unprotected window went first
+    # live at its end: the window before 13 (pages 10-12) and before 12 (9-11), where a resend hits
+    assert all(n.swa[j] for n, j in old_end[-4:])
+    kv.evict("swa", 4)
+    assert not any(n.swa[j] for n, j in old_end[-4:])  # the oldest unprotected window went first
     assert all(n.swa[j] for n, j in old_end[:3])  # the marked boundary's window is still live
     kv.evict("swa", 1000)
     assert kv.swa_pool.num_free == kv.swa_pool.capacity
@@ -194,3 +198,19 @@ def test_naive_and_misuse() -> None:
     assert kv.request_ids == ["a"]
     kv.release("a")
     assert kv.audit(idle=True).ok
+
+
+@pytest.mark.parametrize("page_size, window, pages", [(4, 13, 12), (16, 512, 54), (1, 8, 40)])
+def test_a_page_aligned_prompt_sent_again_hits_one_page_short_of_its_end(page_size: int, window: int, pages: int) -> None:
+    """Prefilled in one chunk, only the prompt's end commits a window; a resend must compute its
+    last token, so it hits one page earlier, whose window reaches one page further back. The
+    tree keeps that page too: before, such a prompt (1 in 16 at page size 16, e.g. Gemma 3's
+    864-token one) never hit again."""
+    kv = KVManager(full_pages=256, swa_pages=256, page_size=page_size, window=window, cache_type="radix")
+    sim = Sim(kv, chunk=4096)
+    prompt = list(range(300, 300 + pages * page_size))
+    sim.admit("a", prompt, 3)
+    sim.run_to_end("a")
+    assert sim.admit("b", prompt, 3).cached == len(prompt) - page_size
+    sim.run_to_end("b")
+    sim.check()
