@@ -364,7 +364,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--tool-call-parser",
         default=None,
-        choices=["hermes", "gemma", "gemma4", "llama3_json", "harmony"],
+        choices=["hermes", "gemma", "gemma4", "llama3_json", "harmony", "qwen3_coder", "glm45", "mistral"],
         help="the tool-call format to parse (default: from the model's chat template and architecture)",
     )
     g.add_argument(

@@ -38,7 +38,7 @@ class ServerConfig:
     enable_cache_report: bool = False
     max_running_requests: int = 16
     max_waiting_requests: int = 256
-    tool_call_parser: str | None = None  # --tool-call-parser: hermes|gemma|llama3_json|harmony (None: from the model)
+    tool_call_parser: str | None = None  # --tool-call-parser: a TOOL_PARSERS name (None: from the model)
     request_timeout_s: float | None = None  # --request-timeout: a generation request running longer ends with a 504
     responses_store_size: int = 1024  # --responses-store-size: responses kept for previous_response_id (LRU)
     responses_store_ttl_s: float = 3600.0  # --responses-store-ttl: and for how long
