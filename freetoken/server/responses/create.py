@@ -22,12 +22,12 @@ from fastapi.responses import JSONResponse, Response
 
 from freetoken.server.context import ServingContext
 from freetoken.server.core.chat_prompt import Prompt
-from freetoken.server.errors import APIError, bad_request
 from freetoken.server.core.generation import Clock, Piece
 from freetoken.server.core.logprobs import chat_logprobs
 from freetoken.server.core.recipe import ChatInput, prepare_chat
 from freetoken.server.core.run import start
 from freetoken.server.core.streaming import Tally, sse_response
+from freetoken.server.errors import APIError, bad_request
 from freetoken.server.responses.items import call_names, items_to_messages, listed_items
 from freetoken.server.responses.output import new_id, response_body, usage
 from freetoken.server.responses.prompt import build_prompt
@@ -35,6 +35,7 @@ from freetoken.server.responses.protocol import ResponsesRequest
 from freetoken.server.responses.store import ResponseStore, StoredResponse
 from freetoken.server.responses.stream import collected_items, response_events
 from freetoken.server.responses.tools import ResponsesTools, responses_tools, text_grammar
+from freetoken.server.sampling_defaults import left_out
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,7 @@ def response_turn(req: ResponsesRequest, store: ResponseStore) -> Turn:
         prompt_param="input",
         max_param="max_output_tokens",
         render=lambda tokenizer, tooling, messages: build_prompt(tokenizer, tooling, messages, prior, output_at),
+        unset=left_out(req),
     )
     return Turn(chat, tools, history + conversation.messages, tuple(listed_items(req.input)))
 
