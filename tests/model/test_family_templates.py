@@ -195,3 +195,25 @@ def test_forced_grammar_accepts_the_format_only(family: tuple[Family, Tokenizer]
     if fam.parser == "mistral":  # the markers are special tokens: kept when decoding, named by id
         assert not params.skip_special_tokens
         assert f"<[{tok.token_to_id('[TOOL_CALLS]')}]>" in grammar and '"[TOOL_CALLS]"' not in grammar
+
+
+def test_mistral_renders_a_history_with_our_call_ids(family: tuple[Family, Tokenizer]) -> None:
+    """Mistral's template refuses ids that are not 9 letters or digits; ours (`call_` + 24 hex) are
+    handed to it as 9 hex digits of their hash, the same for the call and its result, so the template
+    renders the history itself (not the text fallback)."""
+    fam, tok = family
+    if fam.parser != "mistral":
+        pytest.skip("only Mistral's template checks ids")
+    call = {"id": "call_0123456789abcdef01234567", "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": "sunny"},
+    ]
+    handling = calling(tok, ToolOptions(tools=(WEATHER,), choice="auto"))
+    text = tok.apply_chat_template(*handling.template_inputs(messages)[:1], tools=[WEATHER])
+    short = handling.parser.template_call_id(call["id"])
+    assert len(short) == 9 and short.isalnum() and handling.parser.template_call_id("abcdefghi") == "abcdefghi"
+    assert f'[TOOL_CALLS]get_weather[CALL_ID]{short}[ARGS]{{"city": "Paris"}}' in text
+    assert f"[TOOL_RESULTS]{short}[TOOL_CONTENT]sunny[/TOOL_RESULTS]" in text

@@ -194,6 +194,10 @@ class ToolParser(ABC):
         self.schemas: dict[str, Mapping[str, Any]] = dict(schemas or {})
         self.marker_tokens: dict[str, int] = dict(marker_tokens or {})
 
+    def template_call_id(self, call_id: str) -> str:
+        """A call's id as this family's chat template takes it (the same id in, the same id out)."""
+        return call_id
+
     def properties(self, tool: str) -> Mapping[str, Any]:
         """The `properties` of `tool`'s parameters schema ({} when unknown)."""
         props = self.schemas.get(tool, {}).get("properties")

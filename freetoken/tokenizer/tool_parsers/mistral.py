@@ -13,11 +13,13 @@ written. `[CALL_ID]id` between the name and `[ARGS]` (Mistral Small 3.2's histor
 A call of an unknown tool, or text that is neither form, is released as the text it was; once a
 known tool was named the call stands, with the arguments written so far, whatever follows. The
 markers are control tokens of Mistral's vocabularies, so decoding keeps special tokens while tools
-are in play (server/core/tool_calling.py) and a forced grammar names them by id.
+are in play (server/core/tool_calling.py) and a forced grammar names them by id. Mistral's
+templates take only 9-character ids: `template_call_id` maps ours onto such ids for them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -260,3 +262,10 @@ class MistralParser(ToolParser):
 
     def format_calls(self, calls: Sequence[ToolCall]) -> str:
         return "".join(f"{TOOL_CALLS}{c.name}{ARGS}{c.arguments}" for c in calls)
+
+    def template_call_id(self, call_id: str) -> str:
+        """Mistral's templates refuse an id that is not 9 letters or digits: another id becomes 9
+        hex digits of its hash, the same for a call and the result that names it."""
+        if len(call_id) == 9 and call_id.isascii() and call_id.isalnum():
+            return call_id
+        return hashlib.sha256(call_id.encode()).hexdigest()[:9]
