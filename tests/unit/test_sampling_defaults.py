@@ -126,3 +126,15 @@ def test_the_model_card_shows_them(tokenizer: Tokenizer) -> None:
 def test_reasoning_effort_turns_thinking_on_or_off(effort: str | None, thinking: bool | None) -> None:
     extra = {} if effort is None else {"reasoning_effort": effort}
     assert chat_input(ChatCompletionRequest(model="m", messages=MESSAGES, **extra)).thinking is thinking
+
+
+def test_a_response_echoes_the_temperature_it_sampled_with() -> None:
+    from freetoken.server.responses.create import echo_fields
+    from freetoken.server.responses.protocol import ResponsesRequest
+    from freetoken.server.responses.tools import responses_tools
+
+    tools = responses_tools(None, None, None)
+    left = ResponsesRequest(model="m", input="hi")
+    assert echo_fields(left, tools, DEFAULTS)["temperature"] == 0.6 and echo_fields(left, tools, DEFAULTS)["top_p"] == 0.95
+    assert echo_fields(left, tools, SamplingDefaults())["temperature"] == 1.0
+    assert echo_fields(ResponsesRequest(model="m", input="hi", temperature=0.2), tools, DEFAULTS)["temperature"] == 0.2
