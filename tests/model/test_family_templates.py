@@ -145,9 +145,10 @@ def test_a_streamed_generation_gives_reasoning_and_a_typed_call(family: tuple[Fa
     fam, tok = family
     handling = calling(tok, ToolOptions(tools=(WEATHER,), choice="auto"))
     params = handling.sampling(SamplingParams(max_tokens=64))
-    ids = tok.encode(fam.output, add_special_tokens=False)
+    ids = tok.encode(fam.output, add_special_tokens=False) + [tok.eos_id]  # the model stops on its end token
     assert len(ids) > 20  # really streamed in pieces
-    detok = IncrementalDetokenizer(tok, skip_special_tokens=params.skip_special_tokens)
+    # as the server decodes: special tokens kept where the format's markers are special, the end token hidden
+    detok = IncrementalDetokenizer(tok, skip_special_tokens=params.skip_special_tokens, hidden_ids=tok.stop_ids)
     stream = handling.stream(incremental=True)
     deltas = [stream.feed(detok.add(i).text) for i in ids] + [stream.feed(detok.finish().text), stream.finish()]
     reasoning = "".join(d.reasoning for d in deltas)
