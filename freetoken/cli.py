@@ -364,7 +364,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--tool-call-parser",
         default=None,
-        choices=["hermes", "gemma", "gemma4", "llama3_json", "harmony"],
+        choices=["hermes", "gemma", "gemma4", "llama3_json", "harmony", "qwen3_coder", "glm45", "mistral"],
         help="the tool-call format to parse (default: from the model's chat template and architecture)",
     )
     g.add_argument(
@@ -378,6 +378,15 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         choices=["think", "gemma4", "none"],
         help="split <think>...</think> (think) or <|channel>thought...<channel|> (gemma4) reasoning off the output "
         "(default: from the model's template or vocabulary)",
+    )
+
+    g.add_argument(
+        "--sampling-defaults",
+        default="model",
+        choices=["model", "none"],
+        help="model: a request that leaves temperature, top_p, top_k, min_p, repetition_penalty or presence_penalty "
+        "out gets the checkpoint's (generation_config.json, GGUF general.sampling.*); none: the APIs' defaults "
+        "(default model; docs/server.md)",
     )
 
     g = p.add_argument_group("operations")
@@ -713,6 +722,7 @@ def _serve(args: argparse.Namespace) -> None:
         responses_store_size=args.responses_store_size,
         responses_store_ttl_s=args.responses_store_ttl,
         reasoning_parser=args.reasoning_parser,
+        sampling_defaults=args.sampling_defaults,
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",")) if args.allowed_origins else (),
         unprefixed_routes=args.unprefixed_routes,
         engine_hang_timeout_s=args.engine_hang_timeout,

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import IO
 
 from freetoken.utils.logs import CLEAR_LINE, is_terminal
+from freetoken.server.sampling_defaults import SamplingDefaults
 
 DEFAULT_URL = "http://127.0.0.1:1919"  # ft serve's default --host / --port, which ft chat and ft launch use
 BAR_WIDTH = 24
@@ -59,6 +60,7 @@ def ready_block(
     api_key: bool,
     seconds: float,
     hostname: Callable[[], str] = socket.gethostname,
+    sampling: SamplingDefaults | None = None,
 ) -> tuple[str, dict[str, object]]:
     """The ready block's text (its first line and indented lines under it) and its fields (for
     --log-format json). URLs are ones this machine can open; with a wildcard --host, also the
@@ -85,6 +87,9 @@ def ready_block(
         "context_length": context_length,
         "ready_s": round(seconds, 3),
     }
+    if sampling is not None and sampling.values:
+        lines.append(f"sampling       {sampling.describe()}, for fields a request leaves out")
+        fields["sampling_defaults"] = dict(sampling.values)
     if api_key:
         lines.append("API key        required: the curl line reads it from $FT_API_KEY")
     if is_wildcard(host):

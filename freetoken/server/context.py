@@ -17,6 +17,7 @@ from freetoken.server.operations.activity import Activity
 from freetoken.server.operations.drain import DrainGate
 from freetoken.server.operations.metrics import Metrics
 from freetoken.server.process.messages import Ready
+from freetoken.server.sampling_defaults import SamplingDefaults
 from freetoken.server.settings import ServerConfig
 from freetoken.tokenizer import Tokenizer
 
@@ -36,6 +37,7 @@ class ServingContext:
     drain: DrainGate = field(default_factory=DrainGate)
     activity: Activity = field(default_factory=Activity)  # the dashboard's recent requests and tok/s
     on_drained: Callable[[], None] | None = None  # serve.py: stop the HTTP server once drained
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)  # the model's, for unset fields
 
     def begin_drain(self, why: str) -> bool:
         """Stop admitting and drain (SIGTERM, POST /admin/drain); False if already draining."""

@@ -36,6 +36,7 @@ from freetoken.server.console import LoadBar, ready_block
 from freetoken.server.context import ServingContext
 from freetoken.server.operations.metrics import Metrics
 from freetoken.server.process.messages import Ready
+from freetoken.server.sampling_defaults import SamplingDefaults, read_sampling_defaults
 from freetoken.server.settings import ServerConfig
 from freetoken.server.startup import Started, start
 from freetoken.tokenizer import Tokenizer
@@ -62,6 +63,15 @@ def load_tokenizer(started: Started, server_config: ServerConfig) -> Tokenizer:
         except OSError as err:
             raise ConfigError(f"--chat-template: cannot read {path} ({err.strerror})") from None
     return tokenizer
+
+
+def model_sampling_defaults(started: Started, server_config: ServerConfig) -> SamplingDefaults:
+    """The checkpoint's sampling defaults (`--sampling-defaults model`), or none."""
+    if server_config.sampling_defaults == "none":
+        return SamplingDefaults()
+    if started.metadata is not None:
+        return read_sampling_defaults(metadata=started.metadata)
+    return read_sampling_defaults(directory=started.source.path)
 
 
 class _Server(uvicorn.Server):
@@ -110,6 +120,7 @@ class _Console:
         self.port = port
         self.bar = LoadBar(sys.stderr, started.served_name)
         self.readies = 0
+        self.sampling = SamplingDefaults()  # shown in the ready block
 
     def ready(self, info: Ready) -> None:
         self.bar.clear()
@@ -125,6 +136,7 @@ class _Console:
             context_length=info.context_length,
             api_key=self.config.api_key is not None,
             seconds=time.monotonic() - self.started.began,
+            sampling=self.sampling,
         )
         log.info(text, extra=fields)
 
@@ -153,7 +165,10 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, started
             on_ready=console.ready,
             on_load_progress=console.bar.update,
         )
-        ctx = ServingContext(client, tokenizer, server_config, Metrics(served_name), served_name)
+        console.sampling = model_sampling_defaults(started, server_config)
+        ctx = ServingContext(
+            client, tokenizer, server_config, Metrics(served_name), served_name, sampling_defaults=console.sampling
+        )
         app = build_app(ctx, manage_client=True)
         config = uvicorn.Config(
             app,

@@ -38,11 +38,12 @@ class ServerConfig:
     enable_cache_report: bool = False
     max_running_requests: int = 16
     max_waiting_requests: int = 256
-    tool_call_parser: str | None = None  # --tool-call-parser: hermes|gemma|llama3_json|harmony (None: from the model)
+    tool_call_parser: str | None = None  # --tool-call-parser: a TOOL_PARSERS name (None: from the model)
     request_timeout_s: float | None = None  # --request-timeout: a generation request running longer ends with a 504
     responses_store_size: int = 1024  # --responses-store-size: responses kept for previous_response_id (LRU)
     responses_store_ttl_s: float = 3600.0  # --responses-store-ttl: and for how long
     reasoning_parser: str | None = None  # --reasoning-parser: think|none (None: from the model)
+    sampling_defaults: str = "model"  # --sampling-defaults: model (the checkpoint's, for unset fields) | none
     allowed_origins: tuple[str, ...] = ()  # --allowed-origins: CORS origins ("*": any); empty = no CORS headers
     unprefixed_routes: bool = False  # --unprefixed-routes: the OpenAI routes also answer without /v1
     engine_hang_timeout_s: float = (
@@ -74,6 +75,8 @@ class ServerConfig:
             raise ConfigError(
                 f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}"
             )
+        if self.sampling_defaults not in ("model", "none"):
+            raise ConfigError(f"--sampling-defaults must be model or none, got {self.sampling_defaults!r}")
         if any(not o.strip() for o in self.allowed_origins):
             raise ConfigError("--allowed-origins: an origin must not be empty")
         if self.max_waiting_requests < 0:

@@ -16,7 +16,7 @@ whole run is decoded together, and one bad byte turns every byte of the run into
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from freetoken.tokenizer.tokenizer import Tokenizer
@@ -39,7 +39,8 @@ class IncrementalDetokenizer:
     `context_ids` (e.g. the last few prompt ids) seed the window so the first generated token
     decodes as it does after the prompt (a SentencePiece leading space is kept); their own text is
     never emitted. `stop` strings end the text; the emitted text excludes the stop string unless
-    `include_stop_string`."""
+    `include_stop_string`. `hidden_ids` (the end-of-generation tokens) are never decoded, even with
+    special tokens kept: a format that needs its special markers does not get `</s>` as text."""
 
     def __init__(
         self,
@@ -49,9 +50,11 @@ class IncrementalDetokenizer:
         stop: Sequence[str] = (),
         include_stop_string: bool = False,
         context_ids: Sequence[int] = (),
+        hidden_ids: Collection[int] = (),
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
+        self._hidden = frozenset(hidden_ids)
         self._stops = tuple(s for s in stop if s)
         self._include_stop = include_stop_string
         # Ids the window sees: the fed ids, minus skipped special ids (decode drops them anyway).
@@ -80,7 +83,7 @@ class IncrementalDetokenizer:
         return "".join(self._emitted)
 
     def _skipped(self, token_id: int) -> bool:
-        return self._skip_special and token_id in self._tokenizer.special_ids
+        return token_id in self._hidden or (self._skip_special and token_id in self._tokenizer.special_ids)
 
     def _decode(self, start: int, end: int | None = None) -> str:
         return self._tokenizer.decode(self._ids[start:end])

@@ -122,3 +122,21 @@ def test_think_then_a_tool_call(tokenizer: Tokenizer) -> None:
     assert "".join(reasoning) == "I need the weather tool."
     assert content.strip() == ""
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+
+
+def test_forced_call_grammar_takes_the_added_marker_tokens(tokenizer: Tokenizer) -> None:
+    """`<tool_call>` is an added token (llguidance takes those for special ones): the forced grammar
+    names it by id, so the model writes the token, and the call's canonical tokens are accepted."""
+    import llguidance
+
+    from freetoken.engine.grammar import llg_tokenizer
+    from freetoken.request import SamplingParams
+
+    handling = calling(tokenizer, ToolOptions(tools=(WEATHER,), choice="required"))
+    grammar = handling.sampling(SamplingParams(max_tokens=64)).grammar
+    assert grammar is not None and f"<[{tokenizer.token_to_id('<tool_call>')}]>" in grammar[1]
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    matcher = llguidance.LLMatcher(llg_tokenizer(tokenizer), llguidance.LLMatcher.grammar_from_lark(grammar[1]), log_level=0)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert ids[0] == tokenizer.token_to_id("<tool_call>")
+    assert all(matcher.consume_token(i) for i in ids) and matcher.is_accepting()

@@ -36,6 +36,17 @@ def test_the_ready_block_names_the_urls_the_model_a_curl_line_and_the_agents() -
     assert body["model"] == "tiny" and body["messages"][0]["role"] == "user"
     assert fields["openai_base_url"] == "http://127.0.0.1:1919/v1" and fields["anthropic_base_url"] == "http://127.0.0.1:1919"
     assert fields["model"] == "tiny" and "network_base_url" not in fields
+    assert not any(line.startswith("sampling") for line in lines) and "sampling_defaults" not in fields
+
+
+def test_ready_block_names_the_models_sampling_defaults() -> None:
+    from freetoken.server.sampling_defaults import SamplingDefaults
+
+    defaults = SamplingDefaults({"temperature": 0.6, "top_k": 20}, "generation_config.json")
+    text, fields = ready_block("q", "127.0.0.1", 1919, architecture="qwen3", context_length=512, api_key=False, seconds=1.0,
+                               sampling=defaults)
+    assert "sampling       temperature 0.6, top_k 20 (generation_config.json), for fields a request leaves out" in text
+    assert fields["sampling_defaults"] == {"temperature": 0.6, "top_k": 20}
 
 
 def test_the_ready_block_on_every_interface_gives_urls_that_open_and_the_hostname() -> None:

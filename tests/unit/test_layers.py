@@ -59,7 +59,7 @@ SERVER_LAYERS: tuple[tuple[str, ...], ...] = (
     ("process", "__init__"),
     (  # plumbing: what every route is handed or passes through
         "settings", "errors", "context", "preflight", "startup", "console", "middleware", "request_body", "request_hygiene",
-        "operations",
+        "operations", "sampling_defaults",
     ),
     ("core",),
     ("openai", "responses", "anthropic", "admin"),

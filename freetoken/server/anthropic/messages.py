@@ -31,12 +31,13 @@ from freetoken.server.anthropic.threads import KeptThread, ThreadStore
 from freetoken.server.anthropic.tool_blocks import AnthropicBlockStream, anthropic_content, tool_stop_reason
 from freetoken.server.context import ServingContext
 from freetoken.server.core.chat_prompt import Prompt
-from freetoken.server.errors import APIError, bad_request
 from freetoken.server.core.generation import ChoiceResult, Clock, Piece
 from freetoken.server.core.recipe import ChatInput, PreparedChat, prepare_chat
 from freetoken.server.core.run import start
 from freetoken.server.core.streaming import Tally, sse_response
 from freetoken.server.core.tool_calling import ToolCalling, ToolOptions, with_tools
+from freetoken.server.errors import APIError, bad_request
+from freetoken.server.sampling_defaults import left_out
 from freetoken.tokenizer.tool_parsers import StreamDelta
 from freetoken.tokenizer.tool_parsers.base import merge_deltas
 
@@ -61,6 +62,7 @@ def message_input(req: MessagesRequest) -> ChatInput:
         thinking=thinking,
         reasoning_budget=req.thinking_budget(),
         pins=anthropic_pin_marks(req),
+        unset=left_out(req),
     )
 
 

@@ -102,6 +102,7 @@ async def run_choice(client: EngineClient, spec: ChoiceSpec, tokenizer: Tokenize
         stop=params.stop,
         include_stop_string=spec.include_stop,
         context_ids=spec.prompt_ids[-_CONTEXT_IDS:],
+        hidden_ids=() if params.ignore_eos else spec.eos_ids,  # the token that ends the output is no text
     )
     stream = client.generate(
         spec.rid, spec.prompt_ids, params, eos_ids=spec.eos_ids, boundaries=spec.boundaries, pins=spec.pins

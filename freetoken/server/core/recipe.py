@@ -60,6 +60,7 @@ class ChatInput:
     max_param: str = "max_tokens"
     check_vocab: VocabCheck | None = None
     render: Renderer = render_prompt  # Responses splices an earlier turn's exact tokens in
+    unset: frozenset[str] = frozenset()  # sampling fields the request left out: the model's defaults apply
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,6 +74,7 @@ class PromptInput:
     num_choices: int = 1
     include_stop: bool = False
     check_vocab: VocabCheck | None = None
+    unset: frozenset[str] = frozenset()  # sampling fields the request left out: the model's defaults apply
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,8 +112,9 @@ async def prepare_chat(ctx: ServingContext, chat: ChatInput) -> PreparedChat:
         prompt_param=chat.prompt_param,
         max_param=chat.max_param,
     )
+    params = ctx.sampling_defaults.apply(chat.params, chat.unset)
     params = tooling.sampling(
-        _sized(chat.params, max_tokens, chat.check_vocab, info), reasoning_budget=chat.reasoning_budget
+        _sized(params, max_tokens, chat.check_vocab, info), reasoning_budget=chat.reasoning_budget
     )
     ctx.check_capacity(chat.num_choices)
     return PreparedChat(
@@ -129,7 +132,7 @@ async def prepare_prompts(ctx: ServingContext, raw: PromptInput) -> Prepared:
     prompts = await anyio.to_thread.run_sync(raw.tokenize, ctx.tokenizer, info.vocab_size)  # off the event loop
     for ids in prompts:
         check_context(len(ids), raw.max_tokens, info.context_length, prompt_param="prompt", max_param="max_tokens")
-    params = _sized(raw.params, raw.max_tokens, raw.check_vocab, info)
+    params = _sized(ctx.sampling_defaults.apply(raw.params, raw.unset), raw.max_tokens, raw.check_vocab, info)
     ctx.check_capacity(len(prompts) * raw.num_choices)
     return Prepared(
         prompts=tuple(Prompt(ids) for ids in prompts),

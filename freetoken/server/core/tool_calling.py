@@ -3,9 +3,10 @@
 Owns `ToolOptions` (validated `tools` / `tool_choice` / `parallel_tool_calls`; `openai_tool_options`
 checks OpenAI-style function tools, the form every protocol's tools are translated into), `ToolCalling` (one request's output handling: what goes to the chat
 template — tools, and `enable_thinking` when the request says whether to think —, the sampling
-changes — a forced-call grammar for `required` or a named function, special tokens kept for
-Harmony —, and the parsed result: reasoning split off by the `<think>` parser where the model has
-one, then tool calls, with `parallel_tool_calls: false` applied), `tool_parser_name`
+changes — a forced-call grammar for `required` or a named function (markers that are tokens of
+the model named by id: `marker_tokens`), special tokens kept for Harmony and for formats whose
+markers are special tokens —, and the parsed result: reasoning split off by the `<think>` parser
+where the model has one, then tool calls, with `parallel_tool_calls: false` applied), `tool_parser_name`
 (`--tool-call-parser` or the model's own) and `reasoning_parser_name` (`--reasoning-parser` or the
 model's own), and `with_tools`, the request recipe's one step into this module before generation:
 the request's `ToolCalling` and its prompt rendered with it (`render_prompt`: `render_chat` with the
@@ -24,9 +25,9 @@ from freetoken.reasoning_budget import ReasoningBudget
 from freetoken.request import SamplingParams
 from freetoken.server.context import ServingContext
 from freetoken.server.core.chat_prompt import Prompt, render_chat
-from freetoken.server.errors import bad_request
 from freetoken.server.core.grammar_check import check_tool_schemas
 from freetoken.server.core.tool_messages import prepare_messages
+from freetoken.server.errors import bad_request
 from freetoken.tokenizer import ChatTemplateError, NoChatTemplate, Tokenizer
 from freetoken.tokenizer.reasoning import MARKERS, ThinkStream, detect_reasoning_parser, reasoning_stream
 from freetoken.tokenizer.tool_parsers import (
@@ -147,6 +148,15 @@ def reasoning_parser_name(ctx: ServingContext, tool_parser: ToolParser) -> str |
     return detect_reasoning_parser(chat_template=tokenizer.chat_template, tokens=special)
 
 
+def marker_tokens(tokenizer: Tokenizer, markers: Sequence[str]) -> dict[str, int]:
+    """The `markers` that are added tokens of `tokenizer` (Mistral's `[TOOL_CALLS]`, Qwen's
+    `<tool_call>`), by id: a forced-call grammar names them by id, as llguidance takes every added
+    token for a special one that no text literal matches."""
+    added = tokenizer.backend.get_added_tokens_decoder()
+    ids = {m: tokenizer.token_to_id(m) for m in markers}
+    return {m: i for m, i in ids.items() if i is not None and i in added}
+
+
 class ToolCalling:
     """One chat request's output handling. With no active tools it still parses when the format
     structures all output (Harmony's channels), accepting no calls. `thinking` is the request's
@@ -156,7 +166,12 @@ class ToolCalling:
     def __init__(self, ctx: ServingContext, options: ToolOptions, thinking: bool | None = None) -> None:
         self.options = options
         names = [t["function"]["name"] for t in options.tools] if options.active else []
-        self.parser: ToolParser = make_tool_parser(tool_parser_name(ctx), names)
+        schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in options.tools}
+        name = tool_parser_name(ctx)
+        markers = make_tool_parser(name).markers
+        self.parser: ToolParser = make_tool_parser(
+            name, names, schemas=schemas, marker_tokens=marker_tokens(ctx.tokenizer, markers)
+        )
         self.parses = options.active or self.parser.needs_special_tokens
         self.reasoning = reasoning_parser_name(ctx, self.parser)
         self.thinking = thinking
@@ -190,7 +205,9 @@ class ToolCalling:
     def sampling(self, params: SamplingParams, *, reasoning_budget: int | None = None) -> SamplingParams:
         """The request's params with what its tools and reasoning need; `reasoning_budget`: at most
         that many tokens inside the reasoning (see `_budget`)."""
-        if self.parser.needs_special_tokens or self._think_is_special():
+        special = self._ctx.tokenizer.special_ids
+        calls_special = self.options.active and any(i in special for i in self.parser.marker_tokens.values())
+        if self.parser.needs_special_tokens or calls_special or self._think_is_special():
             params = replace(params, skip_special_tokens=False)
         if self.options.forced:
             forced = self.options.forced_tools()

@@ -31,12 +31,14 @@ def _renders(
     return needle in text
 
 
-def _probe_call() -> dict[str, Any]:
-    return {"id": "call_probe", "type": "function", "function": {"name": _PROBE_TOOL, "arguments": {}}}
+def _probe_call(call_id: str) -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": _PROBE_TOOL, "arguments": {}}}
 
 
-def template_support(tokenizer: Tokenizer) -> tuple[bool, bool, bool]:
-    """Whether the template renders (a tools list, assistant tool_calls, tool-role results)."""
+def template_support(tokenizer: Tokenizer, parser: ToolParser | None = None) -> tuple[bool, bool, bool]:
+    """Whether the template renders (a tools list, assistant tool_calls, tool-role results), with
+    call ids as `parser` hands them to templates."""
+    probe_id = "call_probe" if parser is None else parser.template_call_id("call_probe")
     user = {"role": "user", "content": "hi"}
     tool = {
         "type": "function",
@@ -44,22 +46,23 @@ def template_support(tokenizer: Tokenizer) -> tuple[bool, bool, bool]:
     }
     tools = _renders(tokenizer, [user], _PROBE_TOOL, tools=[tool])
     calls = _renders(
-        tokenizer, [user, {"role": "assistant", "content": "", "tool_calls": [_probe_call()]}], _PROBE_TOOL
+        tokenizer, [user, {"role": "assistant", "content": "", "tool_calls": [_probe_call(probe_id)]}], _PROBE_TOOL
     )
     result = _renders(
         tokenizer,
         [
             user,
-            {"role": "assistant", "content": "", "tool_calls": [_probe_call()]},
-            {"role": "tool", "tool_call_id": "call_probe", "name": _PROBE_TOOL, "content": _PROBE_RESULT},
+            {"role": "assistant", "content": "", "tool_calls": [_probe_call(probe_id)]},
+            {"role": "tool", "tool_call_id": probe_id, "name": _PROBE_TOOL, "content": _PROBE_RESULT},
         ],
         _PROBE_RESULT,
     )
     return tools, calls, result
 
 
-def _template_call(call: Any) -> dict[str, Any]:
-    """An OpenAI tool call with its arguments as an object where they parse."""
+def _template_call(call: Any, parser: ToolParser) -> dict[str, Any]:
+    """An OpenAI tool call with its arguments as an object where they parse, its id as the
+    parser's templates take ids."""
     if not isinstance(call, dict):
         return {}
     fn = dict(call.get("function") or {})
@@ -69,7 +72,10 @@ def _template_call(call: Any) -> dict[str, Any]:
             fn["arguments"] = json.loads(args)
         except ValueError:
             pass
-    return {**call, "function": fn}
+    out = {**call, "function": fn}
+    if isinstance(call.get("id"), str):
+        out["id"] = parser.template_call_id(call["id"])
+    return out
 
 
 def _as_tool_call(call: dict[str, Any]) -> ToolCall:
@@ -93,12 +99,14 @@ def prepare_messages(
     has_results = any(m.get("role") == "tool" for m in messages)
     if not tools and not has_calls and not has_results:
         return messages, None
-    renders_tools, renders_calls, renders_results = template_support(tokenizer)
+    renders_tools, renders_calls, renders_results = template_support(tokenizer, parser)
     names: dict[str, str] = {}
     out: list[dict[str, Any]] = []
     for message in messages:
         m = dict(message)
-        calls = [_template_call(c) for c in m.get("tool_calls") or []]
+        calls = [_template_call(c, parser) for c in m.get("tool_calls") or []]
+        if m.get("role") == "tool" and isinstance(m.get("tool_call_id"), str):
+            m["tool_call_id"] = parser.template_call_id(m["tool_call_id"])
         for c in calls:
             names[str(c.get("id", ""))] = str((c.get("function") or {}).get("name", ""))
         if calls and renders_calls:

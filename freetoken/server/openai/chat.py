@@ -1,8 +1,8 @@
 """`POST /v1/chat/completions`: an OpenAI chat request in the core's terms, and its answers.
 
 Owns `chat_input` (the request as the recipe's `ChatInput`: template messages, tools,
-`prompt_cache_key` marks, logprobs, `n`, `no_stop_trim`, `logit_bias` ids checked once the
-vocabulary is known; no max_tokens means the rest of the context) and the `chat.completion` body
+`reasoning_effort` as thinking on or off, `prompt_cache_key` marks, logprobs, `n`, `no_stop_trim`,
+`logit_bias` ids checked once the vocabulary is known; no max_tokens means the rest of the context) and the `chat.completion` body
 and `chat.completion.chunk` stream built from the core's results and pieces, logprobs included.
 Rendering, limits, sampling and admission are the recipe's (core/recipe.py), running the choices
 core/run.py's; tool calls and reasoning are parsed by the core's tool handling and shaped by
@@ -28,6 +28,7 @@ from freetoken.server.core.tool_calling import ToolCalling, openai_tool_options
 from freetoken.server.openai.pins import openai_pin_marks
 from freetoken.server.openai.protocol import ChatCompletionRequest, logit_bias_pairs
 from freetoken.server.openai.tool_shapes import finish_reason, openai_delta, openai_message
+from freetoken.server.sampling_defaults import left_out
 
 ENDPOINT = "chat"
 
@@ -49,6 +50,8 @@ def chat_input(req: ChatCompletionRequest) -> ChatInput:
         include_stop=bool(req.no_stop_trim),
         max_param=req.max_param,
         check_vocab=partial(logit_bias_pairs, req.logit_bias),
+        thinking=req.thinking(),
+        unset=left_out(req),
     )
 
 

@@ -17,13 +17,14 @@ from typing import Any
 from fastapi.responses import JSONResponse, Response
 
 from freetoken.server.context import ServingContext
-from freetoken.server.errors import bad_request
 from freetoken.server.core.generation import ChoiceResult, ChoiceSpec, Clock, Piece
 from freetoken.server.core.logprobs import wire_logprob
 from freetoken.server.core.recipe import PromptInput, prepare_prompts
 from freetoken.server.core.run import start
 from freetoken.server.core.streaming import DataFraming, Tally, sse_response
+from freetoken.server.errors import bad_request
 from freetoken.server.openai.protocol import CompletionRequest, logit_bias_pairs
+from freetoken.server.sampling_defaults import left_out
 from freetoken.tokenizer import Tokenizer
 
 ENDPOINT = "completions"
@@ -109,6 +110,7 @@ def completion_input(req: CompletionRequest) -> PromptInput:
         num_choices=req.num_choices,
         include_stop=bool(req.no_stop_trim),
         check_vocab=partial(logit_bias_pairs, req.logit_bias),
+        unset=left_out(req),
     )
 
 

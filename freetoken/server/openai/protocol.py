@@ -2,7 +2,7 @@
 
 Owns what a completions or chat request may contain: every accepted field with its type, the
 fields current clients send that have no effect here (typed, then ignored: `store`, `metadata`,
-`service_tier`, `reasoning_effort`, `prompt_cache_key`, `prompt_cache_retention`,
+`service_tier`, `prompt_cache_key`, `prompt_cache_retention`,
 `prompt_cache_options`, `safety_identifier`, `verbosity`, `stream_options.include_obfuscation`,
 `cache_control` / `prompt_cache_breakpoint` on a part; and the response-only keys a
 client re-sends on an assistant message), the fields the server knows but does not implement
@@ -21,9 +21,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from freetoken.request import SamplingParams
-from freetoken.server.errors import bad_request
 from freetoken.server.core.limits import check_max_tokens
 from freetoken.server.core.response_format import grammar_of
+from freetoken.server.errors import bad_request
 
 MAX_N = 16
 MAX_STOP_STRINGS = 16
@@ -306,7 +306,7 @@ class ChatCompletionRequest(_Sampling):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast"] | None = None
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None  # thinking()
     prompt_cache_key: str | None = None
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     prompt_cache_options: PromptCacheOptions | None = None
@@ -356,6 +356,11 @@ class ChatCompletionRequest(_Sampling):
         requested = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         check_max_tokens(requested, self.max_param)
         return requested
+
+    def thinking(self) -> bool | None:
+        """`reasoning_effort` as the template's `enable_thinking`: "none" is off, any other effort on,
+        none given the template's default (models without a reasoning parser ignore it)."""
+        return None if self.reasoning_effort is None else self.reasoning_effort != "none"
 
     def logprobs_k(self) -> int | None:
         """The engine's `logprobs` (None = off, k = the chosen token and the top k)."""

@@ -28,15 +28,19 @@ from freetoken.server.request_body import parse_body
 
 
 def model_card(ctx: ServingContext, created: float) -> dict[str, Any]:
-    """The one entry of `/v1/models`: the served name and the context length."""
+    """The one entry of `/v1/models`: the served name, the context length and the checkpoint's
+    sampling defaults where it has some (`--sampling-defaults model`)."""
     info = ctx.client.info
-    return {
+    card = {
         "id": ctx.served_name,
         "object": "model",
         "created": int(created),
         "owned_by": "freetoken",
         "max_model_len": None if info is None else info.context_length,
     }
+    if ctx.sampling_defaults.values:
+        card["sampling_defaults"] = dict(ctx.sampling_defaults.values)
+    return card
 
 
 def openai_router(ctx: ServingContext) -> APIRouter:

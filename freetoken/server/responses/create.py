@@ -20,14 +20,15 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, Response
 
+from freetoken.request import SamplingParams
 from freetoken.server.context import ServingContext
 from freetoken.server.core.chat_prompt import Prompt
-from freetoken.server.errors import APIError, bad_request
 from freetoken.server.core.generation import Clock, Piece
 from freetoken.server.core.logprobs import chat_logprobs
 from freetoken.server.core.recipe import ChatInput, prepare_chat
 from freetoken.server.core.run import start
 from freetoken.server.core.streaming import Tally, sse_response
+from freetoken.server.errors import APIError, bad_request
 from freetoken.server.responses.items import call_names, items_to_messages, listed_items
 from freetoken.server.responses.output import new_id, response_body, usage
 from freetoken.server.responses.prompt import build_prompt
@@ -35,6 +36,7 @@ from freetoken.server.responses.protocol import ResponsesRequest
 from freetoken.server.responses.store import ResponseStore, StoredResponse
 from freetoken.server.responses.stream import collected_items, response_events
 from freetoken.server.responses.tools import ResponsesTools, responses_tools, text_grammar
+from freetoken.server.sampling_defaults import SamplingDefaults, left_out
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +44,10 @@ ENDPOINT = "responses"
 IGNORED_TOOLS_HEADER = "x-freetoken-ignored-tools"
 
 
-def echo_fields(req: ResponsesRequest, tools: ResponsesTools) -> dict[str, Any]:
-    """The request fields a `response` object repeats."""
+def echo_fields(req: ResponsesRequest, tools: ResponsesTools, defaults: SamplingDefaults) -> dict[str, Any]:
+    """The request fields a `response` object repeats (`temperature` / `top_p` as sampled: the
+    model's defaults where the request left them out)."""
+    sampled = defaults.apply(SamplingParams(), left_out(req))
     text = dict(req.text or {})
     text.setdefault("format", {"type": "text"})
     return {
@@ -55,11 +59,11 @@ def echo_fields(req: ResponsesRequest, tools: ResponsesTools) -> dict[str, Any]:
         "prompt_cache_key": req.prompt_cache_key,
         "reasoning": req.reasoning or {"effort": None, "summary": None},
         "store": req.stores,
-        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "temperature": sampled.temperature if req.temperature is None else req.temperature,
         "text": text,
         "tool_choice": "auto" if req.tool_choice is None else req.tool_choice,
         "tools": list(tools.echo),
-        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "top_p": sampled.top_p if req.top_p is None else req.top_p,
         "truncation": req.truncation or "disabled",
         "user": req.user,
     }
@@ -110,6 +114,7 @@ def response_turn(req: ResponsesRequest, store: ResponseStore) -> Turn:
         prompt_param="input",
         max_param="max_output_tokens",
         render=lambda tokenizer, tooling, messages: build_prompt(tokenizer, tooling, messages, prior, output_at),
+        unset=left_out(req),
     )
     return Turn(chat, tools, history + conversation.messages, tuple(listed_items(req.input)))
 
@@ -176,7 +181,7 @@ class Answer:
         self._prompt = prompt
         self._id = response_id
         self._created = int(time.time())
-        self._echo = echo_fields(req, turn.tools)
+        self._echo = echo_fields(req, turn.tools, ctx.sampling_defaults)
         self.logprobs_of = None if req.logprobs_k() is None else self._logprobs
 
     def body(self, status: str, output: list[dict[str, Any]], usage_doc: dict[str, Any] | None) -> dict[str, Any]:

@@ -171,14 +171,37 @@ class ToolCallStream(ABC):
 
 class ToolParser(ABC):
     """One model family's tool-call format: the prompt that asks for it, the rendering of earlier
-    calls and results, and the parsing of output. `tool_names` limits accepted calls (None: any)."""
+    calls and results, and the parsing of output. `tool_names` limits accepted calls (None: any);
+    `schemas` (tool name -> its parameters' JSON schema) types the values of formats that write
+    them as text; `marker_tokens` (marker text -> token id) are the format's `markers` that are
+    tokens of their own in the model's vocabulary (added tokens), which a forced-call grammar
+    names by id."""
 
     name: ClassVar[str]
     # True when the format's markers are special tokens that skip_special_tokens would remove.
     needs_special_tokens: ClassVar[bool] = False
+    # The fixed texts the format's calls are made of (a model's vocabulary may hold them as tokens).
+    markers: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, tool_names: Iterable[str] | None = None) -> None:
+    def __init__(
+        self,
+        tool_names: Iterable[str] | None = None,
+        *,
+        schemas: Mapping[str, Mapping[str, Any]] | None = None,
+        marker_tokens: Mapping[str, int] | None = None,
+    ) -> None:
         self.tool_names: frozenset[str] | None = None if tool_names is None else frozenset(tool_names)
+        self.schemas: dict[str, Mapping[str, Any]] = dict(schemas or {})
+        self.marker_tokens: dict[str, int] = dict(marker_tokens or {})
+
+    def template_call_id(self, call_id: str) -> str:
+        """A call's id as this family's chat template takes it (the same id in, the same id out)."""
+        return call_id
+
+    def properties(self, tool: str) -> Mapping[str, Any]:
+        """The `properties` of `tool`'s parameters schema ({} when unknown)."""
+        props = self.schemas.get(tool, {}).get("properties")
+        return props if isinstance(props, Mapping) else {}
 
     @abstractmethod
     def stream(self) -> ToolCallStream:

@@ -21,8 +21,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from freetoken.tokenizer.tool_parsers.base import ToolCall, ToolCallStream, ToolParser, tools_json
-from freetoken.tokenizer.tool_parsers.grammar import call_schema, forced_call_grammar
 from freetoken.tokenizer.tool_parsers.blocks import BlockMarker, BlockStream, call_head
+from freetoken.tokenizer.tool_parsers.grammar import call_schema, forced_call_grammar
 from freetoken.tokenizer.tool_parsers.json_values import calls_from_values, json_values
 
 FENCE = "```"

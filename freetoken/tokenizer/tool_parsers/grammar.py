@@ -40,16 +40,25 @@ def call_schema(tools: Sequence[Mapping[str, Any]], key: str) -> dict[str, Any]:
     return {**schema, "x-guidance": COMPACT_JSON}
 
 
-def forced_call_grammar(before: str, schema: Mapping[str, Any], after: str) -> str:
+def forced_call_grammar(
+    before: str, schema: Mapping[str, Any], after: str, specials: Mapping[str, int] | None = None
+) -> str:
     """`before`, a JSON value matching `schema`, then `after` (either may be empty). Text between
-    `<|` and `|>` is left bare so llguidance reads it as a special token."""
-    parts = [lark_text(before), "call", lark_text(after)]
+    `<|` and `|>` is left bare so llguidance reads it as a special token; `specials` as in `lark_text`."""
+    parts = [lark_text(before, specials), "call", lark_text(after, specials)]
     start = " ".join(p for p in parts if p)
     return f"start: {start}\ncall: %json {json.dumps(schema)}\n"
 
 
-def lark_text(text: str) -> str:
-    """Lark items for `text`: quoted literals, with `<|...|>` special tokens left bare."""
+def lark_text(text: str, specials: Mapping[str, int] | None = None) -> str:
+    """Lark items for `text`: quoted literals, with `<|...|>` special tokens left bare and the
+    texts of `specials` (added tokens of the vocabulary, text -> id) written as their id `<[id]>`:
+    llguidance takes added tokens for special ones, which no quoted literal matches."""
+    for marker in sorted(specials or {}, key=len, reverse=True):
+        if marker in text:
+            head, _, tail = text.partition(marker)
+            parts = [lark_text(head, specials), f"<[{specials[marker]}]>", lark_text(tail, specials)]  # type: ignore[index]
+            return " ".join(p for p in parts if p)
     items: list[str] = []
     rest = text
     while rest:

@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from freetoken.tokenizer.tool_parsers.base import ToolCall, ToolCallStream, ToolParser, tools_json
-from freetoken.tokenizer.tool_parsers.grammar import call_schema, forced_call_grammar
 from freetoken.tokenizer.tool_parsers.blocks import BlockMarker, BlockStream, object_head
+from freetoken.tokenizer.tool_parsers.grammar import call_schema, forced_call_grammar
 from freetoken.tokenizer.tool_parsers.json_values import calls_from_values, json_values
 
 START, END = "<tool_call>", "</tool_call>"
@@ -23,6 +23,7 @@ START, END = "<tool_call>", "</tool_call>"
 
 class HermesParser(ToolParser):
     name = "hermes"
+    markers = (START, END)  # added tokens in Qwen's vocabularies
 
     def stream(self) -> ToolCallStream:
         return BlockStream([BlockMarker(START, END, self._head)], self._parse_block, bare_json_at_start=False)
@@ -45,7 +46,7 @@ class HermesParser(ToolParser):
         )
 
     def forced_grammar(self, tools: Sequence[Mapping[str, Any]]) -> str:
-        return forced_call_grammar(START + "\n", call_schema(tools, "arguments"), "\n" + END)
+        return forced_call_grammar(START + "\n", call_schema(tools, "arguments"), "\n" + END, self.marker_tokens)
 
     def format_calls(self, calls: Sequence[ToolCall]) -> str:
         return "\n".join(f'{START}\n{{"name": {json.dumps(c.name)}, "arguments": {c.arguments}}}\n{END}' for c in calls)

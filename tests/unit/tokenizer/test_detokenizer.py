@@ -133,3 +133,16 @@ def test_stop_string_made_of_a_multibyte_character(tiny_bpe: Tokenizer) -> None:
     ids = tiny_bpe.encode("a🙂b")
     pieces, detok = stream(tiny_bpe, ids, stop=["🙂"])
     assert "".join(pieces) == "a" and detok.stop_string == "🙂"
+
+
+def test_hidden_ids_are_never_text_even_with_special_tokens_kept(tmp_path) -> None:
+    """The end-of-generation token a request stopped on is no text, while other special tokens
+    (a format's markers) are kept."""
+    from freetoken.tokenizer.testing import write_tiny_tokenizer
+
+    tok = Tokenizer.from_pretrained_dir(write_tiny_tokenizer(tmp_path))
+    ids = tok.encode("<|im_start|>hi", add_special_tokens=False) + [tok.eos_id]
+    kept = IncrementalDetokenizer(tok, skip_special_tokens=False)
+    assert "".join(kept.add(i).text for i in ids) + kept.finish().text == "<|im_start|>hi<|im_end|>"
+    hidden = IncrementalDetokenizer(tok, skip_special_tokens=False, hidden_ids={tok.eos_id})
+    assert "".join(hidden.add(i).text for i in ids) + hidden.finish().text == "<|im_start|>hi"

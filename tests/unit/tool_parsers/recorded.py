@@ -151,3 +151,81 @@ HARMONY_MALFORMED: list[str] = [
     '<|channel|>commentary to=functions.rm_rf <|constrain|>json<|message|>{}<|call|>',
     '<|channel|>commentary to=browser.search <|constrain|>json<|message|>{"q": 1}<|call|>',
 ]
+
+# Qwen3-Coder / Qwen3.5: `<tool_call>\n<function=NAME>\n<parameter=K>\nV\n</parameter>\n</function>\n</tool_call>`
+# (as their chat templates write calls). Without the tools' schemas every value is a string.
+QWEN3_CODER: list[Case] = [
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>", "", "",
+     [("get_weather", {"city": "Paris"})]),
+    # text before, two calls, a value over several lines
+    ("Let me check both.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
+     "</tool_call>\n<tool_call>\n<function=search>\n<parameter=q>\nline one\n\nline two\n</parameter>\n</function>\n</tool_call>",
+     "Let me check both.", "", [("get_weather", {"city": "Paris"}), ("search", {"q": "line one\n\nline two"})]),
+    # the function without the <tool_call> around it (models drop it)
+    ("<function=search>\n<parameter=q>\ntea\n</parameter>\n</function>", "", "", [("search", {"q": "tea"})]),
+    ("<tool_call>\n<function=search>\n</function>\n</tool_call>", "", "", [("search", {})]),
+    # a parameter left open: the next one (or the function's end) ends it
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n<parameter=unit>\nc\n</function>\n</tool_call>", "", "",
+     [("get_weather", {"city": "Rome", "unit": "c"})]),
+    # markup and quotes inside a value are text
+    ('<tool_call>\n<function=search>\n<parameter=q>\na < b, <b>"bold"</b> \\ done\n</parameter>\n</function>\n</tool_call>',
+     "", "", [("search", {"q": 'a < b, <b>"bold"</b> \\ done'})]),
+    ("Use <tool> or <function> tags.", "Use <tool> or <function> tags.", "", []),
+]
+QWEN3_CODER_MALFORMED: list[str] = [
+    "<tool_call>\n<function=launch_rockets>\n<parameter=when>\nnow\n</parameter>\n</function>\n</tool_call>",  # unknown tool
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',  # Hermes JSON, not this format
+    "<function=get weather>\n</function>",  # no valid name
+    "<tool_call>\n<function=",  # cut off before the name
+]
+
+# GLM-4.5+: `<tool_call>NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>\n</tool_call>` (its template's form).
+GLM45: list[Case] = [
+    ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>", "", "",
+     [("get_weather", {"city": "Paris"})]),
+    ("Let me check both.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>\n"
+     "<tool_call>search\n<arg_key>q</arg_key>\n<arg_value>Paris\nevents</arg_value>\n</tool_call>", "Let me check both.", "",
+     [("get_weather", {"city": "Paris"}), ("search", {"q": "Paris\nevents"})]),
+    # spaces instead of newlines between the tags (seen from quantized GLM-4.5-Air)
+    ("<tool_call>search <arg_key>q</arg_key> <arg_value>a b</arg_value> </tool_call>", "", "", [("search", {"q": "a b"})]),
+    ("<tool_call>search\n</tool_call>", "", "", [("search", {})]),
+    ("GLM says hi.", "GLM says hi.", "", []),
+]
+GLM45_MALFORMED: list[str] = [
+    "<tool_call>launch_rockets\n<arg_key>when</arg_key>\n<arg_value>now</arg_value>\n</tool_call>",  # unknown tool
+    "<tool_call>\n</tool_call>",  # no name
+    "<tool_call>",  # cut off before the name
+]
+
+# Mistral: `[TOOL_CALLS]NAME[ARGS]{...}` (Mistral Small 3.2, Devstral, Magistral) or a JSON list (7B v0.3, Nemo).
+MISTRAL: list[Case] = [
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', "", "", [("get_weather", {"city": "Paris"})]),
+    ('Let me check both.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]search[ARGS]{"q": "Paris events"}',
+     "Let me check both.", "", [("get_weather", {"city": "Paris"}), ("search", {"q": "Paris events"})]),
+    ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "A"}}, {"name": "search", "arguments": {"q": "B"}}]', "", "",
+     [("get_weather", {"city": "A"}), ("search", {"q": "B"})]),
+    ('[TOOL_CALLS]search[CALL_ID]a1b2c3d4e[ARGS]{"q": "x"}', "", "", [("search", {"q": "x"})]),  # Mistral Small 3.2's id
+    # Nemo's history form: keys sorted, arguments double-encoded, an id (read whole)
+    ('[TOOL_CALLS][{"arguments": "{\\"q\\": \\"tea\\"}", "id": "abcdefghi", "name": "search"}]', "", "", [("search", {"q": "tea"})]),
+    ("Paris is in France.", "Paris is in France.", "", []),
+]
+MISTRAL_MALFORMED: list[str] = [
+    "[TOOL_CALLS]launch_rockets[ARGS]{}",  # unknown tool
+    '[TOOL_CALLS][{"name": "nuke", "arguments": {}}]',
+    "[TOOL_CALLS]get weather now",  # no valid name
+    "[TOOL_CALLS]",
+]
+
+# Calls of these formats whose head (a known tool's name) was written: they stay calls whatever
+# follows, with the arguments written so far. (parser, output, content, [(name, arguments)]).
+ANNOUNCED_NAMED: list[tuple[str, str, str, list[tuple[str, str]]]] = [
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nPa", "", [("get_weather", '{"city": "Pa"}')]),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=ci", "", [("get_weather", "{}")]),
+    ("qwen3_coder", "<function=search>\n<parameter=q>\na</parameter>\n</function>\nthen text", "then text",
+     [("search", '{"q": "a"}')]),
+    ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Pa", "", [("get_weather", '{"city": "Pa"}')]),
+    ("glm45", "<tool_call>search\n<arg_key>q</arg_key>\n<arg_value>a</tool_call>", "", [("search", '{"q": "a"}')]),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Pa', "", [("get_weather", '{"city": "Pa')]),
+    ("mistral", "[TOOL_CALLS]search[ARGS]", "", [("search", "{}")]),
+    ("mistral", '[TOOL_CALLS]search[ARGS]{"q": "a"} and text', "and text", [("search", '{"q": "a"}')]),
+]

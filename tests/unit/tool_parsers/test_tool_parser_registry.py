@@ -11,11 +11,11 @@ from freetoken.tokenizer.tool_parsers import TOOL_PARSERS, detect_tool_parser, m
 
 
 def test_names() -> None:
-    assert set(TOOL_PARSERS) == {"hermes", "gemma", "gemma4", "llama3_json", "harmony"}
+    assert set(TOOL_PARSERS) == {"hermes", "gemma", "gemma4", "llama3_json", "harmony", "qwen3_coder", "glm45", "mistral"}
     for name in TOOL_PARSERS:
         assert make_tool_parser(name).name == name
     with pytest.raises(ConfigError, match="hermes"):
-        make_tool_parser("mistral")
+        make_tool_parser("functionary")
 
 
 @pytest.mark.parametrize(
@@ -32,6 +32,14 @@ def test_names() -> None:
         ("{{ '<|turn>user\\n' }}{{ '<|tool_call>call:' }}", [], "gemma4", "gemma4"),  # Gemma 4's template
         (None, ["<|turn>", "<turn|>"], "llama", "gemma4"),
         (None, [], "gemma4_text", "gemma4"),
+        # Qwen3-Coder / Qwen3.5 and GLM-4.5+ templates also write `<tool_call>`: their own markers win over Hermes
+        ("{{ '<tool_call>\\n<function=f>\\n<parameter=p>\\n' }}{{ '<|im_start|>' }}", [], "qwen3_moe", "qwen3_coder"),
+        ("{{ '<tool_call>{name}\\n<arg_key>k</arg_key>\\n<arg_value>v</arg_value>' }}", [], "glm4_moe", "glm45"),
+        (None, ["<tool_call>", "<arg_key>"], "llama", "glm45"),
+        (None, [], "glm4_moe", "glm45"),
+        ("{{ '[AVAILABLE_TOOLS]' }}{{ '[TOOL_CALLS]' }}", [], "llama", "mistral"),
+        (None, ["[INST]", "[TOOL_CALLS]"], "llama", "mistral"),
+        (None, [], "mistral3", "mistral"),
     ],
 )
 def test_detect(template: str | None, special: list[str], arch: str, expected: str) -> None:

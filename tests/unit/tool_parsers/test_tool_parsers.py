@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from recorded import (  # noqa: E402
-    ANNOUNCED_JSON, GEMMA, GEMMA4, GEMMA4_MALFORMED, GEMMA_MALFORMED, HARMONY, HARMONY_ANNOUNCED, HARMONY_MALFORMED, HERMES, HERMES_ANNOUNCED, HERMES_MALFORMED, LLAMA3, LLAMA3_MALFORMED,
-    TOOLS, Case,
+    ANNOUNCED_JSON, ANNOUNCED_NAMED, GEMMA, GEMMA4, GEMMA4_MALFORMED, GEMMA_MALFORMED, GLM45, GLM45_MALFORMED, HARMONY, HARMONY_ANNOUNCED, HARMONY_MALFORMED, HERMES,
+    HERMES_ANNOUNCED, HERMES_MALFORMED, LLAMA3, LLAMA3_MALFORMED, MISTRAL, MISTRAL_MALFORMED, QWEN3_CODER, QWEN3_CODER_MALFORMED, TOOLS, Case,
 )
 
 from freetoken.tokenizer.tool_parsers import ParsedOutput, ToolCall, make_tool_parser  # noqa: E402
@@ -28,6 +28,9 @@ CASES: dict[str, tuple[list[Case], list[str]]] = {
     "gemma4": (GEMMA4, GEMMA4_MALFORMED),
     "llama3_json": (LLAMA3, LLAMA3_MALFORMED),
     "harmony": (HARMONY, HARMONY_MALFORMED),
+    "qwen3_coder": (QWEN3_CODER, QWEN3_CODER_MALFORMED),
+    "glm45": (GLM45, GLM45_MALFORMED),
+    "mistral": (MISTRAL, MISTRAL_MALFORMED),
 }
 ALL = [(name, case) for name, (good, _) in CASES.items() for case in good]
 ALL_BAD = [(name, text) for name, (_, bad) in CASES.items() for text in bad]
@@ -103,6 +106,12 @@ def test_harmony_announced_call_stays_a_call(text: str, arguments: str) -> None:
 
 @pytest.mark.parametrize(("parser", "text", "content", "calls"), ANNOUNCED_JSON)
 def test_gemma_llama3_announced_call_stays_a_call(parser: str, text: str, content: str, calls: list[tuple[str, str]]) -> None:
+    out = make_tool_parser(parser, TOOLS).parse(text)
+    assert out.content == content and [(c.name, c.arguments) for c in out.tool_calls] == calls
+
+
+@pytest.mark.parametrize(("parser", "text", "content", "calls"), ANNOUNCED_NAMED)
+def test_named_formats_announced_call_stays_a_call(parser: str, text: str, content: str, calls: list[tuple[str, str]]) -> None:
     out = make_tool_parser(parser, TOOLS).parse(text)
     assert out.content == content and [(c.name, c.arguments) for c in out.tool_calls] == calls
 

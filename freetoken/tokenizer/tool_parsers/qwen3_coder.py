@@ -1,0 +1,273 @@
+"""Qwen3-Coder / Qwen3.5 tool calls: XML-like blocks whose parameter values are raw text.
+
+    <tool_call>
+    <function=get_weather>
+    <parameter=city>
+    Paris
+    </parameter>
+    <parameter=days>
+    3
+    </parameter>
+    </function>
+    </tool_call>
+
+Owns that format (Qwen3-Coder's and Qwen3.5's chat templates render tools and earlier calls this
+way): the parser, the rendering of earlier calls, a tool prompt for templates that render no tools
+and the forced-call grammar. The model writes a value as text, one newline on each side (dropped);
+the tool's schema types it (typed_arguments.py): a string parameter is the text as written, and
+streams while it is written; numbers, booleans, objects and arrays are read as JSON once the
+value ends. A `<function=...>` without the `<tool_call>` around it is read too (models drop it). A
+block whose function is not a known tool is released as the text it was; once a known function was
+named the call stands, with the parameters written so far, whatever follows. Results go back in
+`<tool_response>` blocks (the template's `tool` role).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from freetoken.tokenizer.detokenizer import held_back
+from freetoken.tokenizer.tool_parsers.base import (
+    CallGapContent,
+    StreamDelta,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallStream,
+    ToolParser,
+    new_call_id,
+    tools_json,
+)
+from freetoken.tokenizer.tool_parsers.grammar import lark_text
+from freetoken.tokenizer.tool_parsers.typed_arguments import ArgumentWriter, raw_value, text_until, value_rule
+
+BLOCK_START, BLOCK_END = "<tool_call>", "</tool_call>"
+FUNCTION, FUNCTION_END = "<function=", "</function>"
+PARAMETER, PARAMETER_END = "<parameter=", "</parameter>"
+VALUE_ENDS = (PARAMETER_END, PARAMETER, FUNCTION_END)  # a value ends at its end tag, or where the model went on
+_NAME = re.compile(r"[^\s<>]+")
+
+
+class Qwen3CoderStream(CallGapContent, ToolCallStream):
+    """States: `text` (content, looking for a block), `block` (after `<tool_call>`, before the
+    function), `head` (the function's name), `params` (between parameters), `value` (a parameter's
+    text), `after` (past `</function>`, where `</tool_call>` may follow)."""
+
+    def __init__(self, parser: Qwen3CoderParser) -> None:
+        self._parser = parser
+        self._buffer = ""
+        self._state = "text"
+        self._opened = ""  # the marker text a block or function consumed (released if it is no call)
+        self._in_block = False
+        self._args: ArgumentWriter | None = None
+        self._fresh = False  # at the start of a value: its leading newline is dropped
+        self._num_calls = 0
+        self._after_call = False
+        self._pending_ws = ""
+
+    def _step(self, out: StreamDelta, *, final: bool) -> bool:
+        return getattr(self, "_" + self._state)(out, final)
+
+    def _text(self, out: StreamDelta, final: bool) -> bool:
+        hits = [(i, m) for m in (BLOCK_START, FUNCTION) if (i := self._buffer.find(m)) >= 0]
+        if hits:
+            i, marker = min(hits)
+            self._content(self._buffer[:i], out)
+            self._buffer = self._buffer[i + len(marker) :]
+            self._in_block, self._opened = marker == BLOCK_START, marker
+            self._state = "block" if self._in_block else "head"
+            return True
+        keep = 0 if final else held_back(self._buffer, (BLOCK_START, FUNCTION))
+        self._content(self._buffer[: len(self._buffer) - keep], out)
+        self._buffer = self._buffer[len(self._buffer) - keep :]
+        return False
+
+    def _block(self, out: StreamDelta, final: bool) -> bool:
+        body = self._buffer.lstrip()
+        if body.startswith(FUNCTION):
+            self._opened += self._buffer[: len(self._buffer) - len(body)] + FUNCTION
+            self._buffer, self._state = body[len(FUNCTION) :], "head"
+            return True
+        if FUNCTION.startswith(body) and not final:
+            return False
+        return self._not_a_call(out)
+
+    def _head(self, out: StreamDelta, final: bool) -> bool:
+        j = self._buffer.find(">")
+        if j < 0:
+            if final or not _NAME.fullmatch(self._buffer or "x"):
+                return self._not_a_call(out)
+            return False
+        name = self._buffer[:j]
+        names = self._parser.tool_names
+        if not _NAME.fullmatch(name) or (names is not None and name not in names):
+            return self._not_a_call(out)
+        self._pending_ws = ""
+        out.tool_calls.append(ToolCallDelta(self._num_calls, ToolCall(new_call_id(), name, "")))
+        self._args = ArgumentWriter(self._parser.properties(name))
+        self._buffer, self._state = self._buffer[j + 1 :], "params"
+        return True
+
+    def _not_a_call(self, out: StreamDelta) -> bool:
+        """The opened block is no call of a known tool: its marker is text, the rest read again."""
+        self._content(self._opened, out)
+        self._opened, self._in_block, self._state = "", False, "text"
+        return True
+
+    def _params(self, out: StreamDelta, final: bool) -> bool:
+        body = self._buffer.lstrip()
+        if body.startswith(PARAMETER):
+            j = body.find(">", len(PARAMETER))
+            if j < 0:
+                if final:
+                    self._end_call(out, "after")
+                    self._buffer = ""
+                return False
+            self._emit(self._writer.key(body[len(PARAMETER) : j].strip()), out)
+            self._buffer, self._state, self._fresh = body[j + 1 :], "value", True
+            return True
+        if body.startswith(FUNCTION_END):
+            self._buffer = body[len(FUNCTION_END) :]
+            self._end_call(out, "after")
+            return True
+        if (PARAMETER.startswith(body) or FUNCTION_END.startswith(body)) and not final:
+            self._buffer = body
+            return False
+        self._buffer = body  # anything else ends the call; it is read as text again
+        self._end_call(out, "after")
+        return True
+
+    def _value(self, out: StreamDelta, final: bool) -> bool:
+        if self._fresh:
+            if not self._buffer and not final:
+                return False
+            self._buffer = self._buffer.removeprefix("\n")
+            self._fresh = False
+        hits = [(i, m) for m in VALUE_ENDS if (i := self._buffer.find(m)) >= 0]
+        if hits:
+            i, marker = min(hits)
+            text = self._buffer[:i]
+            self._emit(self._writer.value(text.removesuffix("\n")), out)
+            self._emit(self._writer.end_value(), out)
+            self._buffer = self._buffer[i + (len(marker) if marker == PARAMETER_END else 0) :]
+            self._state = "params"
+            return True
+        if final:
+            text = self._buffer
+            self._emit(self._writer.value(text.removesuffix("\n")), out)
+            self._buffer = ""
+            self._end_call(out, "after")
+            return False
+        keep = held_back(self._buffer, VALUE_ENDS)
+        ready = self._buffer[: len(self._buffer) - keep]
+        ready = ready.removesuffix("\n")  # may be the newline before the end tag
+        self._emit(self._writer.value(ready), out)
+        self._buffer = self._buffer[len(ready) :]
+        return False
+
+    def _after(self, out: StreamDelta, final: bool) -> bool:
+        if not self._in_block:
+            self._state = "text"
+            return True
+        body = self._buffer.lstrip()
+        if body.startswith(BLOCK_END):
+            self._buffer = body[len(BLOCK_END) :]
+        elif BLOCK_END.startswith(body) and not final:
+            return False
+        self._in_block, self._state = False, "text"
+        return True
+
+    @property
+    def _writer(self) -> ArgumentWriter:
+        assert self._args is not None
+        return self._args
+
+    def _emit(self, fragment: str, out: StreamDelta) -> None:
+        if fragment:
+            out.tool_calls.append(ToolCallDelta(self._num_calls, ToolCall("", "", fragment), first=False))
+
+    def _end_call(self, out: StreamDelta, state: str) -> None:
+        self._emit(self._writer.close(), out)
+        self._args, self._state, self._opened = None, state, ""
+        self._num_calls += 1
+        self._after_call = True
+
+    def _flush(self, out: StreamDelta) -> None:
+        if self._args is not None:  # cut off inside an announced call: it stays a call
+            self._end_call(out, "text")
+        elif self._state in ("block", "head"):
+            self._content(self._opened + self._buffer, out)
+        elif self._state == "text" and self._buffer:
+            self._content(self._buffer, out)
+        self._buffer, self._state = "", "text"
+        if not self._after_call:
+            out.content += self._pending_ws
+        self._pending_ws = ""
+
+
+class Qwen3CoderParser(ToolParser):
+    name = "qwen3_coder"
+    markers = (BLOCK_START, BLOCK_END)
+
+    def stream(self) -> ToolCallStream:
+        return Qwen3CoderStream(self)
+
+    def tool_prompt(self, tools: Sequence[Mapping[str, Any]], *, parallel: bool) -> str:
+        how_many = "You may call several functions, one block each." if parallel else "Call at most one function."
+        return (
+            "# Tools\n\nYou have access to the following functions:\n\n"
+            f"<tools>\n{tools_json(tools)}\n</tools>\n\n"
+            "To call a function, reply in this format, one parameter block per argument, with the value as plain "
+            "text (JSON for numbers, booleans, objects and arrays):\n"
+            f"{BLOCK_START}\n{FUNCTION}<function name>>\n{PARAMETER}<parameter name>>\n<value>\n{PARAMETER_END}\n"
+            f"{FUNCTION_END}\n{BLOCK_END}\n{how_many}"
+        )
+
+    def forced_grammar(self, tools: Sequence[Mapping[str, Any]]) -> str:
+        """One block of one of `tools`: its declared parameters in schema order (the required
+        ones always, the others optional), each value as its schema allows: a string as any text
+        without the format's tags, anything else as compact JSON."""
+        specials = self.marker_tokens
+        rules, options = [], []
+        for k, tool in enumerate(tools):
+            fn = tool.get("function", tool)
+            schema = fn.get("parameters") or {}
+            required = set(schema.get("required") or ())
+            items = []
+            for j, (key, prop) in enumerate((schema.get("properties") or {}).items()):
+                body, has_end = value_rule(prop, "STRING_VALUE")
+                rules.append(f"v{k}_{j}: {body}")
+                end = "" if has_end else " " + json.dumps("\n" + PARAMETER_END)
+                head = json.dumps(f"{PARAMETER}{key}>\n")
+                rules.append(f"p{k}_{j}: {head} v{k}_{j}{end} " + json.dumps("\n"))
+                items.append(f"p{k}_{j}" if key in required else f"p{k}_{j}?")
+            options.append(" ".join([json.dumps(f"{fn.get('name')}>\n"), *items]))
+        start = " ".join(
+            [
+                lark_text(f"{BLOCK_START}\n{FUNCTION}", specials),
+                "call",
+                lark_text(f"{FUNCTION_END}\n{BLOCK_END}", specials),
+            ]
+        )
+        terminal = text_until("\n" + PARAMETER_END, VALUE_ENDS)
+        return (
+            f"start: {start}\ncall: {' | '.join(options)}\n"
+            + "".join(r + "\n" for r in rules)
+            + f"STRING_VALUE: {terminal}\n"
+        )
+
+    def format_calls(self, calls: Sequence[ToolCall]) -> str:
+        blocks = []
+        for c in calls:
+            try:
+                args = json.loads(c.arguments)
+            except ValueError:
+                args = {}
+            params = "".join(
+                f"{PARAMETER}{k}>\n{raw_value(v)}\n{PARAMETER_END}\n"
+                for k, v in (args if isinstance(args, dict) else {}).items()
+            )
+            blocks.append(f"{BLOCK_START}\n{FUNCTION}{c.name}>\n{params}{FUNCTION_END}\n{BLOCK_END}")
+        return "\n".join(blocks)
