@@ -18,15 +18,36 @@ VOCAB = 320
 
 # Window 7 with page size 4 (not a multiple): prompts of a few dozen tokens cross it many times.
 GEMMA3 = dict(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, sliding_window=7, sliding_window_pattern=2, query_pre_attn_scalar=16,
-    rope_local_base_freq=100.0, rope_theta=10_000.0, max_position_embeddings=1024,
-    bos_token_id=0, eos_token_id=2, pad_token_id=0,
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    sliding_window=7,
+    sliding_window_pattern=2,
+    query_pre_attn_scalar=16,
+    rope_local_base_freq=100.0,
+    rope_theta=10_000.0,
+    max_position_embeddings=1024,
+    bos_token_id=0,
+    eos_token_id=2,
+    pad_token_id=0,
 )
 LLAMA = dict(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, tie_word_embeddings=True, rope_theta=5000.0, max_position_embeddings=1024,
-    bos_token_id=0, eos_token_id=2, pad_token_id=0,
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    tie_word_embeddings=True,
+    rope_theta=5000.0,
+    max_position_embeddings=1024,
+    bos_token_id=0,
+    eos_token_id=2,
+    pad_token_id=0,
 )
 FAMILIES = {
     "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, GEMMA3),
@@ -48,26 +69,98 @@ def write_tiny_model(family: str, directory: Path, seed: int = 0, **overrides: o
     write_tiny_tokenizer(directory, vocab_size=VOCAB)
     return directory
 
+
 # Qwen3, Qwen3-MoE and Gemma 4 (26B-A4B-shaped: wider full-attention heads with fewer kv heads,
 # keys reused as values there, experts beside the dense MLP; window 7 over pages of 4).
 QWEN3 = dict(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, max_position_embeddings=1024,
-    rope_parameters={"rope_type": "default", "rope_theta": 5000.0}, bos_token_id=0, eos_token_id=2, pad_token_id=0,
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    tie_word_embeddings=True,
+    max_position_embeddings=1024,
+    rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+    bos_token_id=0,
+    eos_token_id=2,
+    pad_token_id=0,
 )
 QWEN3_MOE = dict(
-    QWEN3, num_hidden_layers=2, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+    QWEN3,
+    num_hidden_layers=2,
+    moe_intermediate_size=32,
+    num_experts=4,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
     tie_word_embeddings=False,
 )
 GEMMA4 = dict(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
-    sliding_window=7, layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
-    hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=24,
-    final_logit_softcapping=30.0, max_position_embeddings=1024, bos_token_id=0, eos_token_id=2, pad_token_id=0,
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    global_head_dim=32,
+    num_global_key_value_heads=1,
+    attention_k_eq_v=True,
+    sliding_window=7,
+    layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+    hidden_size_per_layer_input=0,
+    enable_moe_block=True,
+    num_experts=4,
+    top_k_experts=2,
+    moe_intermediate_size=24,
+    final_logit_softcapping=30.0,
+    max_position_embeddings=1024,
+    bos_token_id=0,
+    eos_token_id=2,
+    pad_token_id=0,
 )
-FAMILIES.update({
-    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, QWEN3),
-    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, QWEN3_MOE),
-    "gemma4": (transformers.Gemma4TextConfig, transformers.Gemma4ForCausalLM, GEMMA4),
-})
+FAMILIES.update(
+    {
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, QWEN3),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, QWEN3_MOE),
+        "gemma4": (transformers.Gemma4TextConfig, transformers.Gemma4ForCausalLM, GEMMA4),
+    }
+)
+
+# Qwen3.5 / Qwen3.5-MoE: Gated DeltaNet (linear attention) layers with 2 key heads over 4 value
+# heads (k 8, v 12 channels) beside gated full attention with a quarter of each head rotated.
+QWEN3_5 = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=12,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=1024,
+    rope_parameters={"rope_type": "default", "rope_theta": 5000.0, "partial_rotary_factor": 0.25},
+    bos_token_id=0,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+QWEN3_5_MOE = dict(
+    {k: v for k, v in QWEN3_5.items() if k != "intermediate_size"},
+    num_hidden_layers=2,
+    layer_types=["linear_attention", "full_attention"],
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+    num_experts=4,
+    num_experts_per_tok=2,
+)
+FAMILIES.update(
+    {
+        "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM, QWEN3_5),
+        "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM, QWEN3_5_MOE),
+    }
+)

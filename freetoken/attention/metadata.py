@@ -44,6 +44,10 @@ class ForwardBatch:
     # be (1: decode rows only; the engine: a verified chunk's length, or every chunk under
     # --deterministic).
     alone_max: int = 1
+    # Hybrid models (linear-attention layers): request b's state slot in the KV tensors' conv and
+    # recurrent states (kv/tensors.py); None for a model without such layers. A request whose first
+    # new token this step is at position 0 starts from a zero state (the model clears the slot).
+    state_slots: torch.Tensor | None = None  # [B] int64
     # Values an attention backend derives from this batch alone (gather slots, masks), built by
     # the first layer that needs them and reused by the others; owned by the backends.
     memo: dict[object, object] = field(default_factory=dict, compare=False, repr=False)
@@ -65,6 +69,7 @@ class ForwardBatch:
         sliding_window: int | None = None,
         logits_indices: Sequence[int] | None = None,
         alone_max: int = 1,
+        state_slots: Sequence[int] | None = None,
     ) -> ForwardBatch:
         """Form a batch from `(positions_start, num_new_tokens, full_table, swa_table)` per request.
 
@@ -73,7 +78,8 @@ class ForwardBatch:
         table columns that can hold in-window keys; without it they gather every column.
         `logits_indices`, when given, names the rows of T that produce logits (possibly none)
         and overrides `all_logits`. `alone_max`: chunks of at most this many tokens are attended
-        query by query (the field's comment).
+        query by query (the field's comment). `state_slots`: one state slot per request (hybrid
+        models), each >= 1 and distinct.
         Raises ValueError when a table is too short or maps a new token to the NULL page.
         """
         if not requests:
@@ -148,6 +154,14 @@ class ForwardBatch:
                 ]
             )
 
+        slots_arr = None
+        if state_slots is not None:
+            slots_arr = np.asarray(state_slots, dtype=np.int64).reshape(-1)
+            if slots_arr.shape[0] != len(requests) or (slots_arr < 1).any():
+                raise ValueError(f"state_slots must name one slot >= 1 per request, got {list(slots_arr)}")
+            if len(set(slots_arr.tolist())) != len(slots_arr):
+                raise ValueError(f"two requests of a batch share a state slot: {list(slots_arr)}")
+
         on_cpu = torch.device(device).type == "cpu"  # then the numpy arrays' tensors are the batch's (no .to per field)
 
         def t64(a: np.ndarray) -> torch.Tensor:
@@ -175,4 +189,5 @@ class ForwardBatch:
             swa_first_page=None if first_page is None else t64(first_page),
             swa_num_pages=swa_num_pages,
             alone_max=alone_max,
+            state_slots=None if slots_arr is None else t64(slots_arr),
         )

@@ -60,6 +60,8 @@ def resolve_for_model(
         available = psutil.virtual_memory().available
     if config.moe_strategy == "offload" and model_config.num_experts:  # the expert cache fills after this
         available = max(available - int(config.expert_cache_gb * GIB), 0)
+    if model_config.has_linear:  # the state pool is allocated whole, before the pages
+        available = max(available - state_slots(config) * layout.state_bytes(), 0)
     return config.resolve(
         model_context_length=model_config.max_position_embeddings,
         window=model_config.sliding_window if model_config.has_swa else None,
@@ -68,9 +70,38 @@ def resolve_for_model(
     )
 
 
+STATE_SLOTS_SPARE = 2  # state slots beyond --max-running-requests: a quarantined slot costs no concurrency
+
+
+def state_slots(config: EngineConfig) -> int:
+    """Slots of a hybrid model's state pool: one per running request, plus STATE_SLOTS_SPARE."""
+    return config.max_running_requests + STATE_SLOTS_SPARE
+
+
+def refuse_unsupported_hybrid(config: EngineConfig, model_config: ModelConfig, device: torch.device) -> None:
+    """What a hybrid model (linear-attention layers with a recurrent state) cannot run with yet,
+    refused in one line naming the flag."""
+    if not model_config.has_linear:
+        return
+    name = model_config.architecture
+    if config.speculative != "off":
+        raise ConfigError(
+            f"--speculative {config.speculative} is not supported on {name} models yet: a verified chunk "
+            "would advance the recurrent state past rejected drafts"
+        )
+    if config.deterministic:
+        raise ConfigError(f"--deterministic is not supported on {name} models yet")
+    if config.tensor_parallel_size > 1:
+        raise ConfigError(f"--tensor-parallel-size {config.tensor_parallel_size} is not supported on {name} models")
+    if device.type != "cpu":
+        raise ConfigError(f"--device {device.type} is not supported on {name} models yet (tested on CPU only)")
+
+
 def build_engine_for(config: EngineConfig, loaded: LoadedModel, peers: Peers | None = None) -> Engine:
     """An engine over an already loaded model (tests reuse one model across engines); `peers`:
     the other tensor-parallel ranks, told the pool sizes here and sent every step by the runner."""
+    refuse_unsupported_hybrid(config, loaded.config, loaded.device)
+    slots = state_slots(config) if loaded.config.has_linear else None
     resolved = resolve_for_model(config, loaded.config, loaded.dtype, loaded.device, loaded.model.config.kv_layout())
     window = loaded.config.sliding_window if loaded.config.has_swa else None
     kv = KVManager(
@@ -80,6 +111,7 @@ def build_engine_for(config: EngineConfig, loaded: LoadedModel, peers: Peers | N
         window=window,
         cache_type=resolved.cache_type,
         max_pinned_pages=None if config.max_pinned_tokens is None else config.max_pinned_tokens // config.page_size,
+        state_slots=slots,
     )
     layout = loaded.model.config.kv_layout()  # this rank's KV heads: the model's own config (a shard's under TP)
     tensors = KVTensors(
@@ -90,6 +122,7 @@ def build_engine_for(config: EngineConfig, loaded: LoadedModel, peers: Peers | N
         loaded.dtype,
         loaded.device,
         config.kv_cache_dtype,
+        state_slots=slots or 0,
     )
     kv.bytes_per_token = {
         kind: KVTensors.bytes_per_page(layout, 1, loaded.dtype, kind == "swa", config.kv_cache_dtype, loaded.device)

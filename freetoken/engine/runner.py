@@ -48,6 +48,7 @@ class Runner:
         ids: list[int] = []
         specs = []
         logit_rows: list[int] = []
+        slots: list[int] = []
         end = 0
         for item in items:
             if item.draft:  # a verified chunk: the last token, then the drafted ones
@@ -57,9 +58,11 @@ class Runner:
                 ids.extend(item.req.token_slice(item.start, item.start + item.n))
             full, swa = item.tables
             specs.append((item.start, item.n, full, swa))
+            slots.append(item.state_slot)
             end += item.n
             logit_rows.extend(range(end - item.logit_rows, end))
-        batch = build_batch(self.config, self.kv_tensors, specs, logit_rows, self.alone_max)
+        state_slots = slots if self.config.has_linear else None
+        batch = build_batch(self.config, self.kv_tensors, specs, logit_rows, self.alone_max, state_slots)
         if self.peers is None:
             return run_model(self.model, self.kv_tensors, ids, batch).float().cpu()
         self.peers.sender.send(ids, specs, logit_rows)  # only a batch that builds is sent

@@ -31,7 +31,8 @@ class ScheduledItem:
     last `logit_rows` rows of the chunk give logits (every row of a chunk that asks for prompt
     logprobs or is a verified chunk, else the last row when the item samples, else none); the
     last `sample_rows` of those are sampled (all 1 + k of a verified chunk, else one or none);
-    `tables` are the request's FULL and SWA page tables as the forward reads them."""
+    `tables` are the request's FULL and SWA page tables as the forward reads them, `state_slot`
+    its state slot (hybrid models; 0 otherwise)."""
 
     req: Request
     start: int
@@ -40,6 +41,7 @@ class ScheduledItem:
     logit_rows: int = 0  # set by `seal`
     sample_rows: int = 0
     tables: PageTables | None = None
+    state_slot: int = 0
 
     @property
     def samples(self) -> bool:
@@ -57,11 +59,12 @@ class ScheduledItem:
         """True when the chunk computes prompt tokens (its K/V is committed at the step's end)."""
         return self.start < len(self.req.prompt_ids)
 
-    def seal(self, tables: PageTables) -> None:
+    def seal(self, tables: PageTables, state_slot: int = 0) -> None:
         samples = int(self.samples)
         self.logit_rows = self.n if self.all_logits or self.draft else samples
         self.sample_rows = self.n if self.draft else samples
         self.tables = tables
+        self.state_slot = state_slot
 
 
 class Scheduler:
@@ -100,7 +103,7 @@ class Scheduler:
         """The batch of the next step, each item sealed (its rows and page tables decided)."""
         items = self._batch()
         for item in items:
-            item.seal(self.kv.page_tables(item.req.rid))
+            item.seal(self.kv.page_tables(item.req.rid), self.kv.state_slot(item.req.rid))
         return items
 
     def _batch(self) -> list[ScheduledItem]:

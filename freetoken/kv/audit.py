@@ -17,6 +17,10 @@ reference count and every holder, so the report alone says where a page went.
 
 Retired pages (released above a shrink target, kv/pool.py) are left out like quarantined ones,
 and A3 also checks that the tree holds none of them.
+
+The state pool of a hybrid model (one slot per running request: the conv and recurrent states of
+its linear-attention layers) is recounted like a page pool under A1, A2 and A5; its holders are
+the requests' `state` entries (the tree holds no state slot yet).
 """
 
 from __future__ import annotations
@@ -60,6 +64,8 @@ class AuditReport:
 def holders_of(kind: str, page: int, tree: RadixTree | None, requests: Mapping[str, RequestTables]) -> tuple[str, ...]:
     """Every holder of `page` in pool `kind`: tree entries (by scan) and request entries."""
     out: list[str] = []
+    if kind == "state":
+        return tuple(f"request {rid} state" for rid, req in requests.items() if req.state == page)
     if tree is not None:
         for node in tree.nodes():
             entries = node.full if kind == "full" else node.swa
@@ -74,7 +80,7 @@ def holders_of(kind: str, page: int, tree: RadixTree | None, requests: Mapping[s
 
 def _tree_refs(kind: str, tree: RadixTree | None) -> Counter[int]:
     refs: Counter[int] = Counter()
-    if tree is not None:
+    if tree is not None and kind != "state":
         for node in tree.nodes():
             refs.update(p for p in (node.full if kind == "full" else node.swa) if p)
     return refs
@@ -216,10 +222,11 @@ def run_audit(
     page_size: int,
     window: int | None,
     idle: bool,
+    state_pool: PagePool | None = None,
 ) -> AuditReport:
     """Recount everything; `idle` adds A5 (call it only when no request holds pages)."""
     report = AuditReport()
-    for pool in (full_pool, swa_pool):
+    for pool in (full_pool, swa_pool, state_pool):
         if pool is not None:
             _audit_pool(pool, tree, requests, idle, report)
     if tree is not None:

@@ -17,7 +17,7 @@ class IntegrityReport:
     """What went wrong, on which page, and who holds it."""
 
     check: str  # "alloc", "incref", "decref", "unique", "A1".."A6", "tree"
-    pool: str  # "full" or "swa"
+    pool: str  # "full", "swa" or "state" (a hybrid model's state slots)
     page: int
     refcount: int
     holders: tuple[str, ...] = field(default_factory=tuple)

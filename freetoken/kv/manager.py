@@ -1,7 +1,12 @@
 """KVManager: the API the engine calls for KV memory (DESIGN.md §3).
 
 Owns the two page pools, the radix tree and every admitted request's page tables, and is the
-only place where a request's references are taken or dropped. It must not decide scheduling
+only place where a request's references are taken or dropped. A hybrid model (linear-attention
+layers, Qwen3.5) adds a state pool: one slot (the conv and recurrent states of every linear layer)
+per running request, owned like a page (reference count, free list, audit, quarantine). `extend`
+takes the request's slot together with its first pages (all-or-nothing) and `release` gives it
+back. The tree keeps no state snapshot yet, so on such a model a match hits 0 tokens (the miss
+reason says `state_missing`): a request always computes from position 0, from a zero state. It must not decide scheduling
 (who runs, who is preempted) and must not touch the physical K/V tensors.
 
 Every step of a request, in the order the engine calls it:
@@ -77,6 +82,7 @@ class KVManager:
         cache_type: str,
         max_pinned_pages: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        state_slots: int | None = None,
     ) -> None:
         if page_size < 1:
             raise ConfigError(f"page size must be >= 1, got {page_size}")
@@ -93,6 +99,8 @@ class KVManager:
         self.resolved_cache_type = resolve_cache_type(cache_type, window)
         self.full_pool = PagePool("full", full_pages, self._holders)
         self.swa_pool = PagePool("swa", swa_pages, self._holders) if swa_pages else None
+        # Hybrid models: one slot per running request (kv/tensors.py holds the states).
+        self.state_pool = PagePool("state", state_slots, self._holders) if state_slots else None
         self.tree: RadixTree | None = None
         if self.resolved_cache_type != "naive":
             self.tree = RadixTree(self.full_pool, self.swa_pool, page_size, window)
@@ -120,6 +128,8 @@ class KVManager:
             return self.full_pool
         if kind == "swa" and self.swa_pool is not None:
             return self.swa_pool
+        if kind == "state" and self.state_pool is not None:
+            return self.state_pool
         raise ValueError(f"no {kind!r} pool (pools: full{', swa' if self.swa_pool else ''})")
 
     def _req(self, rid: str) -> RequestTables:
@@ -143,7 +153,7 @@ class KVManager:
         if rid in self._requests:
             raise ValueError(f"request {rid!r} is already admitted")
         req = RequestTables(rid, swa=[] if self.swa_pool is not None else None)
-        if use_cache and self.tree is not None and len(tokens) > 1:
+        if use_cache and self.tree is not None and len(tokens) > 1 and self.state_pool is None:
             hit = self.tree.match(tuple(tokens))
             self.full_pool.incref(hit.full)
             if self.swa_pool is not None and hit.swa is not None:
@@ -161,7 +171,7 @@ class KVManager:
         req = self._req(rid)
         if self.tree is None:
             return None
-        return explain(self.tree, self.tree.evicted, tokens, req.cached_len)
+        return explain(self.tree, self.tree.evicted, tokens, req.cached_len, needs_state=self.state_pool is not None)
 
     def pages_needed(self, rid: str, num_tokens: int) -> int:
         """New pages (in each pool) that `extend(rid, num_tokens)` would take."""
@@ -174,6 +184,10 @@ class KVManager:
         """
         req = self._req(rid)
         need = self.pages_needed(rid, num_tokens)
+        if self.state_pool is not None and not req.state:
+            if self.state_pool.num_free < 1 or (need and not self._make_room(need)):
+                return False
+            (req.state,) = self.state_pool.alloc(1) or [0]
         if need == 0:
             return True
         if not self._make_room(need):
@@ -230,6 +244,10 @@ class KVManager:
                 return False
         return self.full_pool.num_free >= need
 
+    def state_slot(self, rid: str) -> int:
+        """The request's state slot (0: the model has no linear layers)."""
+        return self._req(rid).state
+
     def page_tables(self, rid: str) -> PageTables:
         """int32 [num_pages] FULL table and the SWA table of the same length (0 = NULL)."""
         req = self._req(rid)
@@ -279,12 +297,15 @@ class KVManager:
             return
         if preempted and self.tree is not None and req.committed:
             self.tree.touch(req.committed)
-        full, swa = req.held("full"), req.held("swa")
+        full, swa, state = req.held("full"), req.held("swa"), req.held("state")
         req.full = []
         req.swa = [] if req.swa is not None else None
+        req.state = 0
         self.full_pool.decref(full)
         if self.swa_pool is not None:
             self.swa_pool.decref(swa)
+        if self.state_pool is not None:
+            self.state_pool.decref(state)
 
     # -- capacity and eviction --------------------------------------------------------------
 
@@ -292,7 +313,7 @@ class KVManager:
         """Pages of pool `kind` an admission may count on: free pages plus what eviction could
         free now (tree-only pages no request holds, so not those any lease pins)."""
         pool = self._pool(kind)
-        if self.tree is None:
+        if self.tree is None or kind == "state":
             return pool.num_free
         extra = self.tree.evictable_full() if kind == "full" else self.tree.evictable_swa()
         return pool.num_free + extra
@@ -388,6 +409,7 @@ class KVManager:
             page_size=self.page_size,
             window=self.window,
             idle=idle,
+            state_pool=self.state_pool,
         )
         self.audits += 1
         if not report.ok:
@@ -407,7 +429,7 @@ class KVManager:
         pool = self._pool(kind)
         wanted = {int(p) for p in pages if 0 < int(p) <= pool.capacity}
         pool.quarantine(sorted(wanted))
-        if self.tree is not None:
+        if self.tree is not None and kind != "state":
             self.tree.drop(kind, sorted(wanted))
         return {rid for rid, req in self._requests.items() if wanted & set(req.held(kind))}
 
@@ -415,13 +437,13 @@ class KVManager:
         """The `/v1/cache/status` fields this layer owns (the engine adds `floor`)."""
         pools: dict[str, dict[str, int]] = {}
         quarantined_total = 0
-        for pool in (self.full_pool, self.swa_pool):
+        for pool in (self.full_pool, self.swa_pool, self.state_pool):
             if pool is None:
                 continue
             q = set(pool.quarantined_pages())
             held = {p for r in self._requests.values() for p in r.held(pool.kind)} - q
             tree_pages: set[int] = set()
-            if self.tree is not None:
+            if self.tree is not None and pool.kind != "state":
                 tree_pages = (
                     {p for n in self.tree.nodes() for p in (n.full if pool.kind == "full" else n.swa)} - q - {0}
                 )

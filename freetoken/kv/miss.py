@@ -7,6 +7,8 @@ no node, no access stamp. Reasons, in the order they are decided:
 
 - `capped`: the hit is as long as the cap allows (the last token, and so the last partial
   page, is always computed);
+- `state_missing`: (hybrid models) the tree holds more whole pages of the prompt, but no
+  recurrent-state snapshot at the end of any longer prefix (none is kept yet);
 - `window_evicted`: the tree holds more whole pages of the prompt, but the sliding window
   before every longer prefix has a tombstone;
 - `evicted`: the tree's path ends at the hit and the next page of the prompt was in the tree
@@ -27,7 +29,7 @@ from freetoken.kv.window import floor_to_page
 if TYPE_CHECKING:
     from freetoken.kv.tree import Node, RadixTree
 
-REASONS = ("capped", "window_evicted", "evicted", "diverged")  # the metric's label values
+REASONS = ("capped", "state_missing", "window_evicted", "evicted", "diverged")  # the metric's label values
 
 
 @dataclass(frozen=True)
@@ -108,16 +110,19 @@ def divergence(tree: RadixTree, tokens: Sequence[int]) -> int:
     return pos
 
 
-def explain(tree: RadixTree, evicted: EvictedPaths, tokens: Sequence[int], hit: int) -> CacheMiss:
+def explain(
+    tree: RadixTree, evicted: EvictedPaths, tokens: Sequence[int], hit: int, needs_state: bool = False
+) -> CacheMiss:
     """Why the hit for `tokens` is `hit` tokens long (called at admission, right after the
-    match, before anything else changes the tree)."""
+    match, before anything else changes the tree); `needs_state`: a hybrid model, whose hit also
+    needs a state snapshot at its end."""
     p = tree.page_size
     cap = floor_to_page(len(tokens) - 1, p) if len(tokens) > 1 else 0
     matched = len(tree._walk(tuple(tokens), len(tokens) // p)) * p
     if hit >= cap:
         return CacheMiss(matched, "capped")
     if matched > hit:
-        return CacheMiss(matched, "window_evicted")
+        return CacheMiss(matched, "state_missing" if needs_state else "window_evicted")
     if page_hashes(tokens[: hit + p], p)[-1] in evicted:  # cap > hit: that page exists
         return CacheMiss(matched, "evicted")
     return CacheMiss(matched, f"diverged_at_token {divergence(tree, tokens)}")

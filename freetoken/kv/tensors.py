@@ -3,7 +3,10 @@
 Owns allocating the tensors of the two pools (FULL for full-attention layers, SWA for
 sliding-window layers) and writing / gathering them by slot or page. A layer's tensors are
 `[num_pages + 1, page_size, n_kv_heads, head_dim]` where page 0 is the NULL sentinel: zero-filled
-and never written. It does not decide which page belongs to whom (that is the KV core's page
+and never written. A linear-attention layer (Gated DeltaNet, Qwen3.5) has no pages: it has, per
+state slot, a conv state `[slots + 1, conv_dim, kernel - 1]` and a recurrent state
+`[slots + 1, v_heads, k_dim, v_dim]`, both float32 and zero-filled, slot 0 the NULL sentinel (the
+KV manager's state pool owns the slots). It does not decide which page belongs to whom (that is the KV core's page
 pool and manager) and it does not compute attention.
 
 The cache dtype (`--kv-cache-dtype`): `auto` stores K/V in the model's dtype, `bf16` in
@@ -66,6 +69,23 @@ class KVLayout:
     head_dim: int
     swa_num_kv_heads: int | None = None  # the sliding layers' head shape where it differs (Gemma 4)
     swa_head_dim: int | None = None
+    linear: tuple[bool, ...] = ()  # per layer: True = linear-attention layer (a state slot, no pages)
+    conv_shape: tuple[int, int] = (0, 0)  # a linear layer's conv state: (conv_dim, kernel - 1)
+    recurrent_shape: tuple[int, int, int] = (0, 0, 0)  # and its recurrent state: (v_heads, k_dim, v_dim)
+
+    @property
+    def has_state(self) -> bool:
+        """True for a hybrid model: some layers keep a per-request state instead of pages."""
+        return any(self.linear)
+
+    def is_linear(self, layer: int) -> bool:
+        return bool(self.linear) and self.linear[layer]
+
+    def state_bytes(self) -> int:
+        """Bytes one state slot takes over every linear layer (float32)."""
+        c, k = self.conv_shape
+        h, dk, dv = self.recurrent_shape
+        return 4 * sum(self.linear) * (c * k + h * dk * dv)
 
     @property
     def has_swa(self) -> bool:
@@ -90,6 +110,7 @@ class KVTensors:
         dtype: torch.dtype,
         device: torch.device | str,
         cache_dtype: str = "auto",
+        state_slots: int = 0,
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -104,20 +125,44 @@ class KVTensors:
         self.dtype = storage_dtype(cache_dtype, dtype, self.device)  # what the pages hold
         self.quantized = self.dtype in _QMAX
         self.sliding = config.sliding
-        self.k: list[torch.Tensor] = []  # per layer: [pages + 1, P, n_kv_heads, head_dim]
+        if config.has_state and state_slots < 1:
+            raise ValueError(f"a model with linear-attention layers needs state slots, got {state_slots}")
+        self.state_slots = state_slots if config.has_state else 0
+        self.linear = tuple(config.is_linear(i) for i in range(len(self.sliding)))
+        self.k: list[torch.Tensor] = []  # per layer: [pages + 1, P, n_kv_heads, head_dim] (empty: linear layer)
         self.v: list[torch.Tensor] = []
-        for sliding in self.sliding:
+        self.conv: list[torch.Tensor | None] = []  # per layer: [slots + 1, conv_dim, kernel - 1] (None: attention)
+        self.recurrent: list[torch.Tensor | None] = []  # per layer: [slots + 1, v_heads, k_dim, v_dim]
+        for sliding, linear in zip(self.sliding, self.linear):
+            if linear:
+                self.k.append(torch.zeros(0, device=self.device))
+                self.v.append(torch.zeros(0, device=self.device))
+                n = self.state_slots + 1
+                self.conv.append(torch.zeros((n, *config.conv_shape), dtype=torch.float32, device=self.device))
+                self.recurrent.append(
+                    torch.zeros((n, *config.recurrent_shape), dtype=torch.float32, device=self.device)
+                )
+                continue
             pages = self.num_swa_pages if sliding else self.num_full_pages
             shape = (pages + 1, page_size, *config.head_shape(sliding))
             self.k.append(self._zeros(shape))
             self.v.append(self._zeros(shape))
+            self.conv.append(None)
+            self.recurrent.append(None)
 
     @property
     def nbytes(self) -> int:
         """Bytes of every pool tensor (K and V of every layer, with an 8-bit cache's scales)."""
         tensors = [*self.k, *self.v]
         scales = [t.kv_scale for t in tensors if hasattr(t, "kv_scale")]
-        return sum(t.numel() * t.element_size() for t in [*tensors, *scales])
+        states = [t for t in (*self.conv, *self.recurrent) if t is not None]
+        return sum(t.numel() * t.element_size() for t in [*tensors, *scales, *states])
+
+    def clear_states(self, slots: list[int]) -> None:
+        """Zero the conv and recurrent states of `slots` in every linear layer (a fresh request)."""
+        for t in (*self.conv, *self.recurrent):
+            if t is not None:
+                t[slots] = 0
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         """A zero pool tensor of `shape`, with its zero scales when the cache is 8-bit."""
@@ -150,7 +195,7 @@ class KVTensors:
     ) -> int:
         """Bytes one page of the SWA (`sliding`) or FULL pool takes over all layers of its kind
         (`dtype` is the model's; an 8-bit cache adds its scales)."""
-        layers = sum(1 for s in config.sliding if s == sliding)
+        layers = sum(1 for i, s in enumerate(config.sliding) if s == sliding and not config.is_linear(i))
         stored = storage_dtype(cache_dtype, dtype, device)
         element = torch.empty((), dtype=stored).element_size()
         heads, head_dim = config.head_shape(sliding)
@@ -190,7 +235,7 @@ class KVTensors:
         if pages < 1:
             raise ValueError(f"a pool needs at least one page, got {pages}")
         for i, s in enumerate(self.sliding):
-            if s != sliding:
+            if s != sliding or self.linear[i]:
                 continue
             for kv in (self.k, self.v):
                 old = kv[i]
@@ -207,4 +252,6 @@ class KVTensors:
 
     def null_pages_are_zero(self) -> bool:
         """True while page 0 of every layer is still all zeros (a check for tests and audits)."""
-        return all(bool((t[0] == 0).all()) for t in (*self.k, *self.v))
+        pools = [t for i, t in enumerate((*self.k, *self.v)) if not self.linear[i % len(self.linear)]]
+        states = [t for t in (*self.conv, *self.recurrent) if t is not None]
+        return all(bool((t[0] == 0).all()) for t in (*pools, *states))

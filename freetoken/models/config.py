@@ -20,7 +20,19 @@ from freetoken.kv.tensors import KVLayout
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
-ARCHITECTURES = ("llama", "gemma3", "gpt_oss", "qwen3", "qwen3_moe", "gemma4", "qwen2", "mistral")
+LINEAR_ATTENTION = "linear_attention"  # Gated DeltaNet (Qwen3.5): a recurrent state per request, no K/V pages
+ARCHITECTURES = (
+    "llama",
+    "gemma3",
+    "gpt_oss",
+    "qwen3",
+    "qwen3_moe",
+    "gemma4",
+    "qwen2",
+    "mistral",
+    "qwen3_5",
+    "qwen3_5_moe",
+)
 
 # "proportional" (Gemma 4's full layers): default frequencies on the first partial_rotary_factor
 # of each head's rotary pairs, zero (no rotation) on the rest.
@@ -62,7 +74,7 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    layer_types: tuple[str, ...]  # FULL_ATTENTION / SLIDING_ATTENTION per layer
+    layer_types: tuple[str, ...]  # FULL_ATTENTION / SLIDING_ATTENTION / LINEAR_ATTENTION per layer
     rope_full: RopeConfig  # rope of full-attention layers
     rope_sliding: RopeConfig  # rope of sliding-window layers (== rope_full where one rope is used)
     sliding_window: int | None = None  # W: keys a query sees, itself included (q - k < W)
@@ -88,13 +100,23 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    # Qwen3.5: the gated attention's query projection also yields a per-channel output gate, and
+    # the linear-attention (Gated DeltaNet) layers' shape; `shared_expert_intermediate_size` is the
+    # MoE's always-on expert beside the routed ones.
+    attn_output_gate: bool = False
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
             raise ModelLoadError(f"unsupported architecture {self.architecture!r}")
         if len(self.layer_types) != self.num_layers:
             raise ModelLoadError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
-        bad = sorted(set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION})
+        bad = sorted(set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION, LINEAR_ATTENTION})
         if bad:
             raise ModelLoadError(f"unsupported layer types {bad}")
         if self.has_swa and (self.sliding_window is None or self.sliding_window < 1):
@@ -114,6 +136,22 @@ class ModelConfig:
         return tuple(i for i, t in enumerate(self.layer_types) if t == SLIDING_ATTENTION)
 
     @property
+    def has_linear(self) -> bool:
+        """A hybrid model: some layers are linear attention with a recurrent state (Qwen3.5)."""
+        return LINEAR_ATTENTION in self.layer_types
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR_ATTENTION)
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of a linear layer's convolution: queries, keys and values."""
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.linear_num_value_heads * (
+            self.linear_value_head_dim
+        )
+
+    @property
     def full_layers(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION)
 
@@ -121,6 +159,15 @@ class ModelConfig:
         """The shape of this model's paged K/V memory (Gemma 4: full and sliding heads differ)."""
         sliding = tuple(self.is_sliding(i) for i in range(self.num_layers))
         full = self.for_layer(self.full_layers[0]) if self.full_layers else self
+        if self.has_linear:
+            return KVLayout(
+                sliding,
+                full.num_kv_heads,
+                full.head_dim,
+                linear=tuple(t == LINEAR_ATTENTION for t in self.layer_types),
+                conv_shape=(self.linear_conv_dim, self.linear_conv_kernel_dim - 1),
+                recurrent_shape=(self.linear_num_value_heads, self.linear_key_head_dim, self.linear_value_head_dim),
+            )
         if not self.has_swa or (full.num_kv_heads, full.head_dim) == (self.num_kv_heads, self.head_dim):
             return KVLayout(sliding, full.num_kv_heads, full.head_dim)
         return KVLayout(sliding, full.num_kv_heads, full.head_dim, self.num_kv_heads, self.head_dim)

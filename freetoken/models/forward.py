@@ -24,9 +24,11 @@ def build_batch(
     specs: Sequence[RequestSpec],
     logit_rows: Sequence[int],
     alone_max: int = 1,
+    state_slots: Sequence[int] | None = None,
 ) -> ForwardBatch:
     """The ForwardBatch of the requests `specs` (raises ValueError on a malformed table);
-    chunks of at most `alone_max` tokens are attended query by query (`ForwardBatch.alone_max`)."""
+    chunks of at most `alone_max` tokens are attended query by query (`ForwardBatch.alone_max`);
+    `state_slots`: each request's state slot on a hybrid model."""
     return ForwardBatch.build(
         specs,
         page_size=kv_tensors.page_size,
@@ -34,6 +36,7 @@ def build_batch(
         device=kv_tensors.device,
         sliding_window=config.sliding_window if config.has_swa else None,
         alone_max=alone_max,
+        state_slots=state_slots,
     )
 
 

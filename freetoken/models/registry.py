@@ -16,7 +16,7 @@ import torch
 from freetoken.attention.metadata import ForwardBatch
 from freetoken.errors import ModelLoadError
 from freetoken.kv.tensors import KVTensors
-from freetoken.models import gemma3, gemma4, gpt_oss, llama, mistral, qwen2, qwen3, qwen3_moe
+from freetoken.models import gemma3, gemma4, gpt_oss, llama, mistral, qwen2, qwen3, qwen3_5, qwen3_moe
 from freetoken.models.config import ModelConfig
 from freetoken.models.linear import Weight
 
@@ -33,6 +33,10 @@ CONFIG_READERS: dict[str, Callable[[Mapping[str, Any]], ModelConfig]] = {
     "gemma4_text": gemma4.config_from_hf,
     "qwen2": qwen2.config_from_hf,
     "mistral": mistral.config_from_hf,
+    "qwen3_5": qwen3_5.config_from_hf,
+    "qwen3_5_text": qwen3_5.config_from_hf,
+    "qwen3_5_moe": qwen3_5.config_from_hf,
+    "qwen3_5_moe_text": qwen3_5.config_from_hf,
 }
 
 
@@ -75,4 +79,6 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | 
         return qwen3_moe.Qwen3MoeForCausalLM(config, dtype, device)
     if config.architecture == "gemma4":
         return gemma4.Gemma4ForCausalLM(config, dtype, device)
+    if config.architecture in ("qwen3_5", "qwen3_5_moe"):
+        return qwen3_5.Qwen3_5ForCausalLM(config, dtype, device)
     raise ModelLoadError(f"unsupported architecture {config.architecture!r}")

@@ -147,7 +147,7 @@ def check_shardable(config: ModelConfig, world: int, row_parallel: str = ROW_SUM
     c, flag = config, f"--tensor-parallel-size {world}"
     if world < 1:
         raise ConfigError(f"--tensor-parallel-size must be at least 1, got {world}")
-    if world > 1 and c.architecture == "gemma4":  # its experts and head shapes have no plan here
+    if world > 1 and c.architecture in ("gemma4", "qwen3_5", "qwen3_5_moe"):  # no plan here (experts, heads, states)
         raise ConfigError(f"{flag} is not supported for {c.architecture} models")
     if world > 1 and c.architecture == "qwen3_moe" and c.num_experts % world:
         raise ConfigError(f"{flag} does not divide the model's {c.num_experts} experts")

@@ -8,7 +8,17 @@ from __future__ import annotations
 
 from freetoken.errors import ModelLoadError
 
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "gemma3", "gpt-oss", "qwen3", "qwen3moe", "gemma4", "qwen2")
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
+    "llama",
+    "gemma3",
+    "gpt-oss",
+    "qwen3",
+    "qwen3moe",
+    "gemma4",
+    "qwen2",
+    "qwen35",
+    "qwen35moe",
+)
 
 
 def check_architecture(arch: str) -> None:

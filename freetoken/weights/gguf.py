@@ -73,6 +73,15 @@ class GGUFCheckpoint:
     quant_types: dict[str, int]  # GGML type name -> number of tensors stored in it
 
 
+def linear_shape(hf_config: dict[str, object]) -> tuple[int, int, int, int] | None:
+    """(key heads, value heads, key dim, value dim) of a Qwen3.5 config's linear layers, else None."""
+    keys = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+    if any(hf_config.get(k) is None for k in keys):
+        return None
+    hk, hv, dk, dv = (int(hf_config[k]) for k in keys)  # type: ignore[call-overload]
+    return hk, hv, dk, dv
+
+
 def quant_type_counts(reader: GGUFFile) -> dict[str, int]:
     return dict(Counter(type_name(t.ggml_type) for t in reader.tensors))
 
@@ -134,6 +143,7 @@ def load_gguf(
         int(hf_config["num_attention_heads"]),  # type: ignore[arg-type]
         int(hf_config["num_key_value_heads"]),  # type: ignore[arg-type]
         dtype,
+        linear_shape(hf_config),
     )
     total = len(reader.tensors)
     total_bytes = sum(t.n_bytes for t in reader.tensors)

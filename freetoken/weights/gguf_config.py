@@ -56,6 +56,8 @@ _MODEL_TYPE = {
     "qwen3moe": "qwen3_moe",
     "gemma4": "gemma4_text",
     "qwen2": "qwen2",
+    "qwen35": "qwen3_5_text",
+    "qwen35moe": "qwen3_5_moe_text",
 }
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -65,6 +67,8 @@ _ARCHITECTURES = {
     "qwen3moe": "Qwen3MoeForCausalLM",
     "gemma4": "Gemma4ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen35": "Qwen3_5ForCausalLM",
+    "qwen35moe": "Qwen3_5MoeForCausalLM",
 }
 
 _MISSING = object()
@@ -311,6 +315,45 @@ def _qwen3(k: _Keys, cfg: dict[str, object], tensor_names: Collection[str]) -> N
         )
 
 
+def _qwen35(k: _Keys, cfg: dict[str, object]) -> None:
+    """Qwen3.5 / Qwen3.5-MoE: linear layers from `attention.recurrent_layers` (else every
+    `full_attention_interval`-th layer is full), their shape from the `ssm.*` keys, rope over
+    `rope.dimension_count` of each head."""
+    layers = int(cfg["num_hidden_layers"])  # type: ignore[arg-type]
+    head_dim = k.count("attention.key_length")
+    recurrent = k.raw("attention.recurrent_layers", None)
+    if isinstance(recurrent, (list, tuple)) and len(recurrent) >= layers:
+        layer_types = ["linear_attention" if bool(r) else FULL for r in list(recurrent)[:layers]]
+    else:
+        interval = k.count("full_attention_interval", 4)
+        layer_types = [FULL if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+    value_heads = k.count("ssm.time_step_rank")
+    cfg.update(
+        intermediate_size=k.integer("feed_forward_length", 0),
+        head_dim=head_dim,
+        hidden_act="silu",
+        attention_bias=False,
+        layer_types=layer_types,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": k.positive("rope.freq_base", 10_000_000.0),
+            "partial_rotary_factor": k.count("rope.dimension_count", head_dim // 4) / head_dim,
+        },
+        linear_conv_kernel_dim=k.count("ssm.conv_kernel"),
+        linear_key_head_dim=k.count("ssm.state_size"),
+        linear_num_key_heads=k.count("ssm.group_count"),
+        linear_num_value_heads=value_heads,
+        linear_value_head_dim=k.count("ssm.inner_size") // value_heads,
+    )
+    if k.arch == "qwen35moe":
+        cfg.update(
+            num_experts=k.count("expert_count"),
+            num_experts_per_tok=k.count("expert_used_count"),
+            moe_intermediate_size=k.count("expert_feed_forward_length"),
+            shared_expert_intermediate_size=k.count("expert_shared_feed_forward_length"),
+        )
+
+
 def _per_layer(k: _Keys, key: str, layers: int) -> list[object]:
     value = k.raw(key)
     if not isinstance(value, list):
@@ -374,6 +417,8 @@ def hf_config_from_metadata(metadata: Mapping[str, object], tensor_names: Collec
         _qwen3(k, cfg, tensor_names)
     elif arch == "gemma4":
         _gemma4(k, cfg, tensor_names)
+    elif arch in ("qwen35", "qwen35moe"):
+        _qwen35(k, cfg)
     else:
         {"llama": _llama, "gemma3": _gemma3, "gpt-oss": _gpt_oss, "qwen2": _qwen2}[arch](k, cfg)
     _check_relations(k, cfg)
@@ -424,8 +469,8 @@ def check_tensor_shapes(
     vocab = int(cfg["vocab_size"])  # type: ignore[call-overload]
     if embd is not None and embd[0] < vocab:
         raise ModelLoadError(f"the vocabulary has {vocab} tokens but token_embd.weight has only {embd[0]} rows")
-    if k.arch == "gemma4":
-        return  # per-layer head sizes: checked when the weights are loaded
+    if k.arch in ("gemma4", "qwen35", "qwen35moe"):
+        return  # per-layer head sizes (Qwen3.5: q rows hold the output gate too): checked when the weights are loaded
     head_dim = int(cfg["head_dim"])  # type: ignore[call-overload]
     want = {
         "attn_q.weight": (int(cfg["num_attention_heads"]) * head_dim, "attention.head_count"),  # type: ignore[call-overload]

@@ -17,6 +17,13 @@ rearranged on the way:
   (gemma4 files hold it fused already). Gemma 4's router scale and per-expert scale are stored as
   `ffn_gate_inp.scale` and `ffn_down_exps.scale`, its `layer_scalar` as `layer_output_scale`.
 
+- qwen35 / qwen35moe (Qwen3.5): the (1 + w) norms are stored as `1 + w` (the linear layers'
+  gated `ssm_norm`, which multiplies by w, as it is): 1 is subtracted; `ssm_a` holds -exp(A_log);
+  the conv kernel is stored [C, K] (HF [C, 1, K]); where key heads are fewer than value heads, the
+  converter reorders the value heads from grouped by key head to tiled (v rows of `attn_qkv`,
+  `attn_gate`, `ssm_alpha` / `ssm_beta` rows, `ssm_a`, `ssm_dt`, the conv's v channels,
+  `ssm_out` columns): the order is restored.
+
 A file without `output.weight` has tied embeddings: no `lm_head.weight` is produced, and the
 config says `tie_word_embeddings`. Matrices kept quantized (`add_quantized`) get the same row
 rearrangement. This module does not read files or dequantize.
@@ -115,9 +122,31 @@ _LAYER["gemma4"] = {
     "ffn_up_exps.weight": "experts.gate_up_proj",
     "ffn_down_exps.weight": "experts.down_proj",
 }
+_LAYER["qwen35"] = {
+    **_QWEN3,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ssm_a": "linear_attn.A_log",
+    "ssm_conv1d.weight": "linear_attn.conv1d.weight",
+    "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
+    "ssm_beta.weight": "linear_attn.in_proj_b.weight",
+    "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
+    "attn_gate.weight": "linear_attn.in_proj_z.weight",
+    "ssm_norm.weight": "linear_attn.norm.weight",
+    "ssm_out.weight": "linear_attn.out_proj.weight",
+}
+_LAYER["qwen35moe"] = {
+    **_LAYER["qwen35"],
+    **{k: v for k, v in _LAYER["qwen3moe"].items() if k.startswith("ffn_") and "exps" in k or "gate_inp" in k},
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+}
 # Architectures whose separate expert gate / up stacks join along the rows (gate first) rather
 # than interleave on the last axis (gpt-oss).
-_ROW_JOINED = frozenset({"qwen3moe", "gemma4"})
+_ROW_JOINED = frozenset({"qwen3moe", "gemma4", "qwen35moe"})
+_QWEN35 = frozenset({"qwen35", "qwen35moe"})
 
 # Tensors llama.cpp writes that have no HF parameter: Llama 3 rope frequency factors (HF derives
 # them from the rope config) and the unused rotary table of old conversions.
@@ -173,8 +202,48 @@ def unpermute_rotary_rows(t: torch.Tensor, n_heads: int) -> torch.Tensor:
     return t.reshape(n_heads, half, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
 
 
-def _to_hf_layout(arch: str, rest: str, t: torch.Tensor, n_heads: int, n_kv_heads: int) -> torch.Tensor:
+def _grouped(t: torch.Tensor, dim: int, hk: int, hv: int, d: int) -> torch.Tensor:
+    """Value heads along `dim` (d channels each) from the converter's tiled order (head j of key
+    group g at j * hk + g) back to HF's grouped order (g * (hv / hk) + j)."""
+    shape = list(t.shape)
+    per = hv // hk
+    t = t.reshape(*shape[:dim], per, hk, d, *shape[dim + 1 :])
+    return t.transpose(dim, dim + 1).reshape(shape)
+
+
+def _qwen35_layout(rest: str, t: torch.Tensor, linear: tuple[int, int, int, int] | None) -> torch.Tensor:
+    """One Qwen3.5 layer tensor into HF's layout; `linear` = (key heads, value heads, key dim,
+    value dim) of the linear layers."""
+    if rest.endswith("norm.weight") and rest != "ssm_norm.weight":
+        t = t - 1
+    if rest == "ssm_a":
+        t = torch.log(-t)
+    if linear is None or linear[0] == linear[1] or not rest.startswith(("attn_qkv", "attn_gate", "ssm_")):
+        return t[:, None, :] if rest == "ssm_conv1d.weight" else t
+    hk, hv, dk, dv = linear
+    if rest in ("attn_qkv.weight", "ssm_conv1d.weight"):
+        qk = 2 * hk * dk
+        t = torch.cat([t[:qk], _grouped(t[qk:], 0, hk, hv, dv)])
+    elif rest == "attn_gate.weight":
+        t = _grouped(t, 0, hk, hv, dv)
+    elif rest in ("ssm_alpha.weight", "ssm_beta.weight", "ssm_a", "ssm_dt.bias"):
+        t = _grouped(t, 0, hk, hv, 1)
+    elif rest == "ssm_out.weight":
+        t = _grouped(t, 1, hk, hv, dv)
+    return t[:, None, :] if rest == "ssm_conv1d.weight" else t
+
+
+def _to_hf_layout(
+    arch: str,
+    rest: str,
+    t: torch.Tensor,
+    n_heads: int,
+    n_kv_heads: int,
+    linear: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
     """Rearrange the values of one layer tensor (`rest` = name after `blk.N.`) into HF's layout."""
+    if arch in _QWEN35:
+        return _qwen35_layout(rest, t, linear)
     if arch == "llama":
         if rest.startswith("attn_q."):
             return unpermute_rotary_rows(t, n_heads)
@@ -205,13 +274,19 @@ class HFTensorAssembler:
     """
 
     def __init__(
-        self, arch: str, num_attention_heads: int, num_key_value_heads: int, dtype: torch.dtype = torch.float32
+        self,
+        arch: str,
+        num_attention_heads: int,
+        num_key_value_heads: int,
+        dtype: torch.dtype = torch.float32,
+        linear: tuple[int, int, int, int] | None = None,
     ) -> None:
         check_architecture(arch)
         self.arch = arch
         self.dtype = dtype
         self.n_heads = num_attention_heads
         self.n_kv_heads = num_key_value_heads
+        self.linear = linear  # Qwen3.5's linear layers: (key heads, value heads, key dim, value dim)
         self.tensors: dict[str, torch.Tensor | QuantizedWeight | SuperBlockWeight] = {}
         self._halves: dict[str, dict[int, torch.Tensor]] = {}
 
@@ -220,7 +295,7 @@ class HFTensorAssembler:
         if target is None:
             return
         rest = gguf_name.split(".", 2)[2] if gguf_name.startswith("blk.") else gguf_name
-        t = _to_hf_layout(self.arch, rest, tensor, self.n_heads, self.n_kv_heads)
+        t = _to_hf_layout(self.arch, rest, tensor, self.n_heads, self.n_kv_heads, self.linear)
         if rest.startswith("ffn_gate_up_exps.") and self.arch == "gpt-oss":
             # fused [.., 2I] halves (gate first) -> interleaved
             gate, up = t.chunk(2, dim=-1)
@@ -251,9 +326,9 @@ class HFTensorAssembler:
         rest = gguf_name.split(".", 2)[2] if gguf_name.startswith("blk.") else gguf_name
 
         def rows(t: torch.Tensor) -> torch.Tensor:
-            return _to_hf_layout(self.arch, rest, t, self.n_heads, self.n_kv_heads).contiguous()
+            return _to_hf_layout(self.arch, rest, t, self.n_heads, self.n_kv_heads, self.linear).contiguous()
 
-        if self.arch == "gemma3" and rest.endswith("norm.weight"):
+        if self.arch in ("gemma3", *_QWEN35) and rest.endswith("norm.weight"):
             raise ModelLoadError(f"{gguf_name}: a norm cannot stay quantized")
         if target.hf_name in self.tensors:
             raise ModelLoadError(f"GGUF file holds {gguf_name} twice")

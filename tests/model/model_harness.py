@@ -19,21 +19,53 @@ from freetoken.weights.safetensors import load_safetensors_dir
 VOCAB = 300
 
 LLAMA = dict(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, tie_word_embeddings=True, rope_theta=5000.0,
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    tie_word_embeddings=True,
+    rope_theta=5000.0,
 )
 # Window 5 (P = 4 does not divide it), pattern 3 -> sliding, sliding, full, sliding.
 GEMMA3 = dict(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, sliding_window=5, sliding_window_pattern=3, query_pre_attn_scalar=24,
-    final_logit_softcapping=30.0, rope_local_base_freq=100.0, rope_theta=10_000.0,
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    sliding_window=5,
+    sliding_window_pattern=3,
+    query_pre_attn_scalar=24,
+    final_logit_softcapping=30.0,
+    rope_local_base_freq=100.0,
+    rope_theta=10_000.0,
 )
 GPT_OSS = dict(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, sliding_window=6, num_local_experts=4, num_experts_per_tok=2,
-    max_position_embeddings=256, swiglu_limit=0.5,
-    rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-                     "original_max_position_embeddings": 64, "rope_theta": 1000.0},
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    sliding_window=6,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    max_position_embeddings=256,
+    swiglu_limit=0.5,
+    rope_parameters={
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 64,
+        "rope_theta": 1000.0,
+    },
 )
 FAMILIES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, LLAMA),
@@ -104,7 +136,7 @@ class PagedRunner:
         out, row = [], 0
         for seq, new in work:
             n = len(new) if all_logits else 1
-            out.append(logits[row:row + n])
+            out.append(logits[row : row + n])
             row += n
             seq.length += len(new)
         return out

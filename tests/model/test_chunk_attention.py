@@ -31,13 +31,18 @@ def _reference(q, k, v, visible, scale):  # float64, heads expanded
     )
 
 
-@pytest.mark.parametrize(("H", "n_kv", "L", "S", "D", "window"), [
-    (4, 1, 256, 512, 256, None),  # Gemma 3 270M's heads, a second block of a long chunk
-    (4, 1, 256, 768, 256, 512),  # a sliding layer
-    (9, 3, 100, 140, 64, None),  # SmolLM2's heads after a cached prefix
-    (8, 8, 80, 80, 32, 8),
-])
-def test_bfloat16_error_within_twice_the_fused_kernels(H: int, n_kv: int, L: int, S: int, D: int, window: int | None) -> None:
+@pytest.mark.parametrize(
+    ("H", "n_kv", "L", "S", "D", "window"),
+    [
+        (4, 1, 256, 512, 256, None),  # Gemma 3 270M's heads, a second block of a long chunk
+        (4, 1, 256, 768, 256, 512),  # a sliding layer
+        (9, 3, 100, 140, 64, None),  # SmolLM2's heads after a cached prefix
+        (8, 8, 80, 80, 32, 8),
+    ],
+)
+def test_bfloat16_error_within_twice_the_fused_kernels(
+    H: int, n_kv: int, L: int, S: int, D: int, window: int | None
+) -> None:
     q, k, v, visible = _case(H, n_kv, L, S, D, window, seed=H * L + S)
     scale = D**-0.5
     want = _reference(q, k, v, visible, scale)

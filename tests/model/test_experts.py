@@ -25,12 +25,7 @@ from model_harness import GPT_OSS, chunked_last_logits, make_reference, paged_gr
 from safetensors.torch import save_file
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-from freetoken.models.experts import (
-    expert_cache,
-    expert_status,
-    experts_of,
-    offload_experts,
-)
+from freetoken.models.experts import expert_cache, expert_status, experts_of, offload_experts
 from freetoken.models.experts_cache import TRIM_BYTES, ExpertCache
 from freetoken.models.inspect import _param_count, weight_kinds
 from freetoken.models.registry import CausalLM, build_model, config_from_hf
@@ -109,7 +104,9 @@ def test_mxfp4_to_int8_is_exact_and_refuses_what_float16_cannot_hold() -> None:
     gguf_blocks = codes[..., :16] | (codes[..., 16:] << 4)  # GGUF: element j low nibble, j + 16 high
     q = mxfp4_q(hf_blocks, interleaved=True)
     assert torch.equal(q, mxfp4_q(gguf_blocks, interleaved=False))
-    hf_values = convert_moe_packed_tensors(hf_blocks[None], exps[None], dtype=torch.float32)[0].t()  # [1, K, N] -> [N, K]
+    hf_values = convert_moe_packed_tensors(hf_blocks[None], exps[None], dtype=torch.float32)[
+        0
+    ].t()  # [1, K, N] -> [N, K]
     assert torch.equal(mxfp4_float(q, exps), hf_values)
     qw = mxfp4_to_int8(q, exps)
     assert qw is not None and qw.bits == 8 and int(qw.q.min()) >= 0 and int(qw.q.max()) <= 24
@@ -135,38 +132,64 @@ def test_mxfp4_safetensors_experts_stay_packed(reference: tuple[Path, dict], mxf
 
 def write_gpt_oss_gguf(path: Path, sd: dict, config: dict, qtype: gguf.GGMLQuantizationType) -> Path:
     """The tiny gpt-oss as llama.cpp lays it out, its expert stacks in `qtype`, the rest float32."""
-    tensors: dict = {"token_embd.weight": np32(sd["model.embed_tokens.weight"]),
-                     "output_norm.weight": np32(sd["model.norm.weight"]), "output.weight": np32(sd["lm_head.weight"])}
-    names = {"attn_norm.weight": "input_layernorm.weight", "post_attention_norm.weight": "post_attention_layernorm.weight",
-             "attn_sinks.weight": "self_attn.sinks", "ffn_gate_inp.weight": "mlp.router.weight",
-             "ffn_gate_inp.bias": "mlp.router.bias", "ffn_down_exps.bias": "mlp.experts.down_proj_bias"}
-    names |= {f"attn_{g}.{k}": f"self_attn.{h}_proj.{k}" for g, h in (("q", "q"), ("k", "k"), ("v", "v"), ("output", "o"))
-              for k in ("weight", "bias")}
+    tensors: dict = {
+        "token_embd.weight": np32(sd["model.embed_tokens.weight"]),
+        "output_norm.weight": np32(sd["model.norm.weight"]),
+        "output.weight": np32(sd["lm_head.weight"]),
+    }
+    names = {
+        "attn_norm.weight": "input_layernorm.weight",
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "attn_sinks.weight": "self_attn.sinks",
+        "ffn_gate_inp.weight": "mlp.router.weight",
+        "ffn_gate_inp.bias": "mlp.router.bias",
+        "ffn_down_exps.bias": "mlp.experts.down_proj_bias",
+    }
+    names |= {
+        f"attn_{g}.{k}": f"self_attn.{h}_proj.{k}"
+        for g, h in (("q", "q"), ("k", "k"), ("v", "v"), ("output", "o"))
+        for k in ("weight", "bias")
+    }
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         tensors |= {f"blk.{i}.{g}": np32(sd[p + h]) for g, h in names.items()}
         gate_up = sd[p + "mlp.experts.gate_up_proj"].transpose(1, 2)  # [E, 2I, H], gate rows even
         bias = sd[p + "mlp.experts.gate_up_proj_bias"]
-        stacks = {"gate": gate_up[:, 0::2], "up": gate_up[:, 1::2], "down": sd[p + "mlp.experts.down_proj"].transpose(1, 2)}
+        stacks = {
+            "gate": gate_up[:, 0::2],
+            "up": gate_up[:, 1::2],
+            "down": sd[p + "mlp.experts.down_proj"].transpose(1, 2),
+        }
         for proj, w in stacks.items():
             raw = gguf.quants.quantize(np32(w), qtype)  # [E, N, K * type_size / 32] bytes
             tensors[f"blk.{i}.ffn_{proj}_exps.weight"] = (raw, qtype)
         tensors[f"blk.{i}.ffn_gate_exps.bias"] = np32(bias[:, 0::2])
         tensors[f"blk.{i}.ffn_up_exps.bias"] = np32(bias[:, 1::2])
     kv = {
-        "block_count": config["num_hidden_layers"], "context_length": config["max_position_embeddings"],
-        "embedding_length": config["hidden_size"], "attention.head_count": config["num_attention_heads"],
-        "attention.head_count_kv": config["num_key_value_heads"], "attention.layer_norm_rms_epsilon": config["rms_norm_eps"],
-        "feed_forward_length": config["intermediate_size"], "expert_feed_forward_length": config["intermediate_size"],
-        "expert_count": config["num_local_experts"], "expert_used_count": config["num_experts_per_tok"],
-        "attention.key_length": 16, "attention.value_length": 16, "attention.sliding_window": config["sliding_window"],
-        "rope.freq_base": 1000.0, "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": [f"t{i}" for i in range(300)],
+        "block_count": config["num_hidden_layers"],
+        "context_length": config["max_position_embeddings"],
+        "embedding_length": config["hidden_size"],
+        "attention.head_count": config["num_attention_heads"],
+        "attention.head_count_kv": config["num_key_value_heads"],
+        "attention.layer_norm_rms_epsilon": config["rms_norm_eps"],
+        "feed_forward_length": config["intermediate_size"],
+        "expert_feed_forward_length": config["intermediate_size"],
+        "expert_count": config["num_local_experts"],
+        "expert_used_count": config["num_experts_per_tok"],
+        "attention.key_length": 16,
+        "attention.value_length": 16,
+        "attention.sliding_window": config["sliding_window"],
+        "rope.freq_base": 1000.0,
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.tokens": [f"t{i}" for i in range(300)],
     }
     return write_gguf(path, "gpt-oss", kv, tensors)
 
 
 @pytest.fixture(scope="module", params=["MXFP4", "Q8_0"])
-def gguf_file(request: pytest.FixtureRequest, reference: tuple[Path, dict], tmp_path_factory: pytest.TempPathFactory) -> Path:
+def gguf_file(
+    request: pytest.FixtureRequest, reference: tuple[Path, dict], tmp_path_factory: pytest.TempPathFactory
+) -> Path:
     directory, config = reference
     sd = load_safetensors_dir(directory, dtype=torch.float32)
     qtype = gguf.GGMLQuantizationType[request.param]
@@ -272,8 +295,9 @@ def mapped_from(t: torch.Tensor, path: Path) -> bool:
     return False
 
 
-def test_copy_of_reference_directory_loads_mxfp4_from_disk(reference: tuple[Path, dict], mxfp4: tuple[dict, dict],
-                                                           tmp_path: Path) -> None:
+def test_copy_of_reference_directory_loads_mxfp4_from_disk(
+    reference: tuple[Path, dict], mxfp4: tuple[dict, dict], tmp_path: Path
+) -> None:
     """The MXFP4 tensors survive a real safetensors file (uint8 is not cast to the model dtype) and
     are views of its memory map, the backing store of offloaded experts."""
     directory, config = reference

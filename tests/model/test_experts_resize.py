@@ -60,8 +60,9 @@ def run(engine: Engine, resizes: dict[int, dict]) -> dict[str, list[int]]:
 
 
 def engine_over(loaded: LoadedModel, directory: Path) -> Engine:
-    config = EngineConfig(model=str(directory), dtype="float32", page_size=4, debug_kv=True, num_tokens=1024,
-                          max_running_requests=4)
+    config = EngineConfig(
+        model=str(directory), dtype="float32", page_size=4, debug_kv=True, num_tokens=1024, max_running_requests=4
+    )
     return build_engine_for(config, loaded)
 
 
@@ -69,8 +70,14 @@ def test_budget_moves_between_expert_cache_and_kv_under_traffic(checkpoint: Path
     resident = load_model(str(checkpoint), torch.float32, torch.device("cpu"), weights="auto")
     layer = experts_of(resident.model)[0]
     one_layer = sum(w.nbytes for w in (*layer.gate_up, *layer.down))
-    offloaded = load_model(str(checkpoint), torch.float32, torch.device("cpu"), weights="auto",
-                           moe_strategy="offload", expert_cache_gb=2 * one_layer / GIB)
+    offloaded = load_model(
+        str(checkpoint),
+        torch.float32,
+        torch.device("cpu"),
+        weights="auto",
+        moe_strategy="offload",
+        expert_cache_gb=2 * one_layer / GIB,
+    )
     cache = expert_cache(offloaded.model)
     assert cache is not None and cache.capacity_bytes == int(2 * one_layer / GIB * GIB) and cache.bytes == 0
 
@@ -108,9 +115,23 @@ def test_default_kv_pool_leaves_the_expert_cache_its_budget(checkpoint: Path, mo
 
     monkeypatch.setattr("freetoken.engine.build.psutil.virtual_memory", lambda: Memory)
     loaded = load_model(str(checkpoint), torch.float32, torch.device("cpu"), weights="auto")
-    flags = {"model": str(checkpoint), "dtype": "float32", "page_size": 4, "memory_ratio": 0.5, "max_running_requests": 10**6}
-    pages = {gb: resolve_for_model(EngineConfig(**flags, moe_strategy="offload", expert_cache_gb=gb), loaded.config,
-                                   torch.float32, torch.device("cpu")).full_pages for gb in (0.0, 2.0)}
-    resident = resolve_for_model(EngineConfig(**flags, expert_cache_gb=2.0), loaded.config, torch.float32,
-                                 torch.device("cpu")).full_pages
+    flags = {
+        "model": str(checkpoint),
+        "dtype": "float32",
+        "page_size": 4,
+        "memory_ratio": 0.5,
+        "max_running_requests": 10**6,
+    }
+    pages = {
+        gb: resolve_for_model(
+            EngineConfig(**flags, moe_strategy="offload", expert_cache_gb=gb),
+            loaded.config,
+            torch.float32,
+            torch.device("cpu"),
+        ).full_pages
+        for gb in (0.0, 2.0)
+    }
+    resident = resolve_for_model(
+        EngineConfig(**flags, expert_cache_gb=2.0), loaded.config, torch.float32, torch.device("cpu")
+    ).full_pages
     assert pages[0.0] == resident and pages[2.0] * 2 == pytest.approx(resident, abs=2)  # half the memory left

@@ -42,7 +42,9 @@ def layer_experts(tensors: dict, config: ModelConfig) -> Experts:
     return experts_of(model)[0]
 
 
-def sharded_sum(tensors: dict, config: ModelConfig, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def sharded_sum(
+    tensors: dict, config: ModelConfig, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
+) -> torch.Tensor:
     out = torch.zeros_like(x)
     for rank in range(WORLD):
         plan = ShardPlan(rank, WORLD, config)
@@ -65,7 +67,9 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def test_gguf_expert_lists_shard_and_sum_to_the_layer(reference: tuple[dict, dict], tmp_path: Path) -> None:
     sd, hf = reference
-    ck = load_gguf(write_gpt_oss_gguf(tmp_path / "q8.gguf", sd, hf, gguf.GGMLQuantizationType.Q8_0), keep_quantized=True)
+    ck = load_gguf(
+        write_gpt_oss_gguf(tmp_path / "q8.gguf", sd, hf, gguf.GGMLQuantizationType.Q8_0), keep_quantized=True
+    )
     config = config_from_hf(ck.hf_config)
     x, ids, w = routed(config)
     whole = layer_experts(ck.tensors, config)(x, ids, w)

@@ -14,36 +14,88 @@ from freetoken.models.registry import config_from_hf
 
 # Gemma 3 270M as published (legacy rope keys).
 GEMMA3_270M = {
-    "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], "hidden_size": 640,
-    "intermediate_size": 2048, "num_hidden_layers": 18, "num_attention_heads": 4, "num_key_value_heads": 1,
-    "head_dim": 256, "vocab_size": 262144, "max_position_embeddings": 32768, "query_pre_attn_scalar": 256,
-    "rms_norm_eps": 1e-6, "rope_local_base_freq": 10000.0, "rope_scaling": None, "rope_theta": 1000000.0,
-    "sliding_window": 512, "sliding_window_pattern": 6, "final_logit_softcapping": None,
-    "attn_logit_softcapping": None, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
-    "hidden_activation": "gelu_pytorch_tanh", "use_bidirectional_attention": False,
+    "model_type": "gemma3_text",
+    "architectures": ["Gemma3ForCausalLM"],
+    "hidden_size": 640,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 18,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "vocab_size": 262144,
+    "max_position_embeddings": 32768,
+    "query_pre_attn_scalar": 256,
+    "rms_norm_eps": 1e-6,
+    "rope_local_base_freq": 10000.0,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "sliding_window": 512,
+    "sliding_window_pattern": 6,
+    "final_logit_softcapping": None,
+    "attn_logit_softcapping": None,
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+    "pad_token_id": 0,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "use_bidirectional_attention": False,
 }
 # Gemma 3 4B multimodal: a partial text_config that relies on class defaults, linear rope scaling.
 GEMMA3_4B = {
     "model_type": "gemma3",
-    "text_config": {"model_type": "gemma3_text", "hidden_size": 2560, "intermediate_size": 10240,
-                    "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
-                    "sliding_window": 1024},
+    "text_config": {
+        "model_type": "gemma3_text",
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "num_hidden_layers": 34,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "sliding_window": 1024,
+    },
 }
 GPT_OSS_20B = {
-    "model_type": "gpt_oss", "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 24,
-    "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 201088,
-    "num_local_experts": 32, "num_experts_per_tok": 4, "sliding_window": 128, "rope_theta": 150000,
-    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
-                     "rope_type": "yarn", "truncate": False},
-    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "attention_bias": True, "swiglu_limit": 7.0,
-    "eos_token_id": 200002, "pad_token_id": 199999, "tie_word_embeddings": False,
+    "model_type": "gpt_oss",
+    "hidden_size": 2880,
+    "intermediate_size": 2880,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "vocab_size": 201088,
+    "num_local_experts": 32,
+    "num_experts_per_tok": 4,
+    "sliding_window": 128,
+    "rope_theta": 150000,
+    "rope_scaling": {
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "factor": 32.0,
+        "original_max_position_embeddings": 4096,
+        "rope_type": "yarn",
+        "truncate": False,
+    },
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "attention_bias": True,
+    "swiglu_limit": 7.0,
+    "eos_token_id": 200002,
+    "pad_token_id": 199999,
+    "tie_word_embeddings": False,
     "layer_types": ["sliding_attention", "full_attention"] * 12,
 }
 SMOLLM2 = {
-    "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
-    "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152, "rope_theta": 100000,
-    "rope_scaling": None, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
-    "bos_token_id": 1, "eos_token_id": 2,
+    "model_type": "llama",
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "vocab_size": 49152,
+    "rope_theta": 100000,
+    "rope_scaling": None,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
 }
 
 
@@ -79,7 +131,12 @@ def test_gpt_oss_20b() -> None:
     assert (c.num_experts, c.num_experts_per_tok, c.sliding_window) == (32, 4, 128)
     r = c.rope_full
     assert (r.rope_type, r.factor, r.theta, r.original_max_position_embeddings, r.truncate) == (
-        "yarn", 32.0, 150000.0, 4096, False)
+        "yarn",
+        32.0,
+        150000.0,
+        4096,
+        False,
+    )
     assert c.attention_bias and not c.tie_word_embeddings and c.eos_token_ids == (200002,)
     assert config_from_hf(via_transformers(GPT_OSS_20B)) == c
 
@@ -115,8 +172,17 @@ def test_kv_tensors_pools_and_null_page() -> None:
 def test_load_weights_names_missing_unexpected_and_misshaped() -> None:
     from freetoken.models.registry import build_model
 
-    c = config_from_hf({**SMOLLM2, "hidden_size": 32, "intermediate_size": 16, "num_hidden_layers": 1,
-                             "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 10})
+    c = config_from_hf(
+        {
+            **SMOLLM2,
+            "hidden_size": 32,
+            "intermediate_size": 16,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "vocab_size": 10,
+        }
+    )
     model = build_model(c, torch.float32, "cpu")
     good = {f"model.{n}": torch.zeros_like(p) for n, p in model.named_parameters()}
     good["lm_head.weight"] = torch.zeros(10, 32)  # tied: a saved head is ignored

@@ -36,7 +36,7 @@ def dense_attention(q, k, v, q_pos, scale, window, sinks, softcap):
 
 @pytest.mark.parametrize("page_size", [1, 3, 4])
 @pytest.mark.parametrize(
-    "window,sinks,softcap", [(None, False, None), (5, False, None), (5, True, None), (None, True, 2.0)],
+    "window,sinks,softcap", [(None, False, None), (5, False, None), (5, True, None), (None, True, 2.0)]
 )
 @pytest.mark.parametrize("pass_window_to_build", [True, False])
 def test_matches_dense_reference(page_size: int, window, sinks: bool, softcap, pass_window_to_build: bool) -> None:
@@ -70,10 +70,12 @@ def test_matches_dense_reference(page_size: int, window, sinks: bool, softcap, p
     sink_logits = torch.randn(H, generator=g, dtype=torch.float64) if sinks else None
     table = batch.swa_table if window is not None else batch.full_table
     got = paged_attention(torch.cat(qs), k_pages, v_pages, table, batch, 0.3, window, sink_logits, softcap)
-    want = torch.cat([
-        dense_attention(q, k, v, torch.arange(c, c + n), 0.3, window, sink_logits, softcap)
-        for q, k, v, (c, n) in zip(qs, ks, vs, shapes)
-    ])
+    want = torch.cat(
+        [
+            dense_attention(q, k, v, torch.arange(c, c + n), 0.3, window, sink_logits, softcap)
+            for q, k, v, (c, n) in zip(qs, ks, vs, shapes)
+        ]
+    )
     torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
 
 
@@ -91,9 +93,12 @@ def test_unwritten_tail_is_never_read() -> None:
 
 def test_build_slots_rows_and_padding() -> None:
     batch = ForwardBatch.build(
-        [(5, 2, np.array([7, 3, 9], dtype=np.int32), np.array([0, 4, 8], dtype=np.int32)),
-         (0, 3, np.array([2], dtype=np.int32), np.array([5], dtype=np.int32))],
-        page_size=4, sliding_window=3,
+        [
+            (5, 2, np.array([7, 3, 9], dtype=np.int32), np.array([0, 4, 8], dtype=np.int32)),
+            (0, 3, np.array([2], dtype=np.int32), np.array([5], dtype=np.int32)),
+        ],
+        page_size=4,
+        sliding_window=3,
     )
     assert batch.positions.tolist() == [5, 6, 0, 1, 2]
     assert batch.query_start.tolist() == [0, 2, 5]
@@ -103,8 +108,9 @@ def test_build_slots_rows_and_padding() -> None:
     assert batch.swa_slots.tolist() == [4 * 4 + 1, 4 * 4 + 2, 20, 21, 22]
     assert batch.logits_indices.tolist() == [1, 4]
     assert batch.swa_first_page.tolist() == [0, 0]  # position 5 sees keys from 3 on: page 0
-    every = ForwardBatch.build([(0, 3, np.array([2]), None), (4, 1, np.array([1, 3]), None)], 4,
-                               all_logits=[True, False])
+    every = ForwardBatch.build(
+        [(0, 3, np.array([2]), None), (4, 1, np.array([1, 3]), None)], 4, all_logits=[True, False]
+    )
     assert every.logits_indices.tolist() == [0, 1, 2, 3]
     chosen = ForwardBatch.build([(0, 3, np.array([2]), None)], 4, logits_indices=[])
     assert chosen.logits_indices.tolist() == []

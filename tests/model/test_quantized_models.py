@@ -124,8 +124,12 @@ def test_fused_projection_loads_parts_in_order() -> None:
 
     q, k, v = torch.randn(8, 32), torch.randn(4, 32), torch.randn(4, 32)
     fused = fuse_projections(
-        {"layers.0.attn.q_proj.weight": q, "layers.0.attn.k_proj.weight": k, "layers.0.attn.v_proj.weight": v,
-         "layers.0.norm.weight": torch.ones(32)},
+        {
+            "layers.0.attn.q_proj.weight": q,
+            "layers.0.attn.k_proj.weight": k,
+            "layers.0.attn.v_proj.weight": v,
+            "layers.0.norm.weight": torch.ones(32),
+        },
         {"layers.0.attn.qkv_proj"},
     )
     assert set(fused) == {"layers.0.attn.qkv_proj.weight", "layers.0.norm.weight"}
@@ -163,8 +167,10 @@ def test_prefill_dense_copy_runs_prefill_sized_batches(checkpoint: tuple[str, Pa
     err = float((got - want).norm() / want.norm())
     assert 0 < err < TWIN_TOLERANCE, f"{family}: dense prefill {err:.4f} from the kernel's"
     short = ids[: PREFILL_ROWS // 2]  # below the threshold: the kernel, bit for bit the same
-    assert torch.equal(PagedRunner(dense, 4, torch.float32).step([(Seq(), short)])[0],
-                       PagedRunner(plain, 4, torch.float32).step([(Seq(), short)])[0])
+    assert torch.equal(
+        PagedRunner(dense, 4, torch.float32).step([(Seq(), short)])[0],
+        PagedRunner(plain, 4, torch.float32).step([(Seq(), short)])[0],
+    )
 
 
 def test_prefill_weights_auto_keeps_a_copy_only_where_the_kernel_is_slower() -> None:
@@ -191,8 +197,10 @@ def test_prefill_weights_auto_keeps_a_copy_only_where_the_kernel_is_slower() -> 
     q4_stack.packed.parts = [superblock("q4_k"), superblock("q4_k")]  # type: ignore[union-attr]
     mixed_stack = layer(PackedStack.__new__(PackedStack))
     mixed_stack.packed.parts = [superblock("q4_k"), superblock("q6_k")]  # type: ignore[union-attr]
-    auto = {name: keeps_dense_copy("auto", lin, "model.layers.0.x.weight")
-            for name, lin in [("q4", q4), ("q6", q6), ("group32", group32), ("q4_stack", q4_stack), ("mixed", mixed_stack)]}
+    auto = {
+        name: keeps_dense_copy("auto", lin, "model.layers.0.x.weight")
+        for name, lin in [("q4", q4), ("q6", q6), ("group32", group32), ("q4_stack", q4_stack), ("mixed", mixed_stack)]
+    }
     assert auto == {"q4": False, "q6": True, "group32": True, "q4_stack": False, "mixed": True}
     assert not keeps_dense_copy("auto", q6, HEAD) and keeps_dense_copy("bf16", q6, HEAD)
     for lin in (q4, q6, group32, mixed_stack):

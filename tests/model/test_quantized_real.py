@@ -28,9 +28,16 @@ from freetoken.request import SamplingParams
 from model_harness import PagedRunner, Seq
 
 PROMPTS = [
-    "The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
-    "The three laws of thermodynamics are", "import numpy as np\n", "Translate to French: I like apples.",
-    "The quick brown fox", "Q: What is 12 times 7?\nA:", "List three colors:", "In 1969, the first humans",
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three laws of thermodynamics are",
+    "import numpy as np\n",
+    "Translate to French: I like apples.",
+    "The quick brown fox",
+    "Q: What is 12 times 7?\nA:",
+    "List three colors:",
+    "In 1969, the first humans",
 ]
 NEW_TOKENS = 8
 MIN_AGREEMENT = 7

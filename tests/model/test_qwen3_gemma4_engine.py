@@ -29,15 +29,18 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 
 def hf_greedy(directory: Path, prompt: list[int]) -> list[int]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float64, attn_implementation="eager")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, dtype=torch.float64, attn_implementation="eager"
+    )
     model.config._experts_implementation = "eager"
     out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def test_batched_greedy_equals_transformers_and_survives_a_cache_hit(checkpoint: Path) -> None:
-    llm = LLM(str(checkpoint), dtype="float64", page_size=4, max_prefill_length=16, num_tokens=1024,
-              debug_kv=True, threads=1)
+    llm = LLM(
+        str(checkpoint), dtype="float64", page_size=4, max_prefill_length=16, num_tokens=1024, debug_kv=True, threads=1
+    )
     prompts = [list(range(3, 40)), list(range(3, 20)) + [7, 9, 11]]  # longer than the window (7), sharing a prefix
     want = [hf_greedy(checkpoint, p) for p in prompts]
     params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)

@@ -41,7 +41,10 @@ def q8_file(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     tensors: dict[str, Any] = {}
     for name, t in gguf_tensors(family, reference.config, sd).items():
         if "_exps.weight" in name:  # [E, N, K] -> Q8_0 blocks, as llama-quantize writes them
-            tensors[name] = (gguf.quants.quantize(np32(t), gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0)
+            tensors[name] = (
+                gguf.quants.quantize(np32(t), gguf.GGMLQuantizationType.Q8_0),
+                gguf.GGMLQuantizationType.Q8_0,
+            )
         else:
             tensors[name] = np32(t)
     path = write_gguf(directory / "q8.gguf", ARCH[family], gguf_metadata(family, reference.config), tensors)

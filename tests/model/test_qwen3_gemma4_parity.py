@@ -40,46 +40,151 @@ GEMMA4_ROPE = {
     "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 10_000.0},
 }
 CONFIGS: dict[str, tuple[type, type, dict[str, Any]]] = {
-    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=24, tie_word_embeddings=True, rope_parameters=ROPE,
-    )),
-    "qwen3_swa": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, rope_parameters=ROPE, use_sliding_window=True, sliding_window=6,
-        max_window_layers=1,
-    )),
-    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=4,
-        num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1], num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, rope_parameters=ROPE,
-    )),
-    "gemma4": (transformers.Gemma4TextConfig, transformers.Gemma4ForCausalLM, dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=5, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
-        sliding_window=5, layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
-                                       "full_attention"],
-        hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
-        final_logit_softcapping=30.0, rope_parameters=GEMMA4_ROPE,
-    )),
-    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, tie_word_embeddings=True, rope_parameters=ROPE,
-    )),
-    "qwen2_swa": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, rope_parameters=ROPE, use_sliding_window=True, sliding_window=6, max_window_layers=1,
-    )),
-    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, rope_parameters=ROPE, sliding_window=5,
-    )),
-    "gemma4_dense": (transformers.Gemma4TextConfig, transformers.Gemma4ForCausalLM, dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, global_head_dim=32, sliding_window=6,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"], hidden_size_per_layer_input=0,
-        tie_word_embeddings=False, rope_parameters=GEMMA4_ROPE,
-    )),
+    "qwen3": (
+        transformers.Qwen3Config,
+        transformers.Qwen3ForCausalLM,
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=24,
+            tie_word_embeddings=True,
+            rope_parameters=ROPE,
+        ),
+    ),
+    "qwen3_swa": (
+        transformers.Qwen3Config,
+        transformers.Qwen3ForCausalLM,
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            rope_parameters=ROPE,
+            use_sliding_window=True,
+            sliding_window=6,
+            max_window_layers=1,
+        ),
+    ),
+    "qwen3_moe": (
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            rope_parameters=ROPE,
+        ),
+    ),
+    "gemma4": (
+        transformers.Gemma4TextConfig,
+        transformers.Gemma4ForCausalLM,
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=5,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            global_head_dim=32,
+            num_global_key_value_heads=1,
+            attention_k_eq_v=True,
+            sliding_window=5,
+            layer_types=[
+                "sliding_attention",
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+                "full_attention",
+            ],
+            hidden_size_per_layer_input=0,
+            enable_moe_block=True,
+            num_experts=4,
+            top_k_experts=2,
+            moe_intermediate_size=32,
+            final_logit_softcapping=30.0,
+            rope_parameters=GEMMA4_ROPE,
+        ),
+    ),
+    "qwen2": (
+        transformers.Qwen2Config,
+        transformers.Qwen2ForCausalLM,
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            rope_parameters=ROPE,
+        ),
+    ),
+    "qwen2_swa": (
+        transformers.Qwen2Config,
+        transformers.Qwen2ForCausalLM,
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rope_parameters=ROPE,
+            use_sliding_window=True,
+            sliding_window=6,
+            max_window_layers=1,
+        ),
+    ),
+    "mistral": (
+        transformers.MistralConfig,
+        transformers.MistralForCausalLM,
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rope_parameters=ROPE,
+            sliding_window=5,
+        ),
+    ),
+    "gemma4_dense": (
+        transformers.Gemma4TextConfig,
+        transformers.Gemma4ForCausalLM,
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            global_head_dim=32,
+            sliding_window=6,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            hidden_size_per_layer_input=0,
+            tie_word_embeddings=False,
+            rope_parameters=GEMMA4_ROPE,
+        ),
+    ),
 }
 
 
@@ -181,9 +286,19 @@ def gguf_metadata(family: str, cfg: Any) -> dict[str, object]:
 
 # Mistral: llama.cpp writes it as `llama` with permuted q/k rows, which this writer does not do;
 # its GGUF tests are skipped (the Llama path is tested in test_model_parity.py).
-ARCH = {"qwen3": "qwen3", "qwen3_swa": "qwen3", "qwen3_moe": "qwen3moe", "gemma4": "gemma4", "gemma4_dense": "gemma4",
-        "qwen2": "qwen2", "qwen2_swa": "qwen2", "mistral": "llama"}
-NO_GGUF = {"mistral": "llama.cpp writes Mistral as `llama` (permuted q/k rows); the Llama GGUF path is tested elsewhere"}
+ARCH = {
+    "qwen3": "qwen3",
+    "qwen3_swa": "qwen3",
+    "qwen3_moe": "qwen3moe",
+    "gemma4": "gemma4",
+    "gemma4_dense": "gemma4",
+    "qwen2": "qwen2",
+    "qwen2_swa": "qwen2",
+    "mistral": "llama",
+}
+NO_GGUF = {
+    "mistral": "llama.cpp writes Mistral as `llama` (permuted q/k rows); the Llama GGUF path is tested elsewhere"
+}
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -192,11 +307,23 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     reference = make_reference(request.param, directory / "hf")
     sd = {k: v.detach().clone() for k, v in reference.state_dict().items()}
     cfg = reference.config
-    path = write_gguf(directory / "model.gguf", ARCH[request.param], gguf_metadata(request.param, cfg),
-                      {k: np32(v) for k, v in gguf_tensors(request.param, cfg, sd).items()})
+    path = write_gguf(
+        directory / "model.gguf",
+        ARCH[request.param],
+        gguf_metadata(request.param, cfg),
+        {k: np32(v) for k, v in gguf_tensors(request.param, cfg, sd).items()},
+    )
     ids = random.Random(11).choices(range(VOCAB), k=L)
-    return {"name": request.param, "dir": directory / "hf", "gguf": path, "sd": sd, "cfg": cfg, "ids": ids,
-            "ref": {dt: reference_logits(reference, ids, dt) for dt in (*TOL, torch.bfloat16)}, "models": {}}
+    return {
+        "name": request.param,
+        "dir": directory / "hf",
+        "gguf": path,
+        "sd": sd,
+        "cfg": cfg,
+        "ids": ids,
+        "ref": {dt: reference_logits(reference, ids, dt) for dt in (*TOL, torch.bfloat16)},
+        "models": {},
+    }
 
 
 def model_of(family: dict[str, Any], dtype: torch.dtype) -> Any:
@@ -213,8 +340,11 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, fami
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize(("dtype", "page_size"), [(torch.float32, 4), (torch.float64, 1), (torch.float64, 4)],
-                         ids=["f32-4", "f64-1", "f64-4"])
+@pytest.mark.parametrize(
+    ("dtype", "page_size"),
+    [(torch.float32, 4), (torch.float64, 1), (torch.float64, 4)],
+    ids=["f32-4", "f64-1", "f64-4"],
+)
 def test_prefill_all_logits(family: dict[str, Any], dtype: torch.dtype, page_size: int) -> None:
     runner = PagedRunner(model_of(family, dtype), page_size, dtype)
     (logits,) = runner.step([(Seq(), family["ids"])], all_logits=True)
@@ -352,7 +482,9 @@ def test_int8_weights_stay_close_and_quantize_the_experts(family: dict[str, Any]
     tensors = load_safetensors_dir(directory, dtype=torch.float32)
 
     def gridded(name: str, w: torch.Tensor) -> torch.Tensor:
-        quantized = w.dim() >= 2 and "norm" not in name and "router" not in name and not name.endswith("mlp.gate.weight")
+        quantized = (
+            w.dim() >= 2 and "norm" not in name and "router" not in name and not name.endswith("mlp.gate.weight")
+        )
         if not quantized:
             return w
         return torch.stack([dequantize(quantize_int8(m)) for m in w]) if w.dim() == 3 else dequantize(quantize_int8(w))
@@ -408,13 +540,27 @@ def test_gemma4_26b_a4b_shaped_config_and_kv_layout() -> None:
     from freetoken.kv.tensors import KVTensors
 
     text = dict(
-        hidden_size=2816, num_hidden_layers=30, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
-        global_head_dim=512, num_global_key_value_heads=2, attention_k_eq_v=True, sliding_window=1024,
-        hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=128, top_k_experts=8,
-        moe_intermediate_size=704, intermediate_size=2112, vocab_size=262_144,
+        hidden_size=2816,
+        num_hidden_layers=30,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=256,
+        global_head_dim=512,
+        num_global_key_value_heads=2,
+        attention_k_eq_v=True,
+        sliding_window=1024,
+        hidden_size_per_layer_input=0,
+        enable_moe_block=True,
+        num_experts=128,
+        top_k_experts=8,
+        moe_intermediate_size=704,
+        intermediate_size=2112,
+        vocab_size=262_144,
     )
     config = config_from_hf({"model_type": "gemma4", "text_config": text, "vision_config": {}})
-    assert config.architecture == "gemma4" and len(config.swa_layers) == 25 and config.full_layers == (5, 11, 17, 23, 29)
+    assert (
+        config.architecture == "gemma4" and len(config.swa_layers) == 25 and config.full_layers == (5, 11, 17, 23, 29)
+    )
     layout = config.kv_layout()
     assert layout.head_shape(True) == (8, 256) and layout.head_shape(False) == (2, 512)
     assert KVTensors.bytes_per_page(layout, 1, torch.bfloat16, sliding=False) == 5 * 2 * 2 * 512 * 2
@@ -422,8 +568,10 @@ def test_gemma4_26b_a4b_shaped_config_and_kv_layout() -> None:
     assert config.attention_scale == 1.0 and config.for_layer(5).head_dim == 512 and config.for_layer(0).head_dim == 256
 
 
-@pytest.mark.parametrize(("key", "value"), [("hidden_size_per_layer_input", 256), ("num_kv_shared_layers", 4),
-                                            ("use_bidirectional_attention", "all")])
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("hidden_size_per_layer_input", 256), ("num_kv_shared_layers", 4), ("use_bidirectional_attention", "all")],
+)
 def test_gemma4_features_not_modelled_are_refused(key: str, value: object) -> None:
     from freetoken.errors import ModelLoadError
 

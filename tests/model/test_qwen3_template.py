@@ -30,8 +30,14 @@ from freetoken.tokenizer.tool_parsers.registry import detect_tool_parser
 
 TEMPLATE = (Path(__file__).parent / "qwen3_chat_template.jinja").read_text()
 QWEN3_ADDED = ("<think>", "</think>", "<tool_call>", "</tool_call>")  # not special in Qwen3's tokenizer
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +55,8 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
 def calling(tokenizer: Tokenizer, options: ToolOptions, thinking: bool | None = None) -> ToolCalling:
     """The chat routes' output handling for this model, as the server builds it (auto-detected parsers)."""
     ctx: Any = SimpleNamespace(
-        tokenizer=tokenizer, config=SimpleNamespace(tool_call_parser=None, reasoning_parser=None),
+        tokenizer=tokenizer,
+        config=SimpleNamespace(tool_call_parser=None, reasoning_parser=None),
         client=SimpleNamespace(info=SimpleNamespace(architecture="qwen3")),
     )
     return ToolCalling(ctx, options, thinking)
@@ -79,7 +86,9 @@ def test_the_template_leaves_thinking_to_the_model(tokenizer: Tokenizer) -> None
     assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert tokenizer.encode("<think>", add_special_tokens=False) == [tokenizer.token_to_id("<think>")]
     assert detect_reasoning_parser(chat_template=tokenizer.chat_template, tokens=[]) == "think"
-    assert detect_tool_parser(chat_template=tokenizer.chat_template, special_tokens=[], architecture="qwen3") == "hermes"
+    assert (
+        detect_tool_parser(chat_template=tokenizer.chat_template, special_tokens=[], architecture="qwen3") == "hermes"
+    )
     handling = calling(tokenizer, ToolOptions())
     assert handling.reasoning == "think"
     assert handling.template_context() is None  # the request did not say: the template's default (thinking on)
@@ -92,17 +101,25 @@ def test_history_keeps_reasoning_only_after_the_last_query(tokenizer: Tokenizer)
         {"role": "user", "content": "Weather?"},
         {"role": "assistant", "content": "<think>\nold thoughts\n</think>\n\nWhich city?"},
         {"role": "user", "content": "Paris"},
-        {"role": "assistant", "content": "", "reasoning_content": "need the tool",
-         "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "need the tool",
+            "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+        },
         {"role": "tool", "content": "sunny"},
     ]
     text = tokenizer.apply_chat_template(messages, tools=[WEATHER])
     assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
     assert json.dumps(WEATHER) in text
     assert "old thoughts" not in text and "<|im_start|>assistant\nWhich city?<|im_end|>" in text
-    assert ('<|im_start|>assistant\n<think>\nneed the tool\n</think>\n\n<tool_call>\n'
-            '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>') in text
-    assert text.endswith("<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert (
+        "<|im_start|>assistant\n<think>\nneed the tool\n</think>\n\n<tool_call>\n"
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
+    ) in text
+    assert text.endswith(
+        "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_streamed_think_block_splits_into_reasoning_and_content(tokenizer: Tokenizer) -> None:
@@ -115,8 +132,10 @@ def test_streamed_think_block_splits_into_reasoning_and_content(tokenizer: Token
 
 
 def test_think_then_a_tool_call(tokenizer: Tokenizer) -> None:
-    output = ('<think>\nI need the weather tool.\n</think>\n\n<tool_call>\n'
-              '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+    output = (
+        "<think>\nI need the weather tool.\n</think>\n\n<tool_call>\n"
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    )
     handling = calling(tokenizer, ToolOptions(tools=(WEATHER,), choice="auto"))
     reasoning, content, calls = stream_tokens(tokenizer, handling, output)
     assert "".join(reasoning) == "I need the weather tool."

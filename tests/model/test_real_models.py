@@ -31,20 +31,86 @@ TIE_MARGIN = 1e-4  # a mismatch whose top-2 logits are this close is a near-tie,
 GEMMA_PROMPTS = {
     "The capital of France is": [2, 818, 5279, 529, 7001, 563],
     'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n': [
-        2, 2063, 10779, 78113, 236769, 236749, 1473, 107, 140, 12234, 13293, 506, 538, 236772, 594, 123466,
-        1548, 29738, 107,
+        2,
+        2063,
+        10779,
+        78113,
+        236769,
+        236749,
+        1473,
+        107,
+        140,
+        12234,
+        13293,
+        506,
+        538,
+        236772,
+        594,
+        123466,
+        1548,
+        29738,
+        107,
     ],
     "Once upon a time, in a small village by the sea, there lived": [
-        2, 14946, 3324, 496, 990, 236764, 528, 496, 1944, 9744, 684, 506, 5442, 236764, 993, 11742,
+        2,
+        14946,
+        3324,
+        496,
+        990,
+        236764,
+        528,
+        496,
+        1944,
+        9744,
+        684,
+        506,
+        5442,
+        236764,
+        993,
+        11742,
     ],
 }
 SMOLLM2_PROMPTS = {
     "The capital of France is": [504, 3575, 282, 4649, 314],
     'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n': [
-        1604, 3987, 46477, 24, 94, 727, 472, 1620, 14362, 260, 304, 29, 373, 24681, 46477, 1230, 7996, 198,
+        1604,
+        3987,
+        46477,
+        24,
+        94,
+        727,
+        472,
+        1620,
+        14362,
+        260,
+        304,
+        29,
+        373,
+        24681,
+        46477,
+        1230,
+        7996,
+        198,
     ],
     "<|im_start|>user\nWhat is the tallest mountain in the world?<|im_end|>\n<|im_start|>assistant\n": [
-        1, 4093, 198, 1780, 314, 260, 31469, 6740, 281, 260, 905, 47, 2, 198, 1, 520, 9531, 198,
+        1,
+        4093,
+        198,
+        1780,
+        314,
+        260,
+        31469,
+        6740,
+        281,
+        260,
+        905,
+        47,
+        2,
+        198,
+        1,
+        520,
+        9531,
+        198,
     ],
 }
 
@@ -111,8 +177,8 @@ def greedy(model: LoadedModel, prompt: list[int], max_new: int, chunk: int | Non
     chunk = chunk or len(prompt)
     start = 0
     while start < len(prompt):
-        logits = _paged_forward(model, kv, start, prompt[start:start + chunk], tables)
-        start += len(prompt[start:start + chunk])
+        logits = _paged_forward(model, kv, start, prompt[start : start + chunk], tables)
+        start += len(prompt[start : start + chunk])
     steps = [logits]
     while len(steps) < max_new:
         token = int(logits.argmax())
@@ -128,8 +194,12 @@ def greedy(model: LoadedModel, prompt: list[int], max_new: int, chunk: int | Non
 def reference_greedy(reference: torch.nn.Module, prompt: list[int], max_new: int) -> list[torch.Tensor]:
     ids = torch.tensor([prompt])
     out = reference.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
-        output_logits=True, return_dict_in_generate=True,
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
     )
     return [step[0].float() for step in out.logits]
 

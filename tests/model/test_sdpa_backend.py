@@ -29,8 +29,8 @@ def _case(seed: int, P: int, n_heads: int, n_kv: int, window: int | None, shapes
         L = cached + new
         table = np.array([free.pop() for _ in range(-(-L // P))], dtype=np.int32)
         if L % P:  # not written yet: must never reach the output
-            k_pages[table[-1], L % P:] = float("nan")
-            v_pages[table[-1], L % P:] = float("nan")
+            k_pages[table[-1], L % P :] = float("nan")
+            v_pages[table[-1], L % P :] = float("nan")
         swa = table.copy()
         if window is not None:
             for i in range(len(swa)):
@@ -119,7 +119,9 @@ def test_mixed_batches_split_by_kind(dtype: torch.dtype, window: int | None) -> 
     """Decode rows beside short and long prefill chunks: the decode rows together (the decode op in
     float32 / bfloat16), each chunk on its own keys, as the reference computes the whole batch."""
     shapes = [(11, 1), (0, 600), (6, 7), (300, 1), (40, 30)]
-    q, k_pages, v_pages, table, batch = _case(13, 16, 4, 2, window, shapes, True, D=16)  # the decode op takes D % 16 == 0
+    q, k_pages, v_pages, table, batch = _case(
+        13, 16, 4, 2, window, shapes, True, D=16
+    )  # the decode op takes D % 16 == 0
     q, k_pages, v_pages = (t.to(dtype) for t in (q, k_pages, v_pages))
     got = sdpa_backend.paged_attention(q, k_pages, v_pages, table, batch, 0.3, window)
     want = torch_backend.paged_attention(q, k_pages, v_pages, table, batch, 0.3, window)

@@ -32,8 +32,13 @@ def logits(loaded: LoadedModel, ids: list[int] = IDS) -> torch.Tensor:
     return runner.step([(seq, ids[-2:])])[0][-1]
 
 
-def load(spec: str | Path, cache: Path, weights: str = "auto", prefill_weights: str = "auto",
-         dtype: torch.dtype = torch.float32) -> LoadedModel:
+def load(
+    spec: str | Path,
+    cache: Path,
+    weights: str = "auto",
+    prefill_weights: str = "auto",
+    dtype: torch.dtype = torch.float32,
+) -> LoadedModel:
     """A load, and the end of its cache write (written behind the load, so a server is ready first)."""
     loaded = load_model(str(spec), dtype, torch.device("cpu"), weights, prefill_weights, weights_cache=str(cache))
     if loaded.cache_writer is not None:
@@ -53,8 +58,9 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 
 @pytest.mark.parametrize("weights, prefill", [("int8", "bf16"), ("int4", "quantized"), ("bf16", "auto")])
-def test_a_second_load_maps_the_first_and_computes_the_same(checkpoint: Path, tmp_path: Path, weights: str,
-                                                            prefill: str) -> None:
+def test_a_second_load_maps_the_first_and_computes_the_same(
+    checkpoint: Path, tmp_path: Path, weights: str, prefill: str
+) -> None:
     first = load(checkpoint, tmp_path, weights, prefill)
     assert not first.from_cache and len(entries(tmp_path)) == 1
     second = load(checkpoint, tmp_path, weights, prefill)
@@ -90,8 +96,9 @@ def _other_key(path: Path) -> None:
 
 
 @pytest.mark.parametrize("damage", [_corrupt, _truncate, _garble_manifest, _other_key])
-def test_a_damaged_entry_is_a_miss_and_is_rewritten(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
-                                                    damage, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_damaged_entry_is_a_miss_and_is_rewritten(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, damage, caplog: pytest.LogCaptureFixture
+) -> None:
     directory = tmp_path_factory.mktemp("llama")
     write_tiny_model("llama", directory)
     cache = tmp_path / "cache"
@@ -119,8 +126,15 @@ def test_a_rewritten_checkpoint_makes_its_entry_stale(tmp_path: Path) -> None:
 
 def test_off_and_offloaded_experts_write_nothing(checkpoint: Path, tmp_path: Path) -> None:
     load_model(str(checkpoint), torch.float32, torch.device("cpu"), "int8", weights_cache="off")
-    load_model(str(checkpoint), torch.float32, torch.device("cpu"), "int8", moe_strategy="offload",
-               expert_cache_gb=1.0, weights_cache=str(tmp_path))
+    load_model(
+        str(checkpoint),
+        torch.float32,
+        torch.device("cpu"),
+        "int8",
+        moe_strategy="offload",
+        expert_cache_gb=1.0,
+        weights_cache=str(tmp_path),
+    )
     assert entries(tmp_path) == []
 
 

@@ -1,0 +1,97 @@
+"""Qwen3.5 and Qwen3.5-MoE from a GGUF file written by llama.cpp's own `convert_hf_to_gguf.py`
+(the `qwen35` / `qwen35moe` architectures, `--outtype f32 --no-mtp`) from the tiny checkpoints of
+`tiny_models.py`: the file gives the checkpoint's tensors and config back (norms un-shifted,
+A_log from `ssm_a`, the value heads un-tiled), and the engine gives transformers' greedy tokens.
+The converter's BPE pre-tokenizer check does not know the tiny test vocabulary, so it is answered
+`qwen2` (only the tokenizer metadata depends on it). Skipped where the converter is not present."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from freetoken.llm import LLM
+from freetoken.models.registry import config_from_hf
+from freetoken.request import SamplingParams
+from freetoken.weights.gguf import load_gguf
+from freetoken.weights.safetensors import load_safetensors_dir
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tiny_models import write_tiny_model  # noqa: E402
+
+LLAMA_CPP = Path("/root/.cache/freetoken/llama.cpp/src/llama_cpp_python-0.3.36/vendor/llama.cpp")
+CONVERT = """
+import runpy, sys
+root = sys.argv[1]
+sys.path[:0] = [root, root + "/gguf-py"]
+import conversion.base as base
+for cls in vars(base).values():
+    if isinstance(cls, type) and "get_vocab_base_pre" in vars(cls):
+        cls.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
+sys.argv = ["convert_hf_to_gguf.py", *sys.argv[2:]]
+runpy.run_path(root + "/convert_hf_to_gguf.py", run_name="__main__")
+"""
+PROMPTS = [list(range(3, 40)), [5, 6, 7]]
+NEW = 6
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe"])
+def converted(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    if not (LLAMA_CPP / "convert_hf_to_gguf.py").exists():
+        pytest.skip("llama.cpp's convert_hf_to_gguf.py is not present")
+    directory = write_tiny_model(request.param, Path(tmp_path_factory.mktemp(request.param)) / "hf")
+    out = directory.parent / "model.gguf"
+    args = [str(LLAMA_CPP), str(directory), "--outfile", str(out), "--outtype", "f32", "--no-mtp"]
+    subprocess.run([sys.executable, "-c", CONVERT, *args], check=True, capture_output=True, timeout=300)
+    return directory, out
+
+
+def stacked(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The hub's per-expert matrices (`...experts.{e}.gate_proj.weight`) as transformers' stacks
+    `gate_up_proj` [E, 2I, H] (gate rows first) and `down_proj` [E, H, I], as the GGUF gives them."""
+    out = {n: t for n, t in sd.items() if ".experts." not in n}
+    prefixes = sorted({n.split("experts.")[0] + "experts." for n in sd if ".experts." in n})
+    for p in prefixes:
+        n = len({k for k in sd if k.startswith(p) and k.endswith("down_proj.weight")})
+        gate, up, down = ([sd[f"{p}{e}.{w}_proj.weight"] for e in range(n)] for w in ("gate", "up", "down"))
+        out[p + "gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u in zip(gate, up)])
+        out[p + "down_proj"] = torch.stack(down)
+    return out
+
+
+def test_gguf_gives_the_checkpoint_back(converted: tuple[Path, Path]) -> None:
+    directory, path = converted
+    ck = load_gguf(path, dtype=torch.float64)
+    sd = stacked(load_safetensors_dir(directory, dtype=torch.float64))
+    assert set(ck.tensors) == set(sd)
+    for name, want in sd.items():
+        torch.testing.assert_close(ck.tensors[name], want, atol=1e-6, rtol=1e-6, msg=name)
+    got, want = config_from_hf(ck.hf_config), config_from_hf(json.loads((directory / "config.json").read_text()))
+    assert got.layer_types == want.layer_types and got.rope_full == want.rope_full
+    for field in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                  "linear_conv_kernel_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                  "shared_expert_intermediate_size", "head_dim", "num_kv_heads", "tie_word_embeddings"):  # fmt: skip
+        assert getattr(got, field) == getattr(want, field), field
+
+
+def test_gguf_greedy_tokens_equal_transformers(converted: tuple[Path, Path]) -> None:
+    directory, path = converted
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, dtype=torch.float64, attn_implementation="eager"
+    )
+    model.config._experts_implementation = "eager"
+    want = [
+        model.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)[
+            0, len(p) :
+        ].tolist()
+        for p in PROMPTS
+    ]
+    llm = LLM(str(path), dtype="float64", page_size=4, max_prefill_length=16, num_tokens=1024, debug_kv=True, threads=1)
+    got = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in got] == want
