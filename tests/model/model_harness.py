@@ -108,6 +108,7 @@ class Seq:
     full: list[int] = field(default_factory=list)
     swa: list[int] = field(default_factory=list)
     length: int = 0  # tokens whose K/V is in the cache
+    state: int = 0  # hybrid models: the sequence's state slot (0: none yet)
 
 
 class PagedRunner:
@@ -115,7 +116,8 @@ class PagedRunner:
 
     def __init__(self, model: CausalLM, page_size: int, dtype: torch.dtype, pages: int = 96, seed: int = 0) -> None:
         self.model, self.config, self.P = model, model.config, page_size
-        self.kv = KVTensors(self.config.kv_layout(), pages, pages, page_size, dtype, "cpu")
+        self.kv = KVTensors(self.config.kv_layout(), pages, pages, page_size, dtype, "cpu", state_slots=16)
+        self.next_state = 1  # hybrid models: one state slot per sequence, in the order they first run
         rng = np.random.default_rng(seed)
         self.free_full = [int(p) for p in rng.permutation(np.arange(1, pages + 1))]
         self.free_swa = [int(p) for p in rng.permutation(np.arange(1, pages + 1))]
@@ -131,7 +133,12 @@ class PagedRunner:
             swa = np.array(seq.swa, dtype=np.int32) if self.config.has_swa else None
             specs.append((seq.length, len(new), np.array(seq.full, dtype=np.int32), swa))
             ids.extend(new)
-        batch = ForwardBatch.build(specs, self.P, all_logits=all_logits, sliding_window=self.config.sliding_window)
+            if self.config.has_linear and not seq.state:
+                seq.state, self.next_state = self.next_state, self.next_state + 1
+        slots = [seq.state for seq, _ in work] if self.config.has_linear else None
+        batch = ForwardBatch.build(
+            specs, self.P, all_logits=all_logits, sliding_window=self.config.sliding_window, state_slots=slots
+        )
         logits = self.model(torch.tensor(ids), batch, self.kv)
         out, row = [], 0
         for seq, new in work:
