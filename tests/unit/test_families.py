@@ -27,7 +27,13 @@ from freetoken.families.base import (
 ROOT = Path(freetoken.__file__).parent
 
 # The modules that look a family up instead of knowing it.
-GENERIC = ("weights/gguf_config.py", "weights/names.py", "server/preflight.py", "models/config.py")
+GENERIC = (
+    "weights/gguf_config.py",
+    "weights/gguf.py",
+    "weights/names.py",
+    "server/preflight.py",
+    "models/config.py",
+)
 
 
 def family_words() -> set[str]:
