@@ -9,8 +9,8 @@ experts when the file has `ffn_gate_inp`. Gemma 3's tensor names plus the second
 layer scalar (`layer_output_scale`), the router's scales (`ffn_gate_inp.scale`,
 `ffn_down_exps.scale`) and the experts, whose gate / up stacks are fused or join gate rows first;
 no norm shift (Gemma 4's norms multiply by w). Head sizes differ per layer kind, so the shapes are
-checked at load. Preflight does not read its `config.json` or its GGUF window yet (`hf` None,
-`window` False), as before this package.
+checked at load. A `config.json` without a context or window means Gemma4TextConfig's 131072 and
+512; a multimodal one (model_type "gemma4") holds the text model in `text_config`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Collection
 
 from freetoken.errors import ModelLoadError
 from freetoken.families import gemma3
-from freetoken.families.base import FULL, ROWS, SLIDING, Family, GGUFFacts, layers_of
+from freetoken.families.base import FULL, ROWS, SLIDING, Family, GGUFFacts, HFFacts, layers_of
 from freetoken.families.gguf_keys import Keys
 
 PARTIAL_ROTARY = 0.25
@@ -85,7 +85,7 @@ def translate(k: Keys, cfg: dict[str, object], tensor_names: Collection[str]) ->
 FAMILY = Family(
     name="gemma4",
     model_types=("gemma4", "gemma4_text"),
-    hf=None,
+    hf=HFFacts(default_context=131_072, default_window=512, nested="gemma4"),
     gguf=GGUFFacts(
         arch="gemma4",
         model_type="gemma4_text",
@@ -93,6 +93,7 @@ FAMILY = Family(
         translate=translate,
         tensors=TENSORS,
         experts_join=ROWS,
+        window=True,
         uniform_heads=False,
     ),
 )
