@@ -16,23 +16,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from freetoken.errors import ModelLoadError
+from freetoken.families import all_families
 from freetoken.kv.tensors import KVLayout
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 LINEAR_ATTENTION = "linear_attention"  # Gated DeltaNet (Qwen3.5): a recurrent state per request, no K/V pages
-ARCHITECTURES = (
-    "llama",
-    "gemma3",
-    "gpt_oss",
-    "qwen3",
-    "qwen3_moe",
-    "gemma4",
-    "qwen2",
-    "mistral",
-    "qwen3_5",
-    "qwen3_5_moe",
-)
+ARCHITECTURES = tuple(f.name for f in all_families())  # one per module of freetoken/families/
 
 # "proportional" (Gemma 4's full layers): default frequencies on the first partial_rotary_factor
 # of each head's rotary pairs, zero (no rotation) on the rest.

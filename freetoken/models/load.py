@@ -85,7 +85,7 @@ def _cache_key(source: ModelSource, dtype: torch.dtype, weights: str, prefill_we
 @functools.cache
 def _code() -> str:
     package = Path(__file__).resolve().parents[1]
-    return code_identity(package / sub for sub in ("ops", "weights", "models"))
+    return code_identity(package / sub for sub in ("ops", "weights", "families", "models"))
 
 
 def _cache_for(weights_cache: str | None, device: torch.device, world: int, moe_strategy: str) -> WeightCache | None:

@@ -1,7 +1,8 @@
 """Choosing a family: the config reader for a `config.json`, the model class for a configuration.
 
-Owns the map from a `config.json`'s `model_type` to its family's reader (`config_from_hf`, in
-each family's module), the map from `ModelConfig.architecture` to the family's model class, and
+Owns the map from `ModelConfig.architecture` to the family's reader of its `config.json`
+(`config_from_hf`, in each family's module) and its model class, the map from a `config.json`'s
+`model_type` to the reader (the model_types are the family's facts, `freetoken.families`), and
 the protocol every family implements. It does not load weights from files (the weights package
 does that).
 """
@@ -15,28 +16,40 @@ import torch
 
 from freetoken.attention.metadata import ForwardBatch
 from freetoken.errors import ModelLoadError
+from freetoken.families import family
 from freetoken.kv.tensors import KVTensors
 from freetoken.models import gemma3, gemma4, gpt_oss, llama, mistral, qwen2, qwen3, qwen3_5, qwen3_moe
 from freetoken.models.config import ModelConfig
 from freetoken.models.linear import Weight
 
-# The reader of each `model_type` transformers writes (a multimodal checkpoint's reader reads its
-# `text_config`).
+# Each family's reader of its `config.json` (a multimodal checkpoint's reader reads its
+# `text_config`) and its model class, by `ModelConfig.architecture`; which `model_type`s a reader
+# reads is the family's (`freetoken.families`). Qwen2 and Mistral are Llama's tree with other
+# biases / windows.
+MODELS: dict[str, tuple[Callable[[Mapping[str, Any]], ModelConfig], Callable[..., CausalLM]]] = {
+    "llama": (llama.config_from_hf, llama.LlamaForCausalLM),
+    "gemma3": (gemma3.config_from_hf, gemma3.Gemma3ForCausalLM),
+    "gpt_oss": (gpt_oss.config_from_hf, gpt_oss.GptOssForCausalLM),
+    "qwen3": (qwen3.config_from_hf, qwen3.Qwen3ForCausalLM),
+    "qwen3_moe": (qwen3_moe.config_from_hf, qwen3_moe.Qwen3MoeForCausalLM),
+    "gemma4": (gemma4.config_from_hf, gemma4.Gemma4ForCausalLM),
+    "qwen2": (qwen2.config_from_hf, llama.LlamaForCausalLM),
+    "mistral": (mistral.config_from_hf, llama.LlamaForCausalLM),
+    "qwen3_5": (qwen3_5.config_from_hf, qwen3_5.Qwen3_5ForCausalLM),
+    "qwen3_5_moe": (qwen3_5.config_from_hf, qwen3_5.Qwen3_5ForCausalLM),
+}
+
+
+# The reader of each `model_type` transformers writes.
+def _model_types(name: str) -> tuple[str, ...]:
+    fam = family(name)
+    if fam is None:
+        raise RuntimeError(f"models/registry.py names {name!r}, which no module of freetoken/families/ describes")
+    return fam.model_types
+
+
 CONFIG_READERS: dict[str, Callable[[Mapping[str, Any]], ModelConfig]] = {
-    "llama": llama.config_from_hf,
-    "gemma3": gemma3.config_from_hf,
-    "gemma3_text": gemma3.config_from_hf,
-    "gpt_oss": gpt_oss.config_from_hf,
-    "qwen3": qwen3.config_from_hf,
-    "qwen3_moe": qwen3_moe.config_from_hf,
-    "gemma4": gemma4.config_from_hf,
-    "gemma4_text": gemma4.config_from_hf,
-    "qwen2": qwen2.config_from_hf,
-    "mistral": mistral.config_from_hf,
-    "qwen3_5": qwen3_5.config_from_hf,
-    "qwen3_5_text": qwen3_5.config_from_hf,
-    "qwen3_5_moe": qwen3_5.config_from_hf,
-    "qwen3_5_moe_text": qwen3_5.config_from_hf,
+    model_type: reader for name, (reader, _) in MODELS.items() for model_type in _model_types(name)
 }
 
 
@@ -67,18 +80,7 @@ class CausalLM(Protocol):
 
 def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
     """An uninitialised model of the config's family (call load_weights next)."""
-    if config.architecture in ("llama", "qwen2", "mistral"):  # the latter two: Llama's tree, other biases / windows
-        return llama.LlamaForCausalLM(config, dtype, device)
-    if config.architecture == "gemma3":
-        return gemma3.Gemma3ForCausalLM(config, dtype, device)
-    if config.architecture == "gpt_oss":
-        return gpt_oss.GptOssForCausalLM(config, dtype, device)
-    if config.architecture == "qwen3":
-        return qwen3.Qwen3ForCausalLM(config, dtype, device)
-    if config.architecture == "qwen3_moe":
-        return qwen3_moe.Qwen3MoeForCausalLM(config, dtype, device)
-    if config.architecture == "gemma4":
-        return gemma4.Gemma4ForCausalLM(config, dtype, device)
-    if config.architecture in ("qwen3_5", "qwen3_5_moe"):
-        return qwen3_5.Qwen3_5ForCausalLM(config, dtype, device)
-    raise ModelLoadError(f"unsupported architecture {config.architecture!r}")
+    entry = MODELS.get(config.architecture)
+    if entry is None:
+        raise ModelLoadError(f"unsupported architecture {config.architecture!r}")
+    return entry[1](config, dtype, device)

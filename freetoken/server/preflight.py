@@ -6,8 +6,9 @@ Owns `ModelFacts` (context length and sliding window, read from the GGUF key/val
 facts. Pool sizes that depend on free memory are taken at their largest (`by_need`: every running
 request at full context), so what preflight refuses the engine would refuse too; what passes here
 can still be refused by the engine against the real memory (then the supervisor gives up and
-`ft serve` exits 1). It imports no torch: the families' rules for which layers slide are restated
-here in their simplest form (gemma3 and gpt-oss have sliding-window layers, llama has none).
+`ft serve` exits 1). It imports no torch: what it knows of a family (the default context and
+window of its `config.json`, whether its GGUF files carry a window) is the family's torch-free
+facts (`freetoken.families`), read here in their simplest form; it holds no family itself.
 """
 
 from __future__ import annotations
@@ -19,24 +20,10 @@ from dataclasses import dataclass
 
 from freetoken.config import EngineConfig, ResolvedConfig
 from freetoken.errors import ModelLoadError
+from freetoken.families import by_model_type, find_gguf
 from freetoken.weights.source import ModelSource
 
 log = logging.getLogger("freetoken.server")
-
-# GGUF general.architecture / HF model_type -> (default context, default window or None)
-_GGUF_SWA = {"gemma3", "gpt-oss"}
-_HF_DEFAULTS: dict[str, tuple[int, int | None]] = {
-    "llama": (2048, None),
-    "gemma3_text": (131_072, 4096),
-    "gpt_oss": (131_072, 128),
-    "qwen2": (32_768, None),
-    "qwen3": (32_768, None),
-    "qwen3_moe": (32_768, None),
-    "mistral": (131_072, None),
-}
-# Families whose `sliding_window` is only used when `use_sliding_window` is true (Qwen2/3 write a
-# window into every config.json, usually with the switch off).
-_SWITCHED_WINDOW = {"qwen2", "qwen3", "qwen3_moe"}
 
 
 @dataclass(frozen=True)
@@ -50,20 +37,25 @@ def facts_from_gguf(metadata: Mapping[str, object]) -> ModelFacts:
     context = metadata.get(f"{arch}.context_length")
     if not isinstance(arch, str) or not isinstance(context, int):
         raise ModelLoadError("GGUF metadata lacks general.architecture or its context_length")
-    window = metadata.get(f"{arch}.attention.sliding_window") if arch in _GGUF_SWA else None
+    gguf = find_gguf(arch)  # an architecture no family runs is refused at load, not here
+    window = metadata.get(f"{arch}.attention.sliding_window") if gguf is not None and gguf.window else None
     return ModelFacts(context, int(window) if isinstance(window, int) else None)
 
 
 def facts_from_hf(config: Mapping[str, object]) -> ModelFacts:
     model_type = config.get("model_type")
-    if model_type == "gemma3" and isinstance(config.get("text_config"), Mapping):
-        config, model_type = config["text_config"], "gemma3_text"  # type: ignore[assignment]
-    if not isinstance(model_type, str) or model_type not in _HF_DEFAULTS:
+    family = by_model_type(model_type) if isinstance(model_type, str) else None
+    facts = None if family is None else family.hf
+    if facts is not None and facts.nested == model_type:  # the text model's config is `text_config`
+        text = config.get("text_config")
+        if not isinstance(text, Mapping):
+            raise ModelLoadError(f"unsupported model_type {model_type!r}")
+        config = text
+    if facts is None:
         raise ModelLoadError(f"unsupported model_type {model_type!r}")
-    default_context, default_window = _HF_DEFAULTS[model_type]
-    context = config.get("max_position_embeddings") or default_context
-    window = config.get("sliding_window") or default_window
-    if model_type in _SWITCHED_WINDOW and not config.get("use_sliding_window"):
+    context = config.get("max_position_embeddings") or facts.default_context
+    window = config.get("sliding_window") or facts.default_window
+    if facts.switched_window and not config.get("use_sliding_window"):
         window = None
     layer_types = config.get("layer_types")
     if isinstance(layer_types, list) and "sliding_attention" not in layer_types:

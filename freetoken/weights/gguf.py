@@ -20,6 +20,8 @@ import numpy as np
 import torch
 
 from freetoken.errors import ModelLoadError
+from freetoken.families import find_gguf
+from freetoken.families.base import ROWS
 from freetoken.ops.quantized import QuantizedWeight, SuperBlockWeight
 from freetoken.weights.dequant import SUPPORTED_TYPES, Deferred, dequantize, gguf_mxfp4_blocks, mxfp4_matrix, type_name
 from freetoken.weights.gguf_config import architecture_of, hf_config_from_metadata
@@ -37,12 +39,20 @@ _EXPERT_STACK = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.weight
 def expert_stack_name(gguf_name: str, arch: str = "") -> str | None:
     """`blk.N.ffn_{gate,up,down}_exps.weight` (llama.cpp's name in every MoE architecture) ->
     `model.layers.N.mlp.experts.{gate,up,down}_proj`: FreeToken's name for a list of E per-expert
-    matrices [out, in] (`models.experts.Experts.load`); Gemma 4's fused `ffn_gate_up_exps` (gate
-    rows, then up rows) likewise -> `...gate_up_proj`; None for any other tensor."""
+    matrices [out, in] (`models.experts.Experts.load`); a fused `ffn_gate_up_exps` (Gemma 4's:
+    gate rows, then up rows, the family's `experts_join` ROWS) likewise -> `...gate_up_proj`; None
+    for any other tensor."""
     m = _EXPERT_STACK.fullmatch(gguf_name)
-    if m is None or (m[2] == "gate_up" and arch != "gemma4"):  # gpt-oss's fused halves interleave: the assembler's
+    if m is None or (m[2] == "gate_up" and not _fused_rows(arch)):  # gpt-oss's fused halves interleave: the assembler's
         return None
     return f"model.layers.{m[1]}.mlp.experts.{m[2]}_proj"
+
+
+def _fused_rows(arch: str) -> bool:
+    """Whether the architecture's files may hold fused gate / up expert stacks laid out as HF's
+    gate_up_proj (gate rows, then up rows), so that they can be kept as they are."""
+    facts = find_gguf(arch)
+    return facts is not None and facts.experts_join == ROWS and "ffn_gate_up_exps.weight" in facts.tensors
 
 
 def expert_stack(data: np.ndarray, qtype: int, shape: tuple[int, ...], name: str) -> list[Deferred]:
@@ -154,9 +164,12 @@ def load_gguf(
             expert = expert_stack_name(t.name, arch) if keep_quantized and t.ggml_type in EXPERT_TYPES else None
             if expert is not None and len(t.shape) == 3:
                 assembler.tensors[expert] = expert_stack(data, t.ggml_type, t.shape, t.name)
-            elif keep_quantized and len(t.shape) == 2 and t.ggml_type in SUPERBLOCK_TYPES:
+            elif not (keep_quantized and len(t.shape) == 2 and assembler.can_stay_quantized(t.name)):
+                values = dequantize(data, t.ggml_type, t.shape, t.name, decode_dtype(t, dtype), device)
+                assembler.add(t.name, values)
+            elif t.ggml_type in SUPERBLOCK_TYPES:
                 assembler.add_quantized(t.name, superblock_rows(data, t.ggml_type, t.shape, t.name))
-            elif keep_quantized and len(t.shape) == 2 and t.ggml_type in INTEGER_TYPES:
+            elif t.ggml_type in INTEGER_TYPES:
                 assembler.add_quantized(t.name, to_quantized(data, t.ggml_type, t.shape, t.name))
             else:
                 values = dequantize(data, t.ggml_type, t.shape, t.name, decode_dtype(t, dtype), device)

@@ -15,7 +15,7 @@ import pytest
 from serving import free_port
 
 from freetoken.config import EngineConfig
-from freetoken.errors import ConfigError
+from freetoken.errors import ConfigError, ModelLoadError
 from freetoken.server.preflight import ModelFacts, facts_from_gguf, facts_from_hf, preflight
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,6 +78,18 @@ def test_preflight_reads_facts_from_metadata() -> None:
     assert facts_from_hf(qwen) == ModelFacts(32768, None)
     assert facts_from_hf({**qwen, "model_type": "qwen3", "use_sliding_window": True, "sliding_window": 4096}) == ModelFacts(32768, 4096)
     assert facts_from_hf({"model_type": "mistral", "max_position_embeddings": 32768, "sliding_window": 4096}) == ModelFacts(32768, 4096)
+
+
+def test_preflight_knows_gemma4() -> None:
+    """Gemma 4 has sliding layers in both forms: its GGUF window is read, and its config.json (text
+    or multimodal) is not refused as an unknown model_type."""
+    gguf = {"general.architecture": "gemma4", "gemma4.context_length": 262_144, "gemma4.attention.sliding_window": 1024}
+    assert facts_from_gguf(gguf) == ModelFacts(262_144, 1024)
+    assert facts_from_hf({"model_type": "gemma4_text"}) == ModelFacts(131_072, 512)
+    text = {"model_type": "gemma4_text", "max_position_embeddings": 262_144, "sliding_window": 1024}
+    assert facts_from_hf({"model_type": "gemma4", "text_config": text}) == ModelFacts(262_144, 1024)
+    with pytest.raises(ModelLoadError, match="unsupported model_type 'gemma4'"):
+        facts_from_hf({"model_type": "gemma4"})  # multimodal without its text model
 
 
 def test_preflight_refuses_what_the_engine_would() -> None:

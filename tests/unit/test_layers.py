@@ -38,7 +38,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # (not in DESIGN) reasoning_budget: a SamplingParams field, imported by request itself;
     # grammar_text: the llguidance text of a request's grammar (engine and API process both read it).
     ("request", "config", "reasoning_budget", "grammar_text"),
-    ("kv", "weights", "tokenizer"),
+    # (not in DESIGN) families: each model family's torch-free facts (GGUF names and metadata,
+    # preflight defaults), read by weights, the server's preflight and models alike.
+    ("kv", "weights", "families", "tokenizer"),
     ("attention",),
     ("models",),
     ("distributed",),

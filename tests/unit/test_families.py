@@ -1,0 +1,128 @@
+"""The model families' facts stay in their modules (freetoken/families/, docs/architecture.md,
+"Adding a model family"): the generic modules that read them name no family, every family the
+models know has facts and a model, each family's GGUF facts are ones the weights package can act
+on, and the whole package imports without torch (the API process reads it)."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import freetoken
+from freetoken.families import all_families, by_model_type, find_gguf, gguf_architectures
+from freetoken.families.base import (
+    EXPERTS_TRANSPOSE,
+    INTERLEAVE,
+    NORM_MINUS_ONE,
+    ROWS,
+    UNPERMUTE_K_ROWS,
+    UNPERMUTE_Q_ROWS,
+)
+
+ROOT = Path(freetoken.__file__).parent
+
+# The modules that look a family up instead of knowing it.
+GENERIC = (
+    "weights/gguf_config.py",
+    "weights/gguf.py",
+    "weights/names.py",
+    "server/preflight.py",
+    "models/config.py",
+)
+
+
+def family_words() -> set[str]:
+    """Every name a family goes by: its own, its config.json model_types, its GGUF architecture."""
+    words = set()
+    for fam in all_families():
+        words |= {fam.name, *fam.model_types}
+        if fam.gguf is not None:
+            words.add(fam.gguf.arch)
+    return words
+
+
+def family_literals(source: str, words: set[str]) -> list[str]:
+    """The string literals of `source` (f-string pieces included, docstrings left out) that name one
+    of `words` as a whole word (`qwen3` in "qwen3", not in "qwen3_next"), as `line: text`."""
+    tree = ast.parse(source)
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    pattern = re.compile(r"(?<![\w-])(" + "|".join(sorted(map(re.escape, words), key=len, reverse=True)) + r")(?![\w-])")
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            if pattern.search(node.value):
+                found.append((node.lineno, node.col_offset, f"{node.lineno}: {node.value!r}"))
+    return [text for *_, text in sorted(found)]
+
+
+@pytest.mark.parametrize("path", GENERIC)
+def test_the_generic_modules_name_no_family(path: str) -> None:
+    assert family_literals((ROOT / path).read_text(), family_words()) == []
+
+
+def test_the_literal_check_finds_a_leak() -> None:
+    """Negative control: what the modules held before the families had their own modules."""
+    source = '''"""Reads gemma3 files."""
+_GGUF_SWA = {"gemma3", "gpt-oss"}
+def f(arch):
+    """llama's rows."""
+    if arch == "llama":
+        return f"{arch}.qwen3moe.key"
+    return "qwen3_next" if arch else "not a family: llama3"
+'''
+    assert family_literals(source, family_words()) == [
+        "2: 'gemma3'", "2: 'gpt-oss'", "5: 'llama'", "6: '.qwen3moe.key'"
+    ]
+
+
+def test_every_family_has_a_model_and_every_model_a_family() -> None:
+    from freetoken.models.config import ARCHITECTURES
+    from freetoken.models.registry import CONFIG_READERS, MODELS
+
+    names = [f.name for f in all_families()]
+    assert sorted(MODELS) == sorted(names) == sorted(ARCHITECTURES)
+    assert sorted(CONFIG_READERS) == sorted(t for f in all_families() for t in f.model_types)
+    assert {by_model_type(t).name for t in CONFIG_READERS} == set(names)  # type: ignore[union-attr]
+
+
+def test_the_gguf_architectures_are_the_families() -> None:
+    assert sorted(gguf_architectures()) == ["gemma3", "gemma4", "gpt-oss", "llama", "qwen2", "qwen3", "qwen3moe"]
+    for arch in gguf_architectures():
+        assert find_gguf(arch) is not None and find_gguf(arch).arch == arch  # type: ignore[union-attr]
+    assert find_gguf("mamba") is None
+
+
+def test_each_family_names_only_what_the_weights_package_does() -> None:
+    layouts = {None, UNPERMUTE_Q_ROWS, UNPERMUTE_K_ROWS, NORM_MINUS_ONE, EXPERTS_TRANSPOSE}
+    for fam in all_families():
+        if fam.gguf is None:
+            continue
+        g = fam.gguf
+        assert g.experts_join in (ROWS, INTERLEAVE), fam.name
+        assert all(not rest.startswith("blk.") and rest.endswith((".weight", ".bias", ".scale")) for rest in g.tensors)
+        for rest in [*g.tensors, "output_norm.weight", "token_embd.weight"]:
+            assert g.layout(rest) in layouts, (fam.name, rest)
+
+
+def test_the_package_imports_no_torch() -> None:
+    code = (
+        "import sys\n"
+        "from freetoken.families import all_families\n"
+        "import freetoken.weights.gguf_config, freetoken.server.preflight\n"
+        "assert len(all_families()) >= 8\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
