@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -28,9 +27,9 @@ from freetoken.config import ResolvedConfig
 from freetoken.engine.grammar import GrammarCompiler, GrammarError, GrammarSet
 from freetoken.engine.resize import ResizeRefused, resize_memory, settle
 from freetoken.engine.runner import Runner
-from freetoken.engine.sampler import SampleResult, prompt_logprobs, sample
+from freetoken.engine.sample_step import Kept, sample_step
+from freetoken.engine.sampler import prompt_logprobs
 from freetoken.engine.scheduler import ScheduledItem, Scheduler
-from freetoken.engine.speculative import accepted, rewind
 from freetoken.errors import FreeTokenError
 from freetoken.kv.errors import KVIntegrityError
 from freetoken.kv.manager import KVManager
@@ -70,11 +69,6 @@ class RequestUpdate:
     @property
     def accepted_tokens(self) -> int:
         return self.report.accepted_tokens
-
-
-# Per sampling item, the tokens it keeps and their logprobs (engine/speculative.py: a verified
-# chunk keeps its accepted drafts and the token after them).
-Kept = tuple[ScheduledItem, list[int], list[TokenLogprob | None]]
 
 
 def _update_of(req: Request) -> RequestUpdate:
@@ -227,45 +221,16 @@ class Engine:
             row += item.logit_rows
         return logits
 
-    @torch.inference_mode()  # the logits are the runner's inference tensors, masked and sampled in place
     def _sample(
         self, items: list[ScheduledItem], logits: torch.Tensor, updates: dict[str, RequestUpdate]
     ) -> list[Kept]:
-        """The tokens each sampling item keeps: the grammar's mask, then one token per sampling row
-        (an item's last `sample_rows` logit rows); a verified chunk keeps its accepted drafts and
-        the token after them, and a seeded one's generator is put back where one draw per kept
-        token leaves it (engine/speculative.py). A row the grammar leaves no token ends its
-        request with an error and is dropped."""
-        sampling: list[ScheduledItem] = []  # one entry per sampling row (a verified chunk: 1 + k)
-        rows: list[int] = []
-        end = 0
-        for item in items:
-            end += item.logit_rows
-            if item.sample_rows:
-                sampling.extend([item] * item.sample_rows)
-                rows.extend(range(end - item.sample_rows, end))
-        if not sampling:
-            return []
-        states = _generator_states(items)  # before the sampler draws one uniform per row
-        chosen = _rows_of(logits, rows)  # [S, V]; logits is not read again
-        dead = set(self.grammars.mask(chosen, [it.req.rid for it in sampling]))
-        for i in sorted(dead):
-            self._end_with_error(sampling[i].req, "the grammar allows no next token", updates)
-        if dead:
-            keep = [i for i in range(len(sampling)) if i not in dead]
-            sampling, chosen = [sampling[i] for i in keep], chosen[keep]
-        if not sampling:
-            return []
-        forced = _forced_tokens(chosen, sampling)  # before `sample` edits the rows in place
-        result = sample(chosen, [it.req for it in sampling])
-        for i, tok, lp in forced:
-            result.token_ids[i], result.logprobs[i] = tok, lp
-        kept = list(_verified(sampling, result))
-        for item, toks, _ in kept:
-            state = states.get(item.req.rid)
-            if state is not None and item.req.generator is not None:
-                rewind(item.req.generator, state, len(toks))
-        return kept
+        """The tokens each sampling item keeps (engine/sample_step.py); a row the grammar leaves no
+        token ends its request with an error."""
+
+        def dead(req: Request) -> None:
+            self._end_with_error(req, "the grammar allows no next token", updates)
+
+        return sample_step(items, logits, self.grammars, dead)
 
     def _emit(self, kept: list[Kept], updates: dict[str, RequestUpdate]) -> None:
         """Append each item's kept tokens to its request and its update, ending the requests they
@@ -445,53 +410,3 @@ class Engine:
                 "accepted_tokens": self.accepted_tokens,
             }
         return doc
-
-
-def _rows_of(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """logits[rows] for increasing rows: a view when they are consecutive (every row of a decode
-    step samples), else a copy. At 16 rows of a 262144-word vocabulary the copy is 16 MB a step."""
-    if rows[-1] - rows[0] == len(rows) - 1:
-        return logits[rows[0] : rows[-1] + 1]
-    return logits[rows]
-
-
-def _forced_tokens(rows: torch.Tensor, sampling: list[ScheduledItem]) -> list[tuple[int, int, TokenLogprob | None]]:
-    """(row, token, logprob) of each row whose reasoning budget forces its token: the row is
-    sampled as usual (a seeded generator draws as always) and the forced token replaces the draw,
-    with its logprob under the model's distribution. A row with a draft is never forced (the
-    speculator keeps drafts within `ReasoningState.free_tokens`)."""
-    # rows: [S, V], the raw logits (grammar-masked) of the sampling rows
-    out: list[tuple[int, int, TokenLogprob | None]] = []
-    for i, item in enumerate(sampling):
-        state = item.req.reasoning
-        tok = state.forced() if state is not None else None
-        if tok is not None:
-            k = item.req.params.logprobs
-            out.append((i, tok, None if k is None else prompt_logprobs(rows[i : i + 1], [tok], k)[0]))
-    return out
-
-
-def _generator_states(items: list[ScheduledItem]) -> dict[str, torch.Tensor]:
-    """The generator state of each seeded, sampled request with a verified chunk, before the
-    sampler draws one uniform per row of it."""
-    return {
-        it.req.rid: it.req.generator.get_state()
-        for it in items
-        if it.draft and it.req.generator is not None and not it.req.params.greedy
-    }
-
-
-def _verified(sampling: list[ScheduledItem], result: SampleResult) -> Iterator[Kept]:
-    """Per sampling item, the tokens it keeps: one per plain row; a verified chunk's 1 + k rows
-    (consecutive in `sampling`) give its accepted drafts and the token drawn after them."""
-    i = 0
-    while i < len(sampling):
-        item = sampling[i]
-        if not item.draft:
-            yield item, result.token_ids[i : i + 1], result.logprobs[i : i + 1]
-            i += 1
-            continue
-        toks = result.token_ids[i : i + item.n]
-        kept = accepted(item.draft, toks) + 1
-        yield item, toks[:kept], result.logprobs[i : i + kept]
-        i += item.n
