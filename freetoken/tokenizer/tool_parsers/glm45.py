@@ -38,10 +38,10 @@ from freetoken.tokenizer.tool_parsers.base import (
 from freetoken.tokenizer.tool_parsers.grammar import lark_text
 from freetoken.tokenizer.tool_parsers.typed_arguments import (
     ArgumentWriter,
-    raw_value,
+    pairs_grammar,
+    raw_pairs,
     text_until,
     text_without,
-    value_rule,
 )
 
 START, END = "<tool_call>", "</tool_call>"
@@ -212,37 +212,23 @@ class Glm45Parser(ToolParser):
             terminal, closes = text_without((VALUE_END, END)), False
         else:
             terminal, closes = text_until(VALUE_END, (VALUE_END, END)), True
-        rules, options = [], []
-        for k, tool in enumerate(tools):
-            fn = tool.get("function", tool)
-            schema = fn.get("parameters") or {}
-            required = set(schema.get("required") or ())
-            items = []
-            for j, (key, prop) in enumerate((schema.get("properties") or {}).items()):
-                body, is_string = value_rule(prop, "STRING_VALUE")
-                rules.append(f"v{k}_{j}: {body}")
-                head = lark_text(f"\n{KEY}{key}{KEY_END}\n{VALUE}", specials)
-                end = "" if is_string and closes else " " + lark_text(VALUE_END, specials)
-                rules.append(f"p{k}_{j}: {head} v{k}_{j}{end}")
-                items.append(f"p{k}_{j}" if key in required else f"p{k}_{j}?")
-            options.append(" ".join([json.dumps(str(fn.get("name"))), *items]))
-        start = " ".join([lark_text(START, specials), "call", lark_text("\n" + END, specials)])
-        return (
-            f"start: {start}\ncall: {' | '.join(options)}\n"
-            + "".join(r + "\n" for r in rules)
-            + f"STRING_VALUE: {terminal}\n"
+
+        def pair(key: str, value: str, is_string: bool) -> str:
+            head = lark_text(f"\n{KEY}{key}{KEY_END}\n{VALUE}", specials)
+            end = "" if is_string and closes else " " + lark_text(VALUE_END, specials)
+            return f"{head} {value}{end}"
+
+        return pairs_grammar(
+            tools,
+            start=" ".join([lark_text(START, specials), "call", lark_text("\n" + END, specials)]),
+            name=json.dumps,
+            pair=pair,
+            string_value=terminal,
         )
 
     def format_calls(self, calls: Sequence[ToolCall]) -> str:
         blocks = []
         for c in calls:
-            try:
-                args = json.loads(c.arguments)
-            except ValueError:
-                args = {}
-            pairs = "".join(
-                f"{KEY}{k}{KEY_END}\n{VALUE}{raw_value(v)}{VALUE_END}\n"
-                for k, v in (args if isinstance(args, dict) else {}).items()
-            )
+            pairs = "".join(f"{KEY}{k}{KEY_END}\n{VALUE}{v}{VALUE_END}\n" for k, v in raw_pairs(c.arguments))
             blocks.append(f"{START}{c.name}\n{pairs}{END}")
         return "\n".join(blocks)

@@ -41,7 +41,7 @@ from freetoken.tokenizer.tool_parsers.base import (
     tools_json,
 )
 from freetoken.tokenizer.tool_parsers.grammar import lark_text
-from freetoken.tokenizer.tool_parsers.typed_arguments import ArgumentWriter, raw_value, text_until, value_rule
+from freetoken.tokenizer.tool_parsers.typed_arguments import ArgumentWriter, pairs_grammar, raw_pairs, text_until
 
 BLOCK_START, BLOCK_END = "<tool_call>", "</tool_call>"
 FUNCTION, FUNCTION_END = "<function=", "</function>"
@@ -230,44 +230,28 @@ class Qwen3CoderParser(ToolParser):
         ones always, the others optional), each value as its schema allows: a string as any text
         without the format's tags, anything else as compact JSON."""
         specials = self.marker_tokens
-        rules, options = [], []
-        for k, tool in enumerate(tools):
-            fn = tool.get("function", tool)
-            schema = fn.get("parameters") or {}
-            required = set(schema.get("required") or ())
-            items = []
-            for j, (key, prop) in enumerate((schema.get("properties") or {}).items()):
-                body, has_end = value_rule(prop, "STRING_VALUE")
-                rules.append(f"v{k}_{j}: {body}")
-                end = "" if has_end else " " + json.dumps("\n" + PARAMETER_END)
-                head = json.dumps(f"{PARAMETER}{key}>\n")
-                rules.append(f"p{k}_{j}: {head} v{k}_{j}{end} " + json.dumps("\n"))
-                items.append(f"p{k}_{j}" if key in required else f"p{k}_{j}?")
-            options.append(" ".join([json.dumps(f"{fn.get('name')}>\n"), *items]))
-        start = " ".join(
-            [
-                lark_text(f"{BLOCK_START}\n{FUNCTION}", specials),
-                "call",
-                lark_text(f"{FUNCTION_END}\n{BLOCK_END}", specials),
-            ]
-        )
-        terminal = text_until("\n" + PARAMETER_END, VALUE_ENDS)
-        return (
-            f"start: {start}\ncall: {' | '.join(options)}\n"
-            + "".join(r + "\n" for r in rules)
-            + f"STRING_VALUE: {terminal}\n"
+
+        def pair(key: str, value: str, is_string: bool) -> str:
+            head = json.dumps(f"{PARAMETER}{key}>\n")
+            end = "" if is_string else " " + json.dumps("\n" + PARAMETER_END)
+            return f"{head} {value}{end} " + json.dumps("\n")
+
+        start = [
+            lark_text(f"{BLOCK_START}\n{FUNCTION}", specials),
+            "call",
+            lark_text(f"{FUNCTION_END}\n{BLOCK_END}", specials),
+        ]
+        return pairs_grammar(
+            tools,
+            start=" ".join(start),
+            name=lambda name: json.dumps(f"{name}>\n"),
+            pair=pair,
+            string_value=text_until("\n" + PARAMETER_END, VALUE_ENDS),
         )
 
     def format_calls(self, calls: Sequence[ToolCall]) -> str:
         blocks = []
         for c in calls:
-            try:
-                args = json.loads(c.arguments)
-            except ValueError:
-                args = {}
-            params = "".join(
-                f"{PARAMETER}{k}>\n{raw_value(v)}\n{PARAMETER_END}\n"
-                for k, v in (args if isinstance(args, dict) else {}).items()
-            )
+            params = "".join(f"{PARAMETER}{k}>\n{v}\n{PARAMETER_END}\n" for k, v in raw_pairs(c.arguments))
             blocks.append(f"{BLOCK_START}\n{FUNCTION}{c.name}>\n{params}{FUNCTION_END}\n{BLOCK_END}")
         return "\n".join(blocks)
