@@ -22,27 +22,13 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from freetoken.tokenizer.detokenizer import held_back
-from freetoken.tokenizer.tool_parsers.base import (
-    CallGapContent,
-    StreamDelta,
-    ToolCall,
-    ToolCallDelta,
-    ToolCallStream,
-    ToolParser,
-    new_call_id,
-    tools_json,
-)
+from freetoken.tokenizer.tool_parsers.base import StreamDelta, ToolCall, ToolCallStream, ToolParser, tools_json
 from freetoken.tokenizer.tool_parsers.grammar import lark_text
-from freetoken.tokenizer.tool_parsers.typed_arguments import (
-    ArgumentWriter,
-    raw_value,
-    text_until,
-    text_without,
-    value_rule,
-)
+from freetoken.tokenizer.tool_parsers.marked_stream import PairedArgumentsStream
+from freetoken.tokenizer.tool_parsers.typed_arguments import pairs_grammar, raw_pairs, text_until, text_without
 
 START, END = "<tool_call>", "</tool_call>"
 KEY, KEY_END = "<arg_key>", "</arg_key>"
@@ -50,33 +36,13 @@ VALUE, VALUE_END = "<arg_value>", "</arg_value>"
 _NAME = re.compile(r"[^\s<>]+")
 
 
-class Glm45Stream(CallGapContent, ToolCallStream):
+class Glm45Stream(PairedArgumentsStream):
     """States: `text` (content, looking for `<tool_call>`), `head` (the tool's name), `pairs`
     (between pairs, or the block's end), `key` (inside `<arg_key>`), `opening` (between the key and
     `<arg_value>`), `value` (the value's text)."""
 
-    def __init__(self, parser: Glm45Parser) -> None:
-        self._parser = parser
-        self._buffer = ""
-        self._state = "text"
-        self._args: ArgumentWriter | None = None
-        self._num_calls = 0
-        self._after_call = False
-        self._pending_ws = ""
-
-    def _step(self, out: StreamDelta, *, final: bool) -> bool:
-        return getattr(self, "_" + self._state)(out, final)
-
-    def _text(self, out: StreamDelta, final: bool) -> bool:
-        i = self._buffer.find(START)
-        if i >= 0:
-            self._content(self._buffer[:i], out)
-            self._buffer, self._state = self._buffer[i + len(START) :], "head"
-            return True
-        keep = 0 if final else held_back(self._buffer, (START,))
-        self._content(self._buffer[: len(self._buffer) - keep], out)
-        self._buffer = self._buffer[len(self._buffer) - keep :]
-        return False
+    OPENERS: ClassVar[Mapping[str, str]] = {START: "head"}
+    UNDECIDED = ("head",)
 
     def _head(self, out: StreamDelta, final: bool) -> bool:
         body = self._buffer.lstrip()
@@ -87,19 +53,10 @@ class Glm45Stream(CallGapContent, ToolCallStream):
             if m is None:
                 return self._not_a_call(out)
         name = m.group()
-        names = self._parser.tool_names
-        if names is not None and name not in names:
+        if not self._known(name):
             return self._not_a_call(out)
-        self._pending_ws = ""
-        out.tool_calls.append(ToolCallDelta(self._num_calls, ToolCall(new_call_id(), name, "")))
-        self._args = ArgumentWriter(self._parser.properties(name))
+        self._announce(name, out)
         self._buffer, self._state = body[m.end() :], "pairs"
-        return True
-
-    def _not_a_call(self, out: StreamDelta) -> bool:
-        """The block names no known tool: its marker is text, the rest read again."""
-        self._content(START, out)
-        self._state = "text"
         return True
 
     def _pairs(self, out: StreamDelta, final: bool) -> bool:
@@ -156,33 +113,6 @@ class Glm45Stream(CallGapContent, ToolCallStream):
             self._end_call(out)
         return False
 
-    @property
-    def _writer(self) -> ArgumentWriter:
-        assert self._args is not None
-        return self._args
-
-    def _emit(self, fragment: str, out: StreamDelta) -> None:
-        if fragment:
-            out.tool_calls.append(ToolCallDelta(self._num_calls, ToolCall("", "", fragment), first=False))
-
-    def _end_call(self, out: StreamDelta) -> None:
-        self._emit(self._writer.close(), out)
-        self._args, self._state = None, "text"
-        self._num_calls += 1
-        self._after_call = True
-
-    def _flush(self, out: StreamDelta) -> None:
-        if self._args is not None:  # cut off inside an announced call: it stays a call
-            self._end_call(out)
-        elif self._state == "head":
-            self._content(START + self._buffer, out)
-        elif self._buffer:
-            self._content(self._buffer, out)
-        self._buffer, self._state = "", "text"
-        if not self._after_call:
-            out.content += self._pending_ws
-        self._pending_ws = ""
-
 
 class Glm45Parser(ToolParser):
     name = "glm45"
@@ -212,37 +142,23 @@ class Glm45Parser(ToolParser):
             terminal, closes = text_without((VALUE_END, END)), False
         else:
             terminal, closes = text_until(VALUE_END, (VALUE_END, END)), True
-        rules, options = [], []
-        for k, tool in enumerate(tools):
-            fn = tool.get("function", tool)
-            schema = fn.get("parameters") or {}
-            required = set(schema.get("required") or ())
-            items = []
-            for j, (key, prop) in enumerate((schema.get("properties") or {}).items()):
-                body, is_string = value_rule(prop, "STRING_VALUE")
-                rules.append(f"v{k}_{j}: {body}")
-                head = lark_text(f"\n{KEY}{key}{KEY_END}\n{VALUE}", specials)
-                end = "" if is_string and closes else " " + lark_text(VALUE_END, specials)
-                rules.append(f"p{k}_{j}: {head} v{k}_{j}{end}")
-                items.append(f"p{k}_{j}" if key in required else f"p{k}_{j}?")
-            options.append(" ".join([json.dumps(str(fn.get("name"))), *items]))
-        start = " ".join([lark_text(START, specials), "call", lark_text("\n" + END, specials)])
-        return (
-            f"start: {start}\ncall: {' | '.join(options)}\n"
-            + "".join(r + "\n" for r in rules)
-            + f"STRING_VALUE: {terminal}\n"
+
+        def pair(key: str, value: str, is_string: bool) -> str:
+            head = lark_text(f"\n{KEY}{key}{KEY_END}\n{VALUE}", specials)
+            end = "" if is_string and closes else " " + lark_text(VALUE_END, specials)
+            return f"{head} {value}{end}"
+
+        return pairs_grammar(
+            tools,
+            start=" ".join([lark_text(START, specials), "call", lark_text("\n" + END, specials)]),
+            name=json.dumps,
+            pair=pair,
+            string_value=terminal,
         )
 
     def format_calls(self, calls: Sequence[ToolCall]) -> str:
         blocks = []
         for c in calls:
-            try:
-                args = json.loads(c.arguments)
-            except ValueError:
-                args = {}
-            pairs = "".join(
-                f"{KEY}{k}{KEY_END}\n{VALUE}{raw_value(v)}{VALUE_END}\n"
-                for k, v in (args if isinstance(args, dict) else {}).items()
-            )
+            pairs = "".join(f"{KEY}{k}{KEY_END}\n{VALUE}{v}{VALUE_END}\n" for k, v in raw_pairs(c.arguments))
             blocks.append(f"{START}{c.name}\n{pairs}{END}")
         return "\n".join(blocks)

@@ -23,58 +23,40 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from freetoken.tokenizer.detokenizer import held_back
 from freetoken.tokenizer.tool_parsers.base import (
-    CallGapContent,
     StreamDelta,
     ToolCall,
-    ToolCallDelta,
     ToolCallStream,
     ToolParser,
     call_from_object,
-    new_call_id,
     tools_json,
 )
 from freetoken.tokenizer.tool_parsers.blocks import JsonValueEnd, object_head
 from freetoken.tokenizer.tool_parsers.grammar import ANY_OBJECT, COMPACT_JSON, lark_text
+from freetoken.tokenizer.tool_parsers.marked_stream import MarkedCallStream
 
 TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 _NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 
 
-class MistralStream(CallGapContent, ToolCallStream):
+class MistralStream(MarkedCallStream):
     """States: `text` (content, looking for `[TOOL_CALLS]`), `form` (which form follows the
     marker), `name` (the newer form's name, up to `[ARGS]`), `args` (a call's arguments object
     streaming), `list` (the list form, between its objects), `object` (a list object's head),
     `rest` (the rest of a list object after its arguments)."""
 
+    OPENERS: ClassVar[Mapping[str, str]] = {TOOL_CALLS: "form"}
+    UNDECIDED = ("form", "name")
+
     def __init__(self, tool_names: frozenset[str] | None) -> None:
-        self._names = tool_names
-        self._buffer = ""
-        self._state = "text"
+        super().__init__(tool_names)
         self._scanner: JsonValueEnd | None = None  # the streaming arguments, or a list object's rest
         self._in_list = False  # in the list form
         self._in_object = False  # the streaming call's arguments sit in a call object
         self._started = False  # the streaming arguments object has begun
-        self._num_calls = 0
-        self._after_call = False
-        self._pending_ws = ""
-
-    def _step(self, out: StreamDelta, *, final: bool) -> bool:
-        return getattr(self, "_" + self._state)(out, final)
-
-    def _text(self, out: StreamDelta, final: bool) -> bool:
-        i = self._buffer.find(TOOL_CALLS)
-        if i >= 0:
-            self._content(self._buffer[:i], out)
-            self._buffer, self._state = self._buffer[i + len(TOOL_CALLS) :], "form"
-            return True
-        keep = 0 if final else held_back(self._buffer, (TOOL_CALLS,))
-        self._content(self._buffer[: len(self._buffer) - keep], out)
-        self._buffer = self._buffer[len(self._buffer) - keep :]
-        return False
 
     def _form(self, out: StreamDelta, final: bool) -> bool:
         body = self._buffer.lstrip()
@@ -90,12 +72,6 @@ class MistralStream(CallGapContent, ToolCallStream):
             self._buffer, self._state = body, "name"
         return True
 
-    def _not_a_call(self, out: StreamDelta, text: str = TOOL_CALLS) -> bool:
-        """What was read is no call of a known tool: it is text, the rest read again."""
-        self._content(text, out)
-        self._state = "text"
-        return True
-
     def _name(self, out: StreamDelta, final: bool) -> bool:
         i = self._buffer.find(ARGS)
         head = self._buffer if i < 0 else self._buffer[:i]
@@ -106,15 +82,14 @@ class MistralStream(CallGapContent, ToolCallStream):
             if final or not (not name or _NAME.fullmatch(name)) or len(head) > 256:
                 return self._not_a_call(out)
             return False
-        if not _NAME.fullmatch(name) or (self._names is not None and name not in self._names):
+        if not _NAME.fullmatch(name) or not self._known(name):
             return self._not_a_call(out)
         self._announce(name, out)
         self._buffer, self._state, self._in_object = self._buffer[i + len(ARGS) :], "args", False
         return True
 
     def _announce(self, name: str, out: StreamDelta) -> None:
-        self._pending_ws = ""
-        out.tool_calls.append(ToolCallDelta(self._num_calls, ToolCall(new_call_id(), name, "")))
+        super()._announce(name, out)
         self._scanner, self._started = JsonValueEnd(), False
 
     def _args(self, out: StreamDelta, final: bool) -> bool:
@@ -125,12 +100,12 @@ class MistralStream(CallGapContent, ToolCallStream):
             if not body:
                 if final:
                     self._emit("{}", out)
-                    self._end_call()
+                    self._end_call(out)
                 return False
             if body[0] != "{":  # no arguments object: the call has none
                 self._emit("{}", out)
                 self._buffer = body
-                self._end_call()
+                self._end_call(out)
                 return True
             self._buffer = body
         end = scanner.scan(self._buffer)
@@ -140,14 +115,14 @@ class MistralStream(CallGapContent, ToolCallStream):
         self._started = True
         if end is None:
             if final:
-                self._end_call()
+                self._end_call(out)
             return False
         if self._in_object:
             self._scanner = JsonValueEnd()
             self._scanner.scan("{")  # inside the call object: its closing brace ends it
             self._state = "rest"
         else:
-            self._end_call()
+            self._end_call(out)
         return True
 
     def _list(self, out: StreamDelta, final: bool) -> bool:
@@ -190,11 +165,8 @@ class MistralStream(CallGapContent, ToolCallStream):
         self._buffer = self._buffer[len(text) :]
         if call is None:
             return self._not_a_call(out, TOOL_CALLS + ("[" if self._in_list else "") + text)
-        self._pending_ws = ""
-        out.tool_calls.append(ToolCallDelta(self._num_calls, call))
-        self._num_calls += 1
-        self._after_call = True
-        self._state = "list" if self._in_list else "text"
+        self._begin_call(call, out)  # a call read whole: announced and ended at once
+        self._end_call(out, "list" if self._in_list else "text")
         return True
 
     def _rest(self, out: StreamDelta, final: bool) -> bool:
@@ -204,33 +176,18 @@ class MistralStream(CallGapContent, ToolCallStream):
         if end is None:
             self._buffer = ""  # other keys of the call object (an id): dropped
             if final:
-                self._end_call()
+                self._end_call(out)
             return False
         self._buffer = self._buffer[end:]
-        self._end_call()
-        self._state = "list" if self._in_list else "text"
+        self._end_call(out, "list" if self._in_list else "text")
         return True
 
-    def _emit(self, fragment: str, out: StreamDelta) -> None:
-        if fragment:
-            out.tool_calls.append(ToolCallDelta(self._num_calls, ToolCall("", "", fragment), first=False))
+    @property
+    def _in_call(self) -> bool:
+        return self._scanner is not None
 
-    def _end_call(self) -> None:
-        self._scanner, self._started, self._state = None, False, "text"
-        self._num_calls += 1
-        self._after_call = True
-
-    def _flush(self, out: StreamDelta) -> None:
-        if self._scanner is not None:  # cut off inside an announced call: it stays a call
-            self._end_call()
-        elif self._state in ("form", "name"):
-            self._content(TOOL_CALLS + self._buffer, out)
-        elif self._buffer:
-            self._content(self._buffer, out)
-        self._buffer, self._state = "", "text"
-        if not self._after_call:
-            out.content += self._pending_ws
-        self._pending_ws = ""
+    def _close_call(self, out: StreamDelta) -> None:
+        self._scanner, self._started = None, False
 
 
 class MistralParser(ToolParser):

@@ -27,21 +27,13 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from freetoken.tokenizer.detokenizer import held_back
-from freetoken.tokenizer.tool_parsers.base import (
-    CallGapContent,
-    StreamDelta,
-    ToolCall,
-    ToolCallDelta,
-    ToolCallStream,
-    ToolParser,
-    new_call_id,
-    tools_json,
-)
+from freetoken.tokenizer.tool_parsers.base import StreamDelta, ToolCall, ToolCallStream, ToolParser, tools_json
 from freetoken.tokenizer.tool_parsers.grammar import lark_text
-from freetoken.tokenizer.tool_parsers.typed_arguments import ArgumentWriter, raw_value, text_until, value_rule
+from freetoken.tokenizer.tool_parsers.marked_stream import PairedArgumentsStream
+from freetoken.tokenizer.tool_parsers.typed_arguments import pairs_grammar, raw_pairs, text_until
 
 BLOCK_START, BLOCK_END = "<tool_call>", "</tool_call>"
 FUNCTION, FUNCTION_END = "<function=", "</function>"
@@ -50,39 +42,22 @@ VALUE_ENDS = (PARAMETER_END, PARAMETER, FUNCTION_END)  # a value ends at its end
 _NAME = re.compile(r"[^\s<>]+")
 
 
-class Qwen3CoderStream(CallGapContent, ToolCallStream):
+class Qwen3CoderStream(PairedArgumentsStream):
     """States: `text` (content, looking for a block), `block` (after `<tool_call>`, before the
     function), `head` (the function's name), `params` (between parameters), `value` (a parameter's
     text), `after` (past `</function>`, where `</tool_call>` may follow)."""
 
+    OPENERS: ClassVar[Mapping[str, str]] = {BLOCK_START: "block", FUNCTION: "head"}
+    UNDECIDED = ("block", "head")
+
     def __init__(self, parser: Qwen3CoderParser) -> None:
-        self._parser = parser
-        self._buffer = ""
-        self._state = "text"
-        self._opened = ""  # the marker text a block or function consumed (released if it is no call)
-        self._in_block = False
-        self._args: ArgumentWriter | None = None
+        super().__init__(parser)
+        self._in_block = False  # the open call sits in a `<tool_call>` block (set by each opening)
         self._fresh = False  # at the start of a value: its leading newline is dropped
-        self._num_calls = 0
-        self._after_call = False
-        self._pending_ws = ""
 
-    def _step(self, out: StreamDelta, *, final: bool) -> bool:
-        return getattr(self, "_" + self._state)(out, final)
-
-    def _text(self, out: StreamDelta, final: bool) -> bool:
-        hits = [(i, m) for m in (BLOCK_START, FUNCTION) if (i := self._buffer.find(m)) >= 0]
-        if hits:
-            i, marker = min(hits)
-            self._content(self._buffer[:i], out)
-            self._buffer = self._buffer[i + len(marker) :]
-            self._in_block, self._opened = marker == BLOCK_START, marker
-            self._state = "block" if self._in_block else "head"
-            return True
-        keep = 0 if final else held_back(self._buffer, (BLOCK_START, FUNCTION))
-        self._content(self._buffer[: len(self._buffer) - keep], out)
-        self._buffer = self._buffer[len(self._buffer) - keep :]
-        return False
+    def _open(self, marker: str) -> None:
+        self._in_block = marker == BLOCK_START
+        super()._open(marker)
 
     def _block(self, out: StreamDelta, final: bool) -> bool:
         body = self._buffer.lstrip()
@@ -101,19 +76,10 @@ class Qwen3CoderStream(CallGapContent, ToolCallStream):
                 return self._not_a_call(out)
             return False
         name = self._buffer[:j]
-        names = self._parser.tool_names
-        if not _NAME.fullmatch(name) or (names is not None and name not in names):
+        if not _NAME.fullmatch(name) or not self._known(name):
             return self._not_a_call(out)
-        self._pending_ws = ""
-        out.tool_calls.append(ToolCallDelta(self._num_calls, ToolCall(new_call_id(), name, "")))
-        self._args = ArgumentWriter(self._parser.properties(name))
+        self._announce(name, out)
         self._buffer, self._state = self._buffer[j + 1 :], "params"
-        return True
-
-    def _not_a_call(self, out: StreamDelta) -> bool:
-        """The opened block is no call of a known tool: its marker is text, the rest read again."""
-        self._content(self._opened, out)
-        self._opened, self._in_block, self._state = "", False, "text"
         return True
 
     def _params(self, out: StreamDelta, final: bool) -> bool:
@@ -179,33 +145,6 @@ class Qwen3CoderStream(CallGapContent, ToolCallStream):
         self._in_block, self._state = False, "text"
         return True
 
-    @property
-    def _writer(self) -> ArgumentWriter:
-        assert self._args is not None
-        return self._args
-
-    def _emit(self, fragment: str, out: StreamDelta) -> None:
-        if fragment:
-            out.tool_calls.append(ToolCallDelta(self._num_calls, ToolCall("", "", fragment), first=False))
-
-    def _end_call(self, out: StreamDelta, state: str) -> None:
-        self._emit(self._writer.close(), out)
-        self._args, self._state, self._opened = None, state, ""
-        self._num_calls += 1
-        self._after_call = True
-
-    def _flush(self, out: StreamDelta) -> None:
-        if self._args is not None:  # cut off inside an announced call: it stays a call
-            self._end_call(out, "text")
-        elif self._state in ("block", "head"):
-            self._content(self._opened + self._buffer, out)
-        elif self._state == "text" and self._buffer:
-            self._content(self._buffer, out)
-        self._buffer, self._state = "", "text"
-        if not self._after_call:
-            out.content += self._pending_ws
-        self._pending_ws = ""
-
 
 class Qwen3CoderParser(ToolParser):
     name = "qwen3_coder"
@@ -230,44 +169,28 @@ class Qwen3CoderParser(ToolParser):
         ones always, the others optional), each value as its schema allows: a string as any text
         without the format's tags, anything else as compact JSON."""
         specials = self.marker_tokens
-        rules, options = [], []
-        for k, tool in enumerate(tools):
-            fn = tool.get("function", tool)
-            schema = fn.get("parameters") or {}
-            required = set(schema.get("required") or ())
-            items = []
-            for j, (key, prop) in enumerate((schema.get("properties") or {}).items()):
-                body, has_end = value_rule(prop, "STRING_VALUE")
-                rules.append(f"v{k}_{j}: {body}")
-                end = "" if has_end else " " + json.dumps("\n" + PARAMETER_END)
-                head = json.dumps(f"{PARAMETER}{key}>\n")
-                rules.append(f"p{k}_{j}: {head} v{k}_{j}{end} " + json.dumps("\n"))
-                items.append(f"p{k}_{j}" if key in required else f"p{k}_{j}?")
-            options.append(" ".join([json.dumps(f"{fn.get('name')}>\n"), *items]))
-        start = " ".join(
-            [
-                lark_text(f"{BLOCK_START}\n{FUNCTION}", specials),
-                "call",
-                lark_text(f"{FUNCTION_END}\n{BLOCK_END}", specials),
-            ]
-        )
-        terminal = text_until("\n" + PARAMETER_END, VALUE_ENDS)
-        return (
-            f"start: {start}\ncall: {' | '.join(options)}\n"
-            + "".join(r + "\n" for r in rules)
-            + f"STRING_VALUE: {terminal}\n"
+
+        def pair(key: str, value: str, is_string: bool) -> str:
+            head = json.dumps(f"{PARAMETER}{key}>\n")
+            end = "" if is_string else " " + json.dumps("\n" + PARAMETER_END)
+            return f"{head} {value}{end} " + json.dumps("\n")
+
+        start = [
+            lark_text(f"{BLOCK_START}\n{FUNCTION}", specials),
+            "call",
+            lark_text(f"{FUNCTION_END}\n{BLOCK_END}", specials),
+        ]
+        return pairs_grammar(
+            tools,
+            start=" ".join(start),
+            name=lambda name: json.dumps(f"{name}>\n"),
+            pair=pair,
+            string_value=text_until("\n" + PARAMETER_END, VALUE_ENDS),
         )
 
     def format_calls(self, calls: Sequence[ToolCall]) -> str:
         blocks = []
         for c in calls:
-            try:
-                args = json.loads(c.arguments)
-            except ValueError:
-                args = {}
-            params = "".join(
-                f"{PARAMETER}{k}>\n{raw_value(v)}\n{PARAMETER_END}\n"
-                for k, v in (args if isinstance(args, dict) else {}).items()
-            )
+            params = "".join(f"{PARAMETER}{k}>\n{v}\n{PARAMETER_END}\n" for k, v in raw_pairs(c.arguments))
             blocks.append(f"{BLOCK_START}\n{FUNCTION}{c.name}>\n{params}{FUNCTION_END}\n{BLOCK_END}")
         return "\n".join(blocks)

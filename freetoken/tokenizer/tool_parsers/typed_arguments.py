@@ -5,14 +5,15 @@ Owns `ArgumentWriter` (one call's arguments: each value typed by the tool's JSON
 the schema says is a string is the raw text and streams as it is written; any other value is held
 until it ends, then read as JSON, a string when it is none or not of the schema's type), `value_types`
 (the JSON types a property schema allows) and `raw_value` (a JSON value as such a format writes it:
-strings raw, anything else as JSON), and the Lark pieces the two formats' forced-call grammars share
-(`text_until`, `value_rule`). It knows no markers of either format.
+strings raw, anything else as JSON; `raw_pairs`, a call's arguments so), and the Lark pieces the two
+formats' forced-call grammars share (`text_until`, `text_without`, `value_rule`, and `pairs_grammar`,
+the grammar's assembly around the format's items). It knows no markers of either format.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from freetoken.tokenizer.tool_parsers.grammar import COMPACT_JSON
@@ -72,6 +73,16 @@ def raw_value(value: object) -> str:
     """A JSON value as these formats write it (their chat templates do the same): a string as
     itself, anything else as JSON."""
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def raw_pairs(arguments: str) -> list[tuple[str, str]]:
+    """A call's JSON arguments as (key, raw value) pairs, as these formats write them; none when
+    the text is not JSON of an object."""
+    try:
+        args = json.loads(arguments)
+    except ValueError:
+        args = {}
+    return [(k, raw_value(v)) for k, v in (args if isinstance(args, dict) else {}).items()]
 
 
 class ArgumentWriter:
@@ -146,3 +157,36 @@ def value_rule(schema: Schema | None, string_terminal: str) -> tuple[str, bool]:
     if types == {"string"}:
         return string_terminal, True
     return f"%json {json.dumps({**(schema or {}), 'x-guidance': COMPACT_JSON})}", False
+
+
+def pairs_grammar(
+    tools: Sequence[Mapping[str, Any]],
+    *,
+    start: str,
+    name: Callable[[str], str],
+    pair: Callable[[str, str, bool], str],
+    string_value: str,
+) -> str:
+    """A Lark grammar of one call of one of `tools` written as key / raw-value pairs: `start`
+    (the rule body around the item `call`), then per tool `name(tool name)` (its items) and its
+    declared parameters in schema order, the required ones always, the others optional. A
+    parameter is `pair(key, value, is_string)`: its items around `value`, the rule of its value
+    (`value_rule`; `is_string`: the value is `STRING_VALUE`, whose terminal body is
+    `string_value`)."""
+    rules, options = [], []
+    for k, tool in enumerate(tools):
+        fn = tool.get("function", tool)
+        schema = fn.get("parameters") or {}
+        required = set(schema.get("required") or ())
+        items = []
+        for j, (key, prop) in enumerate((schema.get("properties") or {}).items()):
+            body, is_string = value_rule(prop, "STRING_VALUE")
+            rules.append(f"v{k}_{j}: {body}")
+            rules.append(f"p{k}_{j}: {pair(key, f'v{k}_{j}', is_string)}")
+            items.append(f"p{k}_{j}" if key in required else f"p{k}_{j}?")
+        options.append(" ".join([name(str(fn.get("name"))), *items]))
+    return (
+        f"start: {start}\ncall: {' | '.join(options)}\n"
+        + "".join(r + "\n" for r in rules)
+        + f"STRING_VALUE: {string_value}\n"
+    )
