@@ -112,3 +112,19 @@ def test_gguf_greedy_tokens_equal_transformers(converted: Path, want: list[list[
               threads=1)  # fmt: skip
     got = llm.generate(PROMPTS, PARAMS)
     assert [o.token_ids for o in got] == want
+
+
+def test_offloaded_experts_give_the_resident_tokens(converted: Path) -> None:
+    """`--moe-strategy offload` with a cache of about 2 of a layer's 8 experts (evicting every step)
+    gives the resident model's greedy tokens."""
+    from freetoken.models.experts import expert_cache
+    from freetoken.models.load import load_model
+    from model_harness import paged_greedy
+
+    cpu = torch.device("cpu")
+    resident = load_model(str(converted), torch.float32, cpu, "auto")
+    offloaded = load_model(str(converted), torch.float32, cpu, "auto", moe_strategy="offload", expert_cache_gb=5e-5)
+    prompt = list(range(3, 30))
+    assert paged_greedy(offloaded.model, prompt, 8) == paged_greedy(resident.model, prompt, 8)
+    cache = expert_cache(offloaded.model)
+    assert cache is not None and cache.misses > 2 * 8  # more decodes than the experts: evictions happened

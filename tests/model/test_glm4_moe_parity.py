@@ -146,3 +146,12 @@ def add_mtp_layer(directory: Path) -> None:
     save_file({**sd, **extra}, directory / "model.safetensors", metadata={"format": "pt"})
     config["num_nextn_predict_layers"] = 1
     (directory / "config.json").write_text(json.dumps(config))
+
+
+def test_the_family_chooses_the_glm45_tool_parser(family: dict[str, Any]) -> None:
+    """A GLM checkpoint whose template and vocabulary carry no marker still gets GLM's tool-call
+    format, by its architecture (the name the server reports is `ModelConfig.architecture`)."""
+    from freetoken.tokenizer.tool_parsers.registry import detect_tool_parser
+
+    arch = config_from_hf(json.loads((family["dir"] / "config.json").read_text())).architecture
+    assert detect_tool_parser(chat_template=None, special_tokens=[], architecture=arch) == "glm45"
