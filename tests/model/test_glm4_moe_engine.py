@@ -128,3 +128,14 @@ def test_offloaded_experts_give_the_resident_tokens(converted: Path) -> None:
     assert paged_greedy(offloaded.model, prompt, 8) == paged_greedy(resident.model, prompt, 8)
     cache = expert_cache(offloaded.model)
     assert cache is not None and cache.misses > 2 * 8  # more decodes than the experts: evictions happened
+
+
+def test_preflight_reads_the_context_and_no_window(checkpoint: Path, converted: Path) -> None:
+    """`ft serve`'s API process (no torch) knows the family: its context from config.json or the
+    GGUF, Glm4MoeConfig's 131072 where config.json leaves it out, and no sliding-window layers."""
+    from freetoken.server.preflight import ModelFacts, facts_from_gguf, facts_from_hf
+    from freetoken.weights.gguf_metadata import read_metadata
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    assert facts_from_hf(config) == facts_from_gguf(read_metadata(converted)) == ModelFacts(1024, None)
+    assert facts_from_hf({k: v for k, v in config.items() if k != "max_position_embeddings"}).context_length == 131_072

@@ -155,3 +155,26 @@ def test_the_family_chooses_the_glm45_tool_parser(family: dict[str, Any]) -> Non
 
     arch = config_from_hf(json.loads((family["dir"] / "config.json").read_text())).architecture
     assert detect_tool_parser(chat_template=None, special_tokens=[], architecture=arch) == "glm45"
+
+
+def test_bfloat16_runs_close_to_float32(family: dict[str, Any]) -> None:
+    """bfloat16 weights and K/V (router and correction bias held in float32): a prefill chunk then
+    decode rows no farther from the float64 reference than transformers' own bfloat16 run, plus 1% of
+    the largest logit."""
+    want_model = transformers.AutoModelForCausalLM.from_pretrained(
+        family["dir"], dtype=torch.bfloat16, attn_implementation="eager"
+    )
+    want_model.config._experts_implementation = "eager"
+    ids = family["ids"]
+    with torch.no_grad():
+        theirs = want_model(torch.tensor([ids])).logits[0].double()
+    model = load_freetoken(family["dir"], torch.bfloat16)
+    assert model.layers[1].mlp.gate.e_score_correction_bias.dtype == torch.float32
+    runner, seq = PagedRunner(model, 4, torch.bfloat16), Seq()
+    rows = runner.step([(seq, ids[:10])], all_logits=True)
+    for t in range(10, L):
+        rows.extend(runner.step([(seq, [ids[t]])]))
+    want = family["ref"].double()
+    err = (torch.cat(rows).double() - want).abs().max().item()
+    bound = 1.25 * (theirs - want).abs().max().item() + 0.01 * want.abs().max().item()
+    assert err < bound, (err, bound)
