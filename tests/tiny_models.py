@@ -64,6 +64,9 @@ def write_tiny_model(family: str, directory: Path, seed: int = 0, **overrides: o
     with torch.no_grad():  # default inits are near-degenerate (norms at 1): spread the logits
         for name, p in model.named_parameters():
             p.add_(torch.randn_like(p) * (0.1 if "norm" in name else 0.02))
+        for name, b in model.named_buffers():  # GLM's router bias moves the choice of experts
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.05)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
     write_tiny_tokenizer(directory, vocab_size=VOCAB)
@@ -164,3 +167,34 @@ FAMILIES.update(
         "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM, QWEN3_5_MOE),
     }
 )
+
+# GLM-4.5 / 4.6 / 4.7 (glm4_moe): a dense first layer (`first_k_dense_replace`), then sigmoid-routed
+# experts in 2 groups of 4 (one group kept per token) with a correction bias, a routed scale and a
+# shared expert; q/k/v biases, q/k norms, half of each head rotated.
+GLM4_MOE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    use_qk_norm=True,
+    attention_bias=True,
+    num_nextn_predict_layers=0,
+    max_position_embeddings=1024,
+    rope_parameters={"rope_type": "default", "rope_theta": 5000.0, "partial_rotary_factor": 0.5},
+    bos_token_id=0,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+FAMILIES["glm4_moe"] = (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM, GLM4_MOE)

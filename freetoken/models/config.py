@@ -100,6 +100,12 @@ class ModelConfig:
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
     shared_expert_intermediate_size: int = 0
+    # GLM-4.5 MoE: q/k head norms where the config asks (`use_qk_norm`), and its router's groups
+    # (experts chosen among the best `topk_group` of `n_group` groups) and output scale.
+    qk_norm: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:

@@ -18,7 +18,7 @@ from freetoken.attention.metadata import ForwardBatch
 from freetoken.errors import ModelLoadError
 from freetoken.families import family
 from freetoken.kv.tensors import KVTensors
-from freetoken.models import gemma3, gemma4, gpt_oss, llama, mistral, qwen2, qwen3, qwen3_5, qwen3_moe
+from freetoken.models import gemma3, gemma4, glm4_moe, gpt_oss, llama, mistral, qwen2, qwen3, qwen3_5, qwen3_moe
 from freetoken.models.config import ModelConfig
 from freetoken.models.linear import Weight
 
@@ -37,6 +37,7 @@ MODELS: dict[str, tuple[Callable[[Mapping[str, Any]], ModelConfig], Callable[...
     "mistral": (mistral.config_from_hf, llama.LlamaForCausalLM),
     "qwen3_5": (qwen3_5.config_from_hf, qwen3_5.Qwen3_5ForCausalLM),
     "qwen3_5_moe": (qwen3_5.config_from_hf, qwen3_5.Qwen3_5ForCausalLM),
+    "glm4_moe": (glm4_moe.config_from_hf, glm4_moe.Glm4MoeForCausalLM),
 }
 
 

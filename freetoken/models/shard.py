@@ -141,13 +141,18 @@ class ShardPlan:
         )
 
 
+# Families with no shard plan here (Gemma 4's experts and heads, Qwen3.5's states, GLM's shared
+# experts and grouped router).
+_NO_PLAN = ("gemma4", "qwen3_5", "qwen3_5_moe", "glm4_moe")
+
+
 def check_shardable(config: ModelConfig, world: int, row_parallel: str = ROW_SUM) -> None:
     """Raise ConfigError (one line naming the flag) when `world` ranks cannot split `config`
     (under ROW_GATHER the hidden size too: the closing projections split their output rows)."""
     c, flag = config, f"--tensor-parallel-size {world}"
     if world < 1:
         raise ConfigError(f"--tensor-parallel-size must be at least 1, got {world}")
-    if world > 1 and c.architecture in ("gemma4", "qwen3_5", "qwen3_5_moe"):  # no plan here (experts, heads, states)
+    if world > 1 and c.architecture in _NO_PLAN:
         raise ConfigError(f"{flag} is not supported for {c.architecture} models")
     if world > 1 and c.architecture == "qwen3_moe" and c.num_experts % world:
         raise ConfigError(f"{flag} does not divide the model's {c.num_experts} experts")

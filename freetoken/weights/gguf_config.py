@@ -100,12 +100,14 @@ def check_tensor_shapes(
     and the MLP width are those of the tensors. Shapes are in torch order (outermost first)."""
     k = Keys(metadata, architecture_of(metadata))
     layers = int(cfg["num_hidden_layers"])  # type: ignore[call-overload]
+    # a file may also hold trailing multi-token-prediction blocks (counted in block_count; the model ignores them)
+    mtp = int(cfg.get("num_nextn_predict_layers") or 0)  # type: ignore[call-overload]
     blocks = {int(m[1]) for name in shapes if (m := _BLOCK.match(name))}
-    if blocks and blocks != set(range(layers)):
+    if blocks and blocks != set(range(layers)) and blocks != set(range(layers + mtp)):
         present = (
             f"blocks 0..{max(blocks)}" if blocks == set(range(max(blocks) + 1)) else f"{len(blocks)} scattered blocks"
         )
-        raise ModelLoadError(f"{k.full('block_count')} is {layers} but the file has tensors for {present}")
+        raise ModelLoadError(f"{k.full('block_count')} is {layers + mtp} but the file has tensors for {present}")
     if layers > len(shapes):  # no blk.N tensor at all (a weights-only file): at most one layer per tensor
         raise ModelLoadError(f"{k.full('block_count')} is {layers} but the file has only {len(shapes)} tensors")
     hidden = int(cfg["hidden_size"])  # type: ignore[call-overload]

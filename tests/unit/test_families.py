@@ -18,6 +18,12 @@ from freetoken.families import all_families, by_model_type, find_gguf, gguf_arch
 from freetoken.families.base import (
     EXPERTS_TRANSPOSE,
     INTERLEAVE,
+    LINEAR_A_LOG,
+    LINEAR_CONV,
+    LINEAR_QKV_ROWS,
+    LINEAR_V_COLUMNS,
+    LINEAR_V_ROWS,
+    LINEAR_V_SCALARS,
     NORM_MINUS_ONE,
     ROWS,
     UNPERMUTE_K_ROWS,
@@ -98,7 +104,7 @@ def test_every_family_has_a_model_and_every_model_a_family() -> None:
 
 
 def test_the_gguf_architectures_are_the_families() -> None:
-    assert sorted(gguf_architectures()) == ["gemma3", "gemma4", "gpt-oss", "llama", "qwen2", "qwen3", "qwen3moe"]
+    assert sorted(gguf_architectures()) == ["gemma3", "gemma4", "glm4moe", "gpt-oss", "llama", "qwen2", "qwen3", "qwen35", "qwen35moe", "qwen3moe"]
     for arch in gguf_architectures():
         assert find_gguf(arch) is not None and find_gguf(arch).arch == arch  # type: ignore[union-attr]
     assert find_gguf("mamba") is None
@@ -106,12 +112,15 @@ def test_the_gguf_architectures_are_the_families() -> None:
 
 def test_each_family_names_only_what_the_weights_package_does() -> None:
     layouts = {None, UNPERMUTE_Q_ROWS, UNPERMUTE_K_ROWS, NORM_MINUS_ONE, EXPERTS_TRANSPOSE}
+    layouts |= {LINEAR_QKV_ROWS, LINEAR_CONV, LINEAR_V_ROWS, LINEAR_V_SCALARS, LINEAR_A_LOG, LINEAR_V_COLUMNS}
     for fam in all_families():
         if fam.gguf is None:
             continue
         g = fam.gguf
         assert g.experts_join in (ROWS, INTERLEAVE), fam.name
-        assert all(not rest.startswith("blk.") and rest.endswith((".weight", ".bias", ".scale")) for rest in g.tensors)
+        # a name after `blk.N.`: a weight, bias or scale, or a bare parameter (Qwen3.5's `ssm_a`)
+        assert all(not rest.startswith("blk.") and (rest.endswith((".weight", ".bias", ".scale")) or "." not in rest)
+                   for rest in g.tensors)
         for rest in [*g.tensors, "output_norm.weight", "token_embd.weight"]:
             assert g.layout(rest) in layouts, (fam.name, rest)
 
