@@ -4,25 +4,20 @@ Owns the one place where attention turns stored K/V into compute-dtype tensors. 
 `[pages + 1, P, n_kv, D]` is either in a float dtype (read as is, cast to the query's dtype when
 the cache is stored narrower, e.g. bf16 under a float32 model) or 8-bit (int8 / float8_e4m3)
 with scales attached as `pages.kv_scale` `[pages + 1, P, n_kv, G]` by `kv/tensors.py`, one per
-block of D / G values: value = stored * scale. Only the gathered rows are dequantized, never the
-pool.
+block of D / G values: value = stored * scale (`kv.tensors.dequantize`, beside the quantization on
+write). Only the gathered rows are dequantized, never the pool.
 """
 
 from __future__ import annotations
 
 import torch
 
+from freetoken.kv.tensors import dequantize
+
 
 def scale_of(pages: torch.Tensor) -> torch.Tensor | None:
     """The per-(slot, head) scale of an 8-bit pool tensor; None for a float one."""
     return getattr(pages, "kv_scale", None)
-
-
-def dequantize(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """stored [..., D] with scale [..., G] -> values [..., D] in `dtype`."""
-    g, d = scale.shape[-1], stored.shape[-1]
-    out = stored.to(dtype).view(*stored.shape[:-1], g, d // g) * scale.to(dtype).unsqueeze(-1)
-    return out.view(stored.shape)
 
 
 def take_pages(pages: torch.Tensor, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -255,3 +255,11 @@ class KVTensors:
         pools = [t for i, t in enumerate((*self.k, *self.v)) if not self.linear[i % len(self.linear)]]
         states = [t for t in (*self.conv, *self.recurrent) if t is not None]
         return all(bool((t[0] == 0).all()) for t in (*pools, *states))
+
+
+def dequantize(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """8-bit K/V as stored [..., D] with its scales [..., G] (one per block of D / G values) ->
+    values [..., D] in `dtype`: value = stored * scale."""
+    g, d = scale.shape[-1], stored.shape[-1]
+    out = stored.to(dtype).view(*stored.shape[:-1], g, d // g) * scale.to(dtype).unsqueeze(-1)
+    return out.view(stored.shape)

@@ -12,9 +12,9 @@ def test_commits_after_prompt_chunks_and_at_finish_only(tiny_llama, make_llm, mo
     calls: list[int] = []
     real_commit = llm.engine.kv.commit
 
-    def spy(rid, tokens, **kwargs):
+    def spy(rid, tokens, *args, **kwargs):
         calls.append(len(tokens))
-        return real_commit(rid, tokens, **kwargs)
+        return real_commit(rid, tokens, *args, **kwargs)
 
     monkeypatch.setattr(llm.engine.kv, "commit", spy)
     prompt = list(range(3, 23))  # 20 tokens: chunks of 8, 8 and 4 (the last one samples)

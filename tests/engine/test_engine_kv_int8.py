@@ -52,6 +52,17 @@ def test_attention_over_int8_kv_is_close_to_float(backend) -> None:
     assert int8_kv.null_pages_are_zero()
 
 
+def test_gather_reads_an_int8_pool_back_as_values() -> None:
+    """`KVTensors.gather` (the pages' K and V, as tests and tools read them) dequantizes an 8-bit
+    pool: close to what the float pool holds, and not its raw integers."""
+    ref_kv, _, _ = filled("auto")
+    int8_kv, _, _ = filled("int8")
+    pages = torch.tensor([[1, 2, 3], [11, 12, 13]])
+    for ref, got in zip(ref_kv.gather(0, pages), int8_kv.gather(0, pages)):
+        assert got.dtype == torch.float32 and got.shape == ref.shape
+        assert (got - ref).abs().max().item() < TOLERANCE * ref.abs().max().item()
+
+
 def test_an_int8_pool_of_the_same_memory_holds_about_twice_the_tokens() -> None:
     gemma = KVLayout(sliding=(True,) * 15 + (False,) * 3, num_kv_heads=1, head_dim=256)  # Gemma 3 270M
     for sliding in (False, True):
