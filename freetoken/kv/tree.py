@@ -13,6 +13,14 @@ and must not release any reference but its own (DESIGN.md §3, rules 3, 4 and 6)
   (a retention pin, kv/pins.py: `pin_until` on the clock the manager gives the tree; a hit
   renews it).
 
+Hybrid models (a state pool: the recurrent state of every linear-attention layer, one slot per
+position): an entry may also hold a *snapshot*, one state slot with the state after the last
+token of that entry's page. The tree allocates it itself (`add_snapshot`, its own reference;
+the manager copies the request's state into it) and never writes it after; a hit on such a
+model needs a snapshot at exactly its end. Removing an entry releases its snapshot;
+`evict_state` drops snapshots alone (the entry and its pages stay), oldest first, those at
+branch points and marked boundaries last.
+
 Nodes are split at page boundaries only, so every node holds whole pages.
 """
 
@@ -48,6 +56,7 @@ class Node:
     live: int = 0  # number of live SWA entries
     pin_until: float = 0.0  # retention pin: eviction skips the node while the clock is before it
     pin_ttl: float = 0.0  # how long a hit renews the pin for
+    state: list[int] = field(default_factory=list)  # state slot per entry (its snapshot), 0 = none
 
     @property
     def npages(self) -> int:
@@ -60,19 +69,29 @@ class Node:
 
 @dataclass(frozen=True)
 class TreeMatch:
-    """A hit: `length` tokens; the pages a lease must take (SWA: 0 outside the window)."""
+    """A hit: `length` tokens; the pages a lease must take (SWA: 0 outside the window); `state`:
+    the snapshot at `length` whose copy a hybrid model's request starts from (0: none)."""
 
     length: int
     full: list[int]
     swa: list[int] | None
+    state: int = 0
 
 
 class RadixTree:
     """Prefix cache over one FULL pool and an optional SWA pool."""
 
-    def __init__(self, full_pool: PagePool, swa_pool: PagePool | None, page_size: int, window: int | None) -> None:
+    def __init__(
+        self,
+        full_pool: PagePool,
+        swa_pool: PagePool | None,
+        page_size: int,
+        window: int | None,
+        state_pool: PagePool | None = None,
+    ) -> None:
         self.full_pool = full_pool
         self.swa_pool = swa_pool
+        self.state_pool = state_pool
         self.page_size = page_size
         self.window = window
         self._uids = itertools.count(1)
@@ -83,6 +102,7 @@ class RadixTree:
         self._swa_nodes: dict[Node, None] = {}  # nodes with a live SWA entry
         self._full_at: dict[int, Node] = {}
         self._swa_at: dict[int, Node] = {}
+        self._state_at: dict[int, Node] = {}  # snapshot slot -> its node
         self.evicted = EvictedPaths(4 * full_pool.capacity)  # for the cache report's miss reason
         self.clock: Callable[[], float] = time.monotonic  # the pins' clock (tests give a fake one)
         self.swa_pinned: dict[int, float] = {}  # SWA page -> pin deadline (the window before a pin's end)
@@ -116,15 +136,23 @@ class RadixTree:
             stack.extend(node.children.values())
 
     def num_pages(self, kind: str) -> int:
-        """Pages the tree references in pool `kind`."""
-        return len(self._full_at) if kind == "full" else len(self._swa_at)
+        """Pages (state: slots) the tree references in pool `kind`."""
+        return len(self.owned(kind))
+
+    def owned(self, kind: str) -> dict[int, Node]:
+        """The tree's pages (state: snapshot slots) of pool `kind`, each with its node."""
+        return self._full_at if kind == "full" else self._swa_at if kind == "swa" else self._state_at
+
+    @staticmethod
+    def _entries(node: Node, kind: str) -> list[int]:
+        return node.full if kind == "full" else node.swa if kind == "swa" else node.state
 
     def where(self, kind: str, page: int) -> str | None:
         """Describe the tree entry holding `page`, for error reports."""
-        node = (self._full_at if kind == "full" else self._swa_at).get(page)
+        node = self.owned(kind).get(page)
         if node is None:
             return None
-        entries = node.full if kind == "full" else node.swa
+        entries = self._entries(node, kind)
         j = entries.index(page) if page in entries else -1
         return f"tree node#{node.uid} [{node.start},{node.end}) entry {j}"
 
@@ -163,8 +191,10 @@ class RadixTree:
         cap = floor_to_page(len(tokens) - 1, p) // p if len(tokens) > 1 else 0
         entries = self._walk(tokens, cap)
         live = None if self.swa_pool is None else [n.swa[j] != 0 for n, j in entries]
-        length = hit_length(len(entries), live, len(tokens), p, self.window)
+        snaps = None if self.state_pool is None else [n.state[j] != 0 for n, j in entries]
+        length = hit_length(len(entries), live, len(tokens), p, self.window, snaps)
         k = length // p
+        state = entries[k - 1][0].state[entries[k - 1][1]] if snaps is not None and k else 0
         stamp = self._tick()
         now = self.clock()
         for node, _ in entries[:k]:
@@ -176,10 +206,14 @@ class RadixTree:
                         self.swa_pinned[s] = node.pin_until
         full = [n.full[j] for n, j in entries[:k]]
         if self.swa_pool is None or self.window is None:
-            return TreeMatch(length, full, None)
+            return TreeMatch(length, full, None, state)
         first = first_window_page(length, self.window, p)
         swa = [n.swa[j] if i >= first else 0 for i, (n, j) in enumerate(entries[:k])]
-        return TreeMatch(length, full, swa)
+        return TreeMatch(length, full, swa, state)
+
+    def path_pages(self, tokens: Tokens, max_pages: int) -> int:
+        """Whole pages of `tokens` (at most max_pages) the tree holds: where its path ends."""
+        return len(self._walk(tokens, max_pages))
 
     def touch(self, tokens: Tokens) -> None:
         """Stamp the path of `tokens` as just used (a preempted request's resume hits it)."""
@@ -205,9 +239,11 @@ class RadixTree:
             last_access=node.last_access,
             pin_until=node.pin_until,
             pin_ttl=node.pin_ttl,
+            state=node.state[:m],
         )
         upper.live = sum(1 for s in upper.swa if s)
         node.key, node.full, node.swa, node.pri = (node.key[m * p :], node.full[m:], node.swa[m:], node.pri[m:])
+        node.state = node.state[m:]
         node.start += m * p
         node.live -= upper.live
         node.parent.children[upper.key[:p]] = upper
@@ -218,6 +254,9 @@ class RadixTree:
         for page in upper.swa:
             if page:
                 self._swa_at[page] = upper
+        for slot in upper.state:
+            if slot:
+                self._state_at[slot] = upper
         self._refresh(upper)
         self._refresh(node)
         return upper
@@ -238,7 +277,15 @@ class RadixTree:
         self.full_pool.incref(pages)
         k = len(pages)
         node = Node(
-            next(self._uids), pos, tokens[pos : pos + k * p], pages, [0] * k, [False] * k, parent, last_access=stamp
+            next(self._uids),
+            pos,
+            tokens[pos : pos + k * p],
+            pages,
+            [0] * k,
+            [False] * k,
+            parent,
+            last_access=stamp,
+            state=[0] * k,
         )
         for page in pages:
             self._full_at[page] = node
@@ -335,11 +382,14 @@ class RadixTree:
     def _trim_tail(self, node: Node, k: int) -> int:
         """Drop the tree's references of the last k entries of a leaf; returns full pages freed."""
         full, swa = node.full[-k:], [s for s in node.swa[-k:] if s]
+        state = [s for s in node.state[-k:] if s]
         for page in full:
             del self._full_at[page]
         for page in swa:
             del self._swa_at[page]
             self.swa_pinned.pop(page, None)
+        for slot in state:
+            del self._state_at[slot]
         if k == node.npages and node.parent is not None:
             del node.parent.children[node.key[: self.page_size]]
             self._refresh(node.parent)
@@ -350,11 +400,14 @@ class RadixTree:
             p = self.page_size
             node.key, node.full = node.key[: -k * p], node.full[:-k]
             node.swa, node.pri = node.swa[:-k], node.pri[:-k]
+            node.state = node.state[:-k]
             node.live -= len(swa)
             node.marked = False
             self._refresh(node)
         if self.swa_pool is not None:
             self.swa_pool.decref(swa)
+        if self.state_pool is not None:
+            self.state_pool.decref(state)
         return self.full_pool.decref(full)
 
     def evict_full(self, need: int) -> int:
@@ -408,6 +461,67 @@ class RadixTree:
             victims.append(page)
         return self.swa_pool.decref(victims)
 
+    # -- state snapshots (hybrid models) ----------------------------------------------------
+
+    def add_snapshot(self, tokens: Tokens, end: int) -> int:
+        """Take a state slot for a snapshot at `end` (page-aligned, on the committed path of
+        `tokens`): the tree's own reference, allocated here, evicting older snapshots when the
+        pool has no free slot. Returns the slot for the caller to fill with the state after
+        token `end - 1`, or 0: no entry ends there, one already has a snapshot (the tree keeps
+        its own), or no slot could be had (a snapshot is never worth failing a request)."""
+        p = self.page_size
+        if self.state_pool is None or end <= 0 or end % p:
+            return 0
+        entries = self._walk(tokens, end // p)
+        if len(entries) * p < end:
+            return 0
+        node, j = entries[-1]
+        if node.state[j]:
+            return 0
+        if self.state_pool.num_free < 1:
+            self.evict_state(1)
+        got = self.state_pool.alloc(1)
+        if not got:
+            return 0
+        node.state[j] = got[0]
+        self._state_at[got[0]] = node
+        return got[0]
+
+    def _snapshot_order(self, node: Node, j: int) -> tuple[bool, int, int, int]:
+        """Eviction order of a snapshot: branch points and marked boundaries last, then least
+        recently used, then earliest position."""
+        pri = j == node.npages - 1 and (node.marked or len(node.children) >= 2)
+        return (pri, node.last_access, node.start + j * self.page_size, node.uid)
+
+    def evict_state(self, need: int, keep: int = 0, pinned_too: bool = False) -> int:
+        """Drop up to `need` snapshots alone (their entries and pages stay), in
+        `_snapshot_order`; snapshots of pinned nodes only with `pinned_too` (a request needs the
+        slot: a pin never starves one); never the slot `keep`. Returns the slots freed."""
+        if self.state_pool is None or need <= 0:
+            return 0
+        rc = self.state_pool.rc
+        now = self.clock()
+        cands = sorted(
+            (self._snapshot_order(n, n.state.index(s)), s)
+            for s, n in self._state_at.items()
+            if rc[s] == 1 and s != keep and (pinned_too or n.pin_until <= now)
+        )
+        victims = [s for _, s in cands[:need]]
+        self._drop_snapshots(victims)
+        return self.state_pool.decref(victims)
+
+    def _drop_snapshots(self, slots: Sequence[int]) -> None:
+        for slot in slots:
+            node = self._state_at.pop(slot)
+            node.state[node.state.index(slot)] = 0
+
+    def evictable_state(self) -> int:
+        """Snapshot slots `evict_state(..., pinned_too=True)` could free now."""
+        if self.state_pool is None:
+            return 0
+        rc = self.state_pool.rc
+        return sum(1 for s in self._state_at if rc[s] == 1)
+
     def evictable_full(self) -> int:
         """FULL pages repeated full passes could free now: tree-only pages with no
         request-held page below them in their subtree."""
@@ -439,11 +553,17 @@ class RadixTree:
 
     def pages_above(self, kind: str, limit: int) -> list[int]:
         """The tree's pages of pool `kind` with an index above `limit` (a shrink drops them)."""
-        return sorted(p for p in (self._full_at if kind == "full" else self._swa_at) if p > limit)
+        return sorted(p for p in self.owned(kind) if p > limit)
 
     def drop(self, kind: str, pages: Sequence[int]) -> None:
         """Quarantine support: drop every tree entry on `pages` (a FULL entry takes the rest of
-        its path with it; an SWA entry becomes a tombstone)."""
+        its path with it; an SWA entry becomes a tombstone; a state slot: the snapshot alone)."""
+        if kind == "state":
+            held = [s for s in pages if s in self._state_at]
+            self._drop_snapshots(held)
+            if self.state_pool is not None:
+                self.state_pool.decref(held)
+            return
         for page in pages:
             if kind == "swa":
                 node = self._swa_at.pop(page, None)

@@ -1,8 +1,10 @@
-"""The state pool of a hybrid model (kv/manager.py): one slot per running request, owned like a
-page. A request takes its slot with its first pages (all-or-nothing), gives it back at finish,
-abort or preempt, and the audit recounts the slots (A1, A2, A5) and names a leaked one. The
-tree keeps no state snapshot yet: a prompt whose pages the tree holds hits 0 tokens, and the
-miss reason says the state was missing."""
+"""The state pool of a hybrid model (kv/manager.py): slots owned like pages. A request takes its
+slot with its first pages (all-or-nothing), or at admission on a hit, and gives it back at finish,
+abort or preempt. The tree keeps state snapshots: a commit that finds the request's state at a
+page boundary takes a slot of the tree's own (copy-on-commit), a hit needs a snapshot at exactly
+its end and copies it into the request's own slot (copy-on-hit). Snapshots are evicted alone
+(oldest first, marked boundaries last) or with their entries; the audit recounts the tree's
+slots (A1, A2, A3, A5) and names a leaked one."""
 
 from __future__ import annotations
 
@@ -11,35 +13,60 @@ from freetoken.kv.manager import KVManager
 P = 4
 
 
-def manager(slots: int = 3, pages: int = 32) -> KVManager:
-    return KVManager(full_pages=pages, swa_pages=None, page_size=P, window=None, cache_type="radix", state_slots=slots)
+def manager(slots: int = 3, pages: int = 32, interval: int = 0) -> tuple[KVManager, list[tuple[int, int]]]:
+    kv = KVManager(
+        full_pages=pages,
+        swa_pages=None,
+        page_size=P,
+        window=None,
+        cache_type="radix",
+        state_slots=slots,
+        snapshot_interval=interval,
+    )
+    copies: list[tuple[int, int]] = []
+    kv.copy_state = lambda src, dst: copies.append((src, dst))
+    return kv, copies
+
+
+def run(kv: KVManager, rid: str, prompt: list[int], written: int | None = None, boundaries: tuple = ()) -> int:
+    """Admit, extend, commit `written` tokens (default: all but the last), release."""
+    cached = kv.admit(rid, prompt, boundaries=boundaries)
+    assert kv.extend(rid, len(prompt))
+    kv.commit(rid, prompt[: len(prompt) - 1 if written is None else written], boundaries)
+    kv.release(rid)
+    return cached
+
+
+def snapshots(kv: KVManager) -> dict[int, int]:
+    """Snapshot position -> slot, over the whole tree."""
+    return {n.start + (j + 1) * P: s for n in kv.tree.nodes() for j, s in enumerate(n.state) if s}
 
 
 def test_slot_taken_with_the_pages_and_released_at_finish_abort_and_preempt() -> None:
-    kv = manager()
+    kv, _ = manager(slots=4)
     for rid in ("finish", "abort", "preempt"):
         assert kv.admit(rid, list(range(10))) == 0
         assert kv.state_slot(rid) == 0  # no slot before the pages
         assert kv.extend(rid, 10)
     slots = [kv.state_slot(r) for r in ("finish", "abort", "preempt")]
-    assert sorted(slots) == [1, 2, 3] and kv.state_pool.num_free == 0
+    assert sorted(slots) == [1, 2, 3] and kv.state_pool.num_free == 1
     assert kv.audit(idle=False).ok
-    kv.commit("finish", list(range(9)))
+    kv.commit("finish", list(range(9)))  # 9 written: the state is not at a page boundary
     kv.release("finish")
     kv.release("abort")
-    kv.commit("preempt", list(range(8)))
+    kv.commit("preempt", list(range(8)))  # 8 written: a snapshot at 8
     kv.release("preempt", preempted=True)
     kv.release("abort")  # a second release is a no-op
-    assert kv.state_pool.num_free == 3
+    assert list(snapshots(kv)) == [8] and kv.state_pool.num_free == 3
     report = kv.audit(idle=True)
     assert report.ok, report
     assert kv.status()["pools"]["state"] == {
-        "capacity": 3, "free": 3, "cached": 0, "in_use": 0, "quarantined": 0, "target": 3, "pending_release": 0,
+        "capacity": 4, "free": 3, "cached": 1, "in_use": 0, "quarantined": 0, "target": 4, "pending_release": 0,
     }  # fmt: skip
 
 
 def test_no_free_slot_defers_the_request_and_takes_nothing() -> None:
-    kv = manager(slots=1)
+    kv, _ = manager(slots=1)
     kv.admit("a", [1, 2, 3])
     assert kv.extend("a", 3)
     kv.admit("b", [4, 5, 6])
@@ -52,7 +79,7 @@ def test_no_free_slot_defers_the_request_and_takes_nothing() -> None:
 
 
 def test_audit_names_a_leaked_slot() -> None:
-    kv = manager()
+    kv, _ = manager()
     kv.admit("a", [1, 2, 3])
     assert kv.extend("a", 3)
     slot = kv.state_slot("a")
@@ -64,16 +91,156 @@ def test_audit_names_a_leaked_slot() -> None:
     assert leaked[0].pool == "state" and leaked[0].page == slot
 
 
-def test_held_pages_hit_nothing_without_a_state_snapshot() -> None:
-    kv = manager()
+def test_held_pages_without_a_snapshot_at_their_end_hit_nothing() -> None:
+    kv, copies = manager()
+    prompt = list(range(13))
+    run(kv, "a", prompt, written=11)  # 8 tokens committed, the state at 11: no snapshot
+    assert snapshots(kv) == {} and copies == []
+    assert kv.admit("b", prompt) == 0
+    miss = kv.explain_miss("b", prompt)
+    assert (miss.matched, miss.reason) == (8, "state_missing")
+    assert kv.full_pool.rc[1:].sum() == 2 and kv.state_slot("b") == 0  # b took no reference
+    kv.release("b")
+    assert kv.audit(idle=True).ok
+
+
+def test_copy_on_commit_and_copy_on_hit() -> None:
+    kv, copies = manager()
     prompt = list(range(13))
     kv.admit("a", prompt)
     assert kv.extend("a", 13)
-    kv.commit("a", prompt[:12])
+    mine = kv.state_slot("a")
+    kv.commit("a", prompt[:12])  # the state is at 12
+    (snap,) = snapshots(kv).values()
+    assert snap != mine and copies == [(mine, snap)]
     kv.release("a")
-    assert kv.admit("b", prompt) == 0
-    miss = kv.explain_miss("b", prompt)
-    assert (miss.matched, miss.reason) == (12, "state_missing")
-    assert kv.full_pool.rc[1:].sum() == 3  # the tree's 3 pages only: b took no reference
+    assert kv.admit("b", prompt) == 12  # the cap: the snapshot at 12
+    own = kv.state_slot("b")
+    assert own not in (0, snap) and copies[-1] == (snap, own)
+    assert kv.state_pool.rc[snap] == kv.state_pool.rc[own] == 1  # each holds its own slot
+    assert kv.audit(idle=False).ok
+    assert kv.extend("b", 13)
+    assert kv.state_slot("b") == own  # extend takes no second slot
+    kv.commit("b", prompt[:12])  # the tree keeps its own snapshot
+    assert snapshots(kv) == {12: snap} and len(copies) == 2
     kv.release("b")
     assert kv.audit(idle=True).ok
+
+
+def test_the_hit_is_the_longest_prefix_with_a_snapshot_at_its_end() -> None:
+    kv, _ = manager(slots=6)
+    base = list(range(100, 120))
+    run(kv, "a", base[:5], written=4)  # snapshot at 4
+    run(kv, "b", base[:13], written=12)  # snapshot at 12, pages 0..2 committed
+    run(kv, "c", base[:19], written=18)  # page 3 committed, no snapshot at 16
+    assert sorted(snapshots(kv)) == [4, 12]
+    assert kv.admit("d", base[:18]) == 12  # pages up to 16 exist, the state only at 12
+    miss = kv.explain_miss("d", base[:18])
+    assert (miss.matched, miss.reason) == (16, "state_missing")
+    kv.release("d")
+    assert kv.admit("e", base[:11]) == 4  # cap 8: the snapshot at 4
+    kv.release("e")
+    assert kv.audit(idle=True).ok
+
+
+def test_snapshot_points_end_prompt_chunks() -> None:
+    """Marked boundaries (floored to a page), the resend cap and every `interval` tokens."""
+    kv, _ = manager(interval=8)
+    prompt = list(range(23))
+    kv.admit("a", prompt, boundaries=[6, 10])
+    assert kv._requests["a"].stops == (4, 8, 16, 20)
+    ends, start = [], 0
+    while start < 23:
+        start = kv.chunk_end("a", start, min(start + 16, 23))
+        ends.append(start)
+    assert ends == [4, 8, 16, 20, 23]
+    kv.release("a")
+
+
+def test_a_branch_point_becomes_a_snapshot_point() -> None:
+    """b shares 8 tokens of a's prompt, then diverges: b's chunk ends there, so a third prompt
+    forking at the same place hits there."""
+    kv, _ = manager(slots=6)
+    a = list(range(16)) + [99]
+    run(kv, "a", a, written=16)
+    b = list(range(8)) + [50 + i for i in range(9)]
+    assert kv.admit("b", b) == 0
+    assert kv.chunk_end("b", 0, 17) == 8
+    assert kv.extend("b", 8)
+    kv.commit("b", b[:8])
+    kv.release("b")
+    c = list(range(8)) + [70 + i for i in range(9)]
+    assert kv.admit("c", c) == 8
+    kv.release("c")
+    assert kv.audit(idle=True).ok
+
+
+def test_snapshots_are_evicted_oldest_first_and_marked_boundaries_last() -> None:
+    """4 slots: a new snapshot evicts the oldest one not at a marked boundary when no slot is
+    free, and so does a request that needs a slot; the entries and their pages stay."""
+    kv, _ = manager(slots=4)
+    run(kv, "sys", list(range(9)), written=8, boundaries=(8,))  # marked: kept last
+    run(kv, "x", [1] * 9, written=8)
+    run(kv, "y", [2] * 9, written=8)
+    assert kv.state_pool.num_free == 1 and kv.tree.num_pages("state") == 3
+    run(kv, "z", [3] * 9, written=8)  # z's own slot is the free one; its snapshot takes x's
+
+    def kept() -> set[int]:
+        return {node.key[0] for node in kv.tree.owned("state").values()}
+
+    assert kept() == {0, 2, 3}
+    kv.admit("r1", [9] * 5)
+    assert kv.extend("r1", 5)  # the last free slot
+    kv.admit("r2", [8] * 5)
+    assert kv.extend("r2", 5)  # y's snapshot goes for r2's slot
+    assert kept() == {0, 3}
+    kv.release("r1")
+    kv.release("r2")
+    assert kv.full_pool.num_free == 32 - 8  # every entry kept its pages
+    assert kv.admit("x2", [1] * 9) == 0 and kv.explain_miss("x2", [1] * 9).reason == "state_missing"
+    kv.release("x2")
+    assert kv.admit("s2", list(range(9))) == 8
+    kv.release("s2")
+    assert kv.audit(idle=True).ok
+
+
+def test_removing_an_entry_releases_its_snapshot() -> None:
+    kv, _ = manager()
+    run(kv, "a", list(range(9)), written=8)
+    assert kv.state_pool.num_free == 2
+    assert kv.available("state") == 3
+    kv.evict("full", 32)
+    assert kv.state_pool.num_free == 3 and snapshots(kv) == {}
+    assert kv.audit(idle=True).ok
+
+
+def test_quarantined_snapshot_leaves_the_tree() -> None:
+    kv, _ = manager()
+    run(kv, "a", list(range(9)), written=8)
+    (slot,) = snapshots(kv).values()
+    assert kv.quarantine("state", [slot]) == set()
+    assert snapshots(kv) == {} and kv.tree.num_pages("full") == 2
+    assert kv.audit(idle=True).ok
+    assert kv.admit("b", list(range(9))) == 0
+    kv.release("b")
+
+
+def test_audit_catches_a_leaked_or_shared_snapshot() -> None:
+    kv, _ = manager()
+    run(kv, "a", list(range(9)), written=8)
+    (slot,) = snapshots(kv).values()
+    node = kv.tree.owned("state")[slot]
+    node.state[node.state.index(slot)] = 0  # the tree forgets its snapshot: never released
+    report = kv.audit(idle=True)
+    assert {"A1", "A5"} <= report.checks_failed()
+    assert any(v.pool == "state" and v.page == slot for v in report.violations)
+
+    kv, _ = manager()
+    run(kv, "a", list(range(9)), written=8)
+    (slot,) = snapshots(kv).values()
+    kv.admit("b", [7, 7, 7])
+    kv.state_pool.incref([slot])
+    kv._requests["b"].state = slot  # a request would write into the tree's snapshot
+    report = kv.audit(idle=False)
+    shared = [v for v in report.violations if v.check == "A3"]
+    assert shared and shared[0].page == slot and any("snapshot" in h for h in shared[0].holders)
