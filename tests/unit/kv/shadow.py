@@ -233,8 +233,9 @@ class CheckedKV(KVManager):
 
     # -- the calls ------------------------------------------------------------------------
 
-    def admit(self, rid: str, tokens: Sequence[int], *, use_cache: bool = True) -> int:
-        cached = super().admit(rid, tokens, use_cache=use_cache)
+    def admit(self, rid: str, tokens: Sequence[int], *, use_cache: bool = True, boundaries: Sequence[int] = (),
+              prompt_len: int | None = None) -> int:
+        cached = super().admit(rid, tokens, use_cache=use_cache, boundaries=boundaries, prompt_len=prompt_len)
         self.shadow.admit(rid, tokens, cached)
         self.prompt_len[rid] = len(tokens)
         self.log.append(("admit", rid))
