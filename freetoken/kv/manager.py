@@ -333,7 +333,8 @@ class KVManager:
         request marks (a chat request: the end of each message); `resend_at` is where a resend of
         the request's prompt would hit (its length - 1), whose window is kept too. Only adds tree
         references; on a hybrid model, when `len(tokens)` is page-aligned (the request's state is
-        at a page boundary), a snapshot of its state there (unless the tree has one)."""
+        at a page boundary), a snapshot of its state there (unless the tree has one): the engine
+        also commits a decode step that reaches a page boundary (`_snapshot`)."""
         req = self._req(rid)
         n = floor_to_page(len(tokens), self.page_size)
         if n > len(req.full) * self.page_size:
@@ -344,10 +345,23 @@ class KVManager:
         self.tree.insert(committed, req.full, req.swa, boundaries, resend_at)
         req.committed = committed
         if self.state_pool is not None and req.state and len(tokens) == n:
-            # Copy-on-commit: the request's state is after token n - 1 now, and only now.
-            slot = self.tree.add_snapshot(committed, n)
-            if slot and self.copy_state is not None:
-                self.copy_state(req.state, slot)
+            self._snapshot(req, committed, n)
+
+    def _snapshot(self, req: RequestTables, committed: tuple[int, ...], n: int) -> None:
+        """Copy-on-commit: the request's state is after token n - 1 now, and only now. A snapshot
+        at none of the request's planned points (a chunk that happened to end on a page, a decode
+        step's page) is kept only until its next one: the last page boundary its state passed is
+        what the next request of a conversation, extending the whole sequence, can hit."""
+        assert self.tree is not None
+        slot = self.tree.add_snapshot(committed, n)
+        if not slot:
+            return
+        if self.copy_state is not None:
+            self.copy_state(req.state, slot)
+        pos, old = req.rolling
+        if old:
+            self.tree.drop_passing_snapshot(committed, pos, old)
+        req.rolling = (0, 0) if n in req.stops else (n, slot)
 
     def release_out_of_window(self, rid: str, next_pos: int) -> int:
         """Drop the request's SWA pages no query at `next_pos` or later can see (q - k >= W).

@@ -487,6 +487,29 @@ class RadixTree:
         self._state_at[got[0]] = node
         return got[0]
 
+    def snapshot_at(self, tokens: Tokens, end: int) -> int:
+        """The snapshot slot at `end` (page-aligned) on the path of `tokens`; 0: none."""
+        p = self.page_size
+        entries = self._walk(tokens, end // p) if end > 0 and end % p == 0 else []
+        if not entries or len(entries) * p < end:
+            return 0
+        node, j = entries[-1]
+        return node.state[j]
+
+    def drop_passing_snapshot(self, tokens: Tokens, end: int, slot: int) -> bool:
+        """Drop the snapshot `slot` at `end` on the path of `tokens` unless it has become worth
+        keeping (a branch point or a marked boundary): a request's snapshot at no planned point,
+        superseded by its next one (kv/manager.py). False when it is not there (evicted)."""
+        p = self.page_size
+        entries = self._walk(tokens, end // p) if end > 0 and end % p == 0 else []
+        if not entries or len(entries) * p < end:
+            return False
+        node, j = entries[-1]
+        if node.state[j] != slot or self._snapshot_order(node, j)[0]:
+            return False
+        self.drop("state", [slot])
+        return True
+
     def _snapshot_order(self, node: Node, j: int) -> tuple[bool, int, int, int]:
         """Eviction order of a snapshot: branch points and marked boundaries last, then least
         recently used, then earliest position."""

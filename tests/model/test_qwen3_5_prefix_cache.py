@@ -5,7 +5,7 @@ control shows it does), with the audit after every step (`--debug-kv`):
 
 - a resent prompt hits at its cap (prompt chunks end there, so the state is snapshotted there);
 - a conversation, each request extending the last with marked message boundaries, hits at the
-  previous request's last boundary;
+  last page boundary the previous request's state passed (a decode step's snapshot, in its reply);
 - two conversations over one system prompt hit at its end; a prefix seen forked once (no mark)
   hits at the fork;
 - with few state slots, snapshots are evicted (LRU) and an evicted one is a `state_missing` miss;
@@ -98,7 +98,7 @@ def test_without_the_copy_the_hit_gives_other_tokens(checkpoint: Path, oracle) -
     assert again.output_ids != oracle(prompt)
 
 
-def test_conversation_hits_at_the_previous_requests_last_boundary(checkpoint: Path, oracle) -> None:  # noqa: ANN001
+def test_conversation_hits_in_the_previous_requests_reply(checkpoint: Path, oracle) -> None:  # noqa: ANN001
     llm = engine(checkpoint)
     p1 = SYSTEM + list(range(40, 64))  # 37 tokens: system 13, user 24
     t1 = run(llm, "t1", p1, boundaries=(13, 37))
@@ -106,11 +106,11 @@ def test_conversation_hits_at_the_previous_requests_last_boundary(checkpoint: Pa
     p2 = p1 + t1.output_ids + list(range(70, 80))  # + assistant 6, user 10: 53 tokens
     t2 = run(llm, "t2", p2, boundaries=(13, 37, 43, 53))
     assert t2.output_ids == oracle(p2)
-    assert t2.report.cached_tokens == 36  # the end of t1's last message, floored to a page
+    assert t2.report.cached_tokens == 40  # the last page boundary t1's state passed: in its reply
     p3 = p2 + t2.output_ids + list(range(90, 97))
     t3 = run(llm, "t3", p3, boundaries=(13, 37, 43, 53, 59, len(p3)))
     assert t3.output_ids == oracle(p3)
-    assert t3.report.cached_tokens == 52  # t2's resend cap and last boundary
+    assert t3.report.cached_tokens == 56  # the same in t2's reply (53 + 3)
     assert balanced(llm)
 
 
@@ -153,4 +153,68 @@ def test_snapshots_evicted_under_pressure_and_the_pool_balances(checkpoint: Path
     assert (last.report.cached_tokens, first.report.cached_tokens) == (16, 0)
     assert first.report.miss_reason == "state_missing"
     assert (last.output_ids, first.output_ids) == (oracle(prompts[-1]), oracle(prompts[0]))
+    assert balanced(llm)
+
+
+def test_a_snapshot_holds_the_state_a_cold_run_reaches_there(checkpoint: Path) -> None:
+    """Tensor level: the snapshot at 36 of a 37-token prompt prefilled in chunks of 16 equals,
+    layer by layer, the state of another engine that prefilled exactly those 36 tokens in chunks
+    of 64 (its finish commit snapshots there)."""
+
+    def snapshot_states(llm: LLM, prompt: list[int], end: int) -> list[torch.Tensor]:
+        kv, tensors = llm.engine.kv, llm.engine.runner.kv_tensors
+        slot = kv.tree.snapshot_at(tuple(prompt), end)
+        assert slot
+        return [t[slot].clone() for t in (*tensors.conv, *tensors.recurrent) if t is not None]
+
+    prompt = list(range(3, 40))
+    chunked = engine(checkpoint, chunk=16)
+    run(chunked, "a", prompt)
+    whole = engine(checkpoint, chunk=64)
+    req = Request("b", prompt[:36], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    whole.engine.add_request(req)
+    while whole.engine.has_work():
+        whole.engine.step()
+    got, want = snapshot_states(chunked, prompt, 36), snapshot_states(whole, prompt, 36)
+    assert len(got) == len(want) == 2 * sum(chunked.engine.runner.kv_tensors.linear)  # conv + recurrent per layer
+    assert any(bool(w.abs().max() > 0) for w in want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-10)
+
+
+def test_seed_scenario_on_the_hybrid_model(checkpoint: Path) -> None:
+    """tests/engine/test_engine_seed.py's pattern (DESIGN.md §3, "Known failure") without SWA: A
+    (40 tokens, chunks of 12) still running; B shares A's first 5 tokens and is admitted in the
+    step of A's last prefill chunk, commits its own prompt beneath the head A holds (its chunk
+    ends at the branch point, 4, and snapshots there) and decodes beside A. Audit after every
+    step; both give transformers' tokens; pages and state slots balance at idle."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        checkpoint, dtype=torch.float64, attn_implementation="eager"
+    )
+    model.config._experts_implementation = "eager"
+
+    def greedy(prompt: list[int], n: int) -> list[int]:
+        gen = model.generate(
+            torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+        return gen[0, len(prompt) :].tolist()
+
+    a_prompt = [10 + (i * 37) % 300 for i in range(40)]
+    b_prompt = a_prompt[:5] + [301 + i for i in range(11)]
+    llm = engine(checkpoint, chunk=12)
+    eng = llm.engine
+    a = Request("A", a_prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    b = Request("B", b_prompt, PARAMS)
+    eng.add_request(a)
+    while a.num_computed < 36:
+        eng.step()
+    eng.add_request(b)
+    b_beside_a = 0
+    while eng.has_work():
+        eng.step()
+        if a.finish_reason is None:
+            b_beside_a = len(b.output_ids)
+    assert b_beside_a >= 2
+    assert eng.kv.tree.snapshot_at(tuple(b_prompt), 4)  # B's branch point
+    assert (a.output_ids, b.output_ids) == (greedy(a_prompt, 12), greedy(b_prompt, NEW))
     assert balanced(llm)

@@ -244,3 +244,28 @@ def test_audit_catches_a_leaked_or_shared_snapshot() -> None:
     report = kv.audit(idle=False)
     shared = [v for v in report.violations if v.check == "A3"]
     assert shared and shared[0].page == slot and any("snapshot" in h for h in shared[0].holders)
+
+
+def test_only_the_latest_snapshot_at_no_planned_point_is_kept() -> None:
+    """Decode steps reaching page boundaries (commits of 12, 16, 20 tokens, no planned point
+    there) keep only the latest snapshot; planned points (the boundary at 8) stay; one that
+    became a branch point meanwhile stays too."""
+    kv, _ = manager(slots=8)
+    prompt = list(range(9))
+    kv.admit("a", prompt, boundaries=(8,))
+    assert kv._requests["a"].stops == (8,)
+    assert kv.extend("a", 24)
+    seq = prompt + list(range(50, 65))
+    for n in (8, 12, 16):
+        kv.commit("a", seq[:n])
+    assert sorted(snapshots(kv)) == [8, 16]
+    fork = seq[:16] + [99] * 5
+    kv.admit("b", fork)  # hits at 16
+    assert kv.extend("b", 21)
+    kv.commit("b", fork[:20])  # a branch at 16 now
+    kv.commit("a", seq[:20])
+    ends = sorted(n.start + (j + 1) * P for n in kv.tree.nodes() for j, s in enumerate(n.state) if s)
+    assert ends == [8, 16, 20, 20]  # a's 20 and b's 20 (on another branch)
+    kv.release("a")
+    kv.release("b")
+    assert kv.audit(idle=True).ok
