@@ -18,8 +18,10 @@ position): an entry may also hold a *snapshot*, one state slot with the state af
 token of that entry's page. The tree allocates it itself (`add_snapshot`, its own reference;
 the manager copies the request's state into it) and never writes it after; a hit on such a
 model needs a snapshot at exactly its end. Removing an entry releases its snapshot;
-`evict_state` drops snapshots alone (the entry and its pages stay), oldest first, those at
-branch points and marked boundaries last.
+`evict_state` drops snapshots alone (the entry and its pages stay): first those with another
+snapshot further down their path, then such ones at marked boundaries, then the last snapshot of
+each path (where a conversation's next request hits), branch points last; oldest first within
+each.
 
 Nodes are split at page boundaries only, so every node holds whole pages.
 """
@@ -505,30 +507,54 @@ class RadixTree:
         if not entries or len(entries) * p < end:
             return False
         node, j = entries[-1]
-        if node.state[j] != slot or self._snapshot_order(node, j)[0]:
+        if node.state[j] != slot or self._kept_point(node, j):
             return False
         self.drop("state", [slot])
         return True
 
-    def _snapshot_order(self, node: Node, j: int) -> tuple[bool, int, int, int]:
-        """Eviction order of a snapshot: branch points and marked boundaries last, then least
-        recently used, then earliest position."""
-        pri = j == node.npages - 1 and (node.marked or len(node.children) >= 2)
-        return (pri, node.last_access, node.start + j * self.page_size, node.uid)
+    @staticmethod
+    def _kept_point(node: Node, j: int) -> bool:
+        """Entry j ends at a branch point or a marked boundary."""
+        return j == node.npages - 1 and (node.marked or len(node.children) >= 2)
+
+    def _snapshot_tiers(self) -> dict[tuple[Node, int], int]:
+        """Eviction tier of every snapshot, lowest evicted first: 0 a snapshot with another one
+        further down its path (a continuation hits there instead), 1 such a snapshot at a marked
+        boundary (a fork there, an edited message, still hits it), 2 the last snapshot of its
+        path (where the next request of a conversation hits), 3 a branch point (every fork hits
+        it)."""
+        below: dict[Node, bool] = {}  # a snapshot somewhere under the node's end
+        for node in reversed(list(self.nodes())):  # children before parents
+            below[node] = any(below[c] or any(c.state) for c in node.children.values())
+        tiers: dict[tuple[Node, int], int] = {}
+        for node in dict.fromkeys(self._state_at.values()):
+            for j, slot in enumerate(node.state):
+                if not slot:
+                    continue
+                if j == node.npages - 1 and len(node.children) >= 2:
+                    tiers[(node, j)] = 3
+                elif not (any(node.state[j + 1 :]) or below[node]):
+                    tiers[(node, j)] = 2
+                else:
+                    tiers[(node, j)] = 1 if self._kept_point(node, j) else 0
+        return tiers
 
     def evict_state(self, need: int, keep: int = 0, pinned_too: bool = False) -> int:
-        """Drop up to `need` snapshots alone (their entries and pages stay), in
-        `_snapshot_order`; snapshots of pinned nodes only with `pinned_too` (a request needs the
-        slot: a pin never starves one); never the slot `keep`. Returns the slots freed."""
+        """Drop up to `need` snapshots alone (their entries and pages stay): by tier
+        (`_snapshot_tiers`), then least recently used, then earliest position; snapshots of
+        pinned nodes only with `pinned_too` (a request needs the slot: a pin never starves one);
+        never the slot `keep`. Returns the slots freed."""
         if self.state_pool is None or need <= 0:
             return 0
         rc = self.state_pool.rc
         now = self.clock()
-        cands = sorted(
-            (self._snapshot_order(n, n.state.index(s)), s)
-            for s, n in self._state_at.items()
-            if rc[s] == 1 and s != keep and (pinned_too or n.pin_until <= now)
-        )
+        tiers = self._snapshot_tiers()
+        cands = []
+        for s, n in self._state_at.items():
+            if rc[s] == 1 and s != keep and (pinned_too or n.pin_until <= now):
+                j = n.state.index(s)
+                cands.append(((tiers[(n, j)], n.last_access, n.start + j * self.page_size, n.uid), s))
+        cands.sort()
         victims = [s for _, s in cands[:need]]
         self._drop_snapshots(victims)
         return self.state_pool.decref(victims)

@@ -9,6 +9,7 @@ slots (A1, A2, A3, A5) and names a leaked one."""
 from __future__ import annotations
 
 from freetoken.kv.manager import KVManager
+from freetoken.kv.miss import path_tokens
 
 P = 4
 
@@ -175,33 +176,46 @@ def test_a_branch_point_becomes_a_snapshot_point() -> None:
     assert kv.audit(idle=True).ok
 
 
-def test_snapshots_are_evicted_oldest_first_and_marked_boundaries_last() -> None:
-    """4 slots: a new snapshot evicts the oldest one not at a marked boundary when no slot is
-    free, and so does a request that needs a slot; the entries and their pages stay."""
-    kv, _ = manager(slots=4)
-    run(kv, "sys", list(range(9)), written=8, boundaries=(8,))  # marked: kept last
-    run(kv, "x", [1] * 9, written=8)
-    run(kv, "y", [2] * 9, written=8)
-    assert kv.state_pool.num_free == 1 and kv.tree.num_pages("state") == 3
-    run(kv, "z", [3] * 9, written=8)  # z's own slot is the free one; its snapshot takes x's
+def test_snapshots_are_evicted_by_tier_then_oldest_first() -> None:
+    """A snapshot with another one further down its path goes first (a continuation hits the
+    later one), then such a one at a marked boundary, then the last snapshot of a path (oldest
+    first), a branch point last. The entries and their pages stay."""
+    kv, _ = manager(slots=6)
+    run(kv, "lone", [5] * 9, written=8)  # the oldest, but the last snapshot of its path
+    conv = list(range(30))
+    kv.admit("c", conv[:17], boundaries=(8,))
+    assert kv.extend("c", 17)
+    for n in (8, 12, 16):  # 8 marked, 12 a passing one kept by a fork below, 16 the last
+        kv.commit("c", conv[:n], (8,))
+        if n == 12:
+            kv.admit("f", conv[:12] + [99] * 5)  # forks at 12: 12 is kept as a branch point
+            assert kv.extend("f", 17)
+            kv.commit("f", conv[:12] + [99] * 4)
+            kv.release("f")
+    kv.release("c")
+    kv.admit("d", conv[:13])  # hits 12, with a copy of its snapshot: the branch point renewed
+    kv.release("d")
 
-    def kept() -> set[int]:
-        return {node.key[0] for node in kv.tree.owned("state").values()}
+    def labels() -> dict[int, tuple[int, int]]:
+        """slot -> (its path's last token, its position)."""
+        out = {}
+        for slot, node in kv.tree.owned("state").items():
+            end = node.start + (node.state.index(slot) + 1) * P
+            out[slot] = (path_tokens(node)[end - 1], end)
+        return out
 
-    assert kept() == {0, 2, 3}
-    kv.admit("r1", [9] * 5)
-    assert kv.extend("r1", 5)  # the last free slot
-    kv.admit("r2", [8] * 5)
-    assert kv.extend("r2", 5)  # y's snapshot goes for r2's slot
-    assert kept() == {0, 3}
-    kv.release("r1")
-    kv.release("r2")
-    assert kv.full_pool.num_free == 32 - 8  # every entry kept its pages
-    assert kv.admit("x2", [1] * 9) == 0 and kv.explain_miss("x2", [1] * 9).reason == "state_missing"
-    kv.release("x2")
-    assert kv.admit("s2", list(range(9))) == 8
-    kv.release("s2")
+    assert sorted(labels().values()) == [(5, 8), (7, 8), (11, 12), (15, 16), (99, 16)]
+    order = []
+    while kv.tree.num_pages("state"):
+        before = labels()
+        assert kv.evict("state", 1) == 1
+        (gone,) = set(before) - set(labels())
+        order.append(before[gone])
+    # c's marked 8 (mid-path), then the last ones of their paths oldest first (lone's 8, f's 16,
+    # c's 16), the branch point at 12 last
+    assert order == [(7, 8), (5, 8), (99, 16), (15, 16), (11, 12)]
     assert kv.audit(idle=True).ok
+    assert kv.full_pool.num_free == 32 - 2 - 4 - 1  # every entry kept its pages
 
 
 def test_removing_an_entry_releases_its_snapshot() -> None:
