@@ -53,6 +53,13 @@ from freetoken.kv.errors import KVIntegrityError
 from freetoken.kv.miss import CacheMiss, explain
 from freetoken.kv.pins import pin_path, pinned_pages, pinned_swa_pages, release_all
 from freetoken.kv.pool import PagePool
+from freetoken.kv.snapshots import (
+    drop_passing_snapshot,
+    evict_snapshots,
+    evictable_snapshots,
+    plan_snapshot_points,
+    take_snapshot,
+)
 from freetoken.kv.table import RequestTables
 from freetoken.kv.tree import RadixTree
 from freetoken.kv.window import first_window_page, floor_to_page, num_pages
@@ -195,25 +202,11 @@ class KVManager:
             req.cached_len = req.next_pos = hit.length
         self._requests[rid] = req
         if self.state_pool is not None and self.tree is not None and use_cache:
-            req.stops = self._plan_stops(tokens, req.cached_len, boundaries, prompt_len)
+            n = len(tokens) if prompt_len is None else prompt_len
+            req.stops = plan_snapshot_points(
+                self.tree, tuple(tokens), req.cached_len, boundaries, n, self.snapshot_interval
+            )
         return req.cached_len
-
-    def _plan_stops(
-        self, tokens: Sequence[int], cached: int, boundaries: Sequence[int], prompt_len: int | None
-    ) -> tuple[int, ...]:
-        """The page-aligned positions past the hit where the request's state should be at the
-        end of a step, so that its commit there takes a snapshot."""
-        assert self.tree is not None
-        p = self.page_size
-        n = len(tokens) if prompt_len is None else prompt_len
-        cap = floor_to_page(n - 1, p) if n > 1 else 0
-        wanted = {floor_to_page(b, p) for b in boundaries}
-        wanted.add(cap)
-        wanted.add(min(cap, self.tree.path_pages(tuple(tokens), n // p) * p))  # a branch point
-        if self.snapshot_interval > 0:
-            step = max(p, floor_to_page(self.snapshot_interval, p))
-            wanted.update(range(step, cap, step))
-        return tuple(sorted(s for s in wanted if cached < s <= cap))
 
     def chunk_end(self, rid: str, start: int, end: int) -> int:
         """Where a chunk computing tokens [start, end) should end: before `end` at the first
@@ -228,7 +221,7 @@ class KVManager:
         never starves a request) when none is free; 0 when none can be had."""
         assert self.state_pool is not None
         if self.state_pool.num_free < 1 and self.tree is not None:
-            self.tree.evict_state(1, keep=keep, pinned_too=True)
+            evict_snapshots(self.tree, 1, keep=keep, pinned_too=True)
         got = self.state_pool.alloc(1)
         return got[0] if got else 0
 
@@ -353,14 +346,14 @@ class KVManager:
         step's page) is kept only until its next one: the last page boundary its state passed is
         what the next request of a conversation, extending the whole sequence, can hit."""
         assert self.tree is not None
-        slot = self.tree.add_snapshot(committed, n)
+        slot = take_snapshot(self.tree, committed, n)
         if not slot:
             return
         if self.copy_state is not None:
             self.copy_state(req.state, slot)
         pos, old = req.rolling
         if old:
-            self.tree.drop_passing_snapshot(committed, pos, old)
+            drop_passing_snapshot(self.tree, committed, pos, old)
         req.rolling = (0, 0) if n in req.stops else (n, slot)
 
     def release_out_of_window(self, rid: str, next_pos: int) -> int:
@@ -406,7 +399,7 @@ class KVManager:
         if self.tree is None:
             return pool.num_free
         if kind == "state":
-            return pool.num_free + self.tree.evictable_state()
+            return pool.num_free + evictable_snapshots(self.tree)
         extra = self.tree.evictable_full() if kind == "full" else self.tree.evictable_swa()
         return pool.num_free + extra
 
@@ -419,7 +412,7 @@ class KVManager:
         if kind == "full":
             return self.tree.evict_full(num_pages_wanted)
         if kind == "state":
-            return self.tree.evict_state(num_pages_wanted, pinned_too=True)
+            return evict_snapshots(self.tree, num_pages_wanted, pinned_too=True)
         return self.tree.evict_swa(num_pages_wanted)
 
     # -- retention pins ---------------------------------------------------------------------

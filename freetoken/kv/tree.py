@@ -15,13 +15,10 @@ and must not release any reference but its own (DESIGN.md §3, rules 3, 4 and 6)
 
 Hybrid models (a state pool: the recurrent state of every linear-attention layer, one slot per
 position): an entry may also hold a *snapshot*, one state slot with the state after the last
-token of that entry's page. The tree allocates it itself (`add_snapshot`, its own reference;
-the manager copies the request's state into it) and never writes it after; a hit on such a
-model needs a snapshot at exactly its end. Removing an entry releases its snapshot;
-`evict_state` drops snapshots alone (the entry and its pages stay): first those with another
-snapshot further down their path, then such ones at marked boundaries, then the last snapshot of
-each path (where a conversation's next request hits), branch points last; oldest first within
-each.
+token of that entry's page, the tree's own reference, never written after it is taken; a hit on
+such a model needs a snapshot at exactly its end. Removing an entry releases its snapshot, and
+`drop("state", ...)` drops snapshots alone (the entry and its pages stay). Which snapshots are
+taken, kept and evicted first is kv/snapshots.py.
 
 Nodes are split at page boundaries only, so every node holds whole pages.
 """
@@ -463,113 +460,19 @@ class RadixTree:
             victims.append(page)
         return self.swa_pool.decref(victims)
 
-    # -- state snapshots (hybrid models) ----------------------------------------------------
+    # -- state snapshots (hybrid models; which and when: kv/snapshots.py) ------------------
 
-    def add_snapshot(self, tokens: Tokens, end: int) -> int:
-        """Take a state slot for a snapshot at `end` (page-aligned, on the committed path of
-        `tokens`): the tree's own reference, allocated here, evicting older snapshots when the
-        pool has no free slot. Returns the slot for the caller to fill with the state after
-        token `end - 1`, or 0: no entry ends there, one already has a snapshot (the tree keeps
-        its own), or no slot could be had (a snapshot is never worth failing a request)."""
-        p = self.page_size
-        if self.state_pool is None or end <= 0 or end % p:
-            return 0
-        entries = self._walk(tokens, end // p)
-        if len(entries) * p < end:
-            return 0
-        node, j = entries[-1]
-        if node.state[j]:
-            return 0
-        if self.state_pool.num_free < 1:
-            self.evict_state(1)
-        got = self.state_pool.alloc(1)
-        if not got:
-            return 0
-        node.state[j] = got[0]
-        self._state_at[got[0]] = node
-        return got[0]
-
-    def snapshot_at(self, tokens: Tokens, end: int) -> int:
-        """The snapshot slot at `end` (page-aligned) on the path of `tokens`; 0: none."""
-        p = self.page_size
-        entries = self._walk(tokens, end // p) if end > 0 and end % p == 0 else []
-        if not entries or len(entries) * p < end:
-            return 0
-        node, j = entries[-1]
-        return node.state[j]
-
-    def drop_passing_snapshot(self, tokens: Tokens, end: int, slot: int) -> bool:
-        """Drop the snapshot `slot` at `end` on the path of `tokens` unless it has become worth
-        keeping (a branch point or a marked boundary): a request's snapshot at no planned point,
-        superseded by its next one (kv/manager.py). False when it is not there (evicted)."""
-        p = self.page_size
-        entries = self._walk(tokens, end // p) if end > 0 and end % p == 0 else []
-        if not entries or len(entries) * p < end:
-            return False
-        node, j = entries[-1]
-        if node.state[j] != slot or self._kept_point(node, j):
-            return False
-        self.drop("state", [slot])
-        return True
-
-    @staticmethod
-    def _kept_point(node: Node, j: int) -> bool:
-        """Entry j ends at a branch point or a marked boundary."""
-        return j == node.npages - 1 and (node.marked or len(node.children) >= 2)
-
-    def _snapshot_tiers(self) -> dict[tuple[Node, int], int]:
-        """Eviction tier of every snapshot, lowest evicted first: 0 a snapshot with another one
-        further down its path (a continuation hits there instead), 1 such a snapshot at a marked
-        boundary (a fork there, an edited message, still hits it), 2 the last snapshot of its
-        path (where the next request of a conversation hits), 3 a branch point (every fork hits
-        it)."""
-        below: dict[Node, bool] = {}  # a snapshot somewhere under the node's end
-        for node in reversed(list(self.nodes())):  # children before parents
-            below[node] = any(below[c] or any(c.state) for c in node.children.values())
-        tiers: dict[tuple[Node, int], int] = {}
-        for node in dict.fromkeys(self._state_at.values()):
-            for j, slot in enumerate(node.state):
-                if not slot:
-                    continue
-                if j == node.npages - 1 and len(node.children) >= 2:
-                    tiers[(node, j)] = 3
-                elif not (any(node.state[j + 1 :]) or below[node]):
-                    tiers[(node, j)] = 2
-                else:
-                    tiers[(node, j)] = 1 if self._kept_point(node, j) else 0
-        return tiers
-
-    def evict_state(self, need: int, keep: int = 0, pinned_too: bool = False) -> int:
-        """Drop up to `need` snapshots alone (their entries and pages stay): by tier
-        (`_snapshot_tiers`), then least recently used, then earliest position; snapshots of
-        pinned nodes only with `pinned_too` (a request needs the slot: a pin never starves one);
-        never the slot `keep`. Returns the slots freed."""
-        if self.state_pool is None or need <= 0:
-            return 0
-        rc = self.state_pool.rc
-        now = self.clock()
-        tiers = self._snapshot_tiers()
-        cands = []
-        for s, n in self._state_at.items():
-            if rc[s] == 1 and s != keep and (pinned_too or n.pin_until <= now):
-                j = n.state.index(s)
-                cands.append(((tiers[(n, j)], n.last_access, n.start + j * self.page_size, n.uid), s))
-        cands.sort()
-        victims = [s for _, s in cands[:need]]
-        self._drop_snapshots(victims)
-        return self.state_pool.decref(victims)
+    def hold_snapshot(self, node: Node, j: int, slot: int) -> None:
+        """Entry j of `node` holds `slot` (just allocated: the reference is the tree's)."""
+        if node.state[j] or slot in self._state_at:
+            raise self.state_pool.integrity_error("tree", slot, "snapshot on an entry that has one")  # type: ignore[union-attr]
+        node.state[j] = slot
+        self._state_at[slot] = node
 
     def _drop_snapshots(self, slots: Sequence[int]) -> None:
         for slot in slots:
             node = self._state_at.pop(slot)
             node.state[node.state.index(slot)] = 0
-
-    def evictable_state(self) -> int:
-        """Snapshot slots `evict_state(..., pinned_too=True)` could free now."""
-        if self.state_pool is None:
-            return 0
-        rc = self.state_pool.rc
-        return sum(1 for s in self._state_at if rc[s] == 1)
 
     def evictable_full(self) -> int:
         """FULL pages repeated full passes could free now: tree-only pages with no

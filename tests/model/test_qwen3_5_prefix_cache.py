@@ -22,6 +22,7 @@ import torch
 import transformers
 
 from freetoken.config import EngineConfig
+from freetoken.kv.snapshots import snapshot_at
 from freetoken.llm import LLM
 from freetoken.request import Request, SamplingParams
 
@@ -163,7 +164,7 @@ def test_a_snapshot_holds_the_state_a_cold_run_reaches_there(checkpoint: Path) -
 
     def snapshot_states(llm: LLM, prompt: list[int], end: int) -> list[torch.Tensor]:
         kv, tensors = llm.engine.kv, llm.engine.runner.kv_tensors
-        slot = kv.tree.snapshot_at(tuple(prompt), end)
+        slot = snapshot_at(kv.tree, tuple(prompt), end)
         assert slot
         return [t[slot].clone() for t in (*tensors.conv, *tensors.recurrent) if t is not None]
 
@@ -215,6 +216,6 @@ def test_seed_scenario_on_the_hybrid_model(checkpoint: Path) -> None:
         if a.finish_reason is None:
             b_beside_a = len(b.output_ids)
     assert b_beside_a >= 2
-    assert eng.kv.tree.snapshot_at(tuple(b_prompt), 4)  # B's branch point
+    assert snapshot_at(eng.kv.tree, tuple(b_prompt), 4)  # B's branch point
     assert (a.output_ids, b.output_ids) == (greedy(a_prompt, 12), greedy(b_prompt, NEW))
     assert balanced(llm)
