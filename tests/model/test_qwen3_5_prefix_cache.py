@@ -219,3 +219,22 @@ def test_seed_scenario_on_the_hybrid_model(checkpoint: Path) -> None:
     assert snapshot_at(eng.kv.tree, tuple(b_prompt), 4)  # B's branch point
     assert (a.output_ids, b.output_ids) == (greedy(a_prompt, 12), greedy(b_prompt, NEW))
     assert balanced(llm)
+
+
+def test_chat_conversations_rendered_by_the_template_hit_at_the_system_message(checkpoint: Path, oracle) -> None:  # noqa: ANN001
+    """The boundaries the server marks (`render_chat`: the end of each message) reach the
+    snapshot points: a second conversation over the same system message hits at its end,
+    floored to a page, and gives transformers' tokens."""
+    from freetoken.server.core.chat_prompt import render_chat
+
+    llm = engine(checkpoint, chunk=64)
+    system = {"role": "system", "content": "You are a careful agent. " * 8}
+    got = []
+    for i, user in enumerate(["list the files", "read the readme"]):
+        ids, bounds = render_chat(llm.tokenizer, [system, {"role": "user", "content": user}])
+        got.append((run(llm, f"c{i}", ids, bounds), ids, bounds))
+    (_, _, first_bounds), (second, ids, bounds) = got
+    assert bounds[0] == first_bounds[0]  # where the system message ends
+    assert second.report.cached_tokens == bounds[0] - bounds[0] % 4
+    assert second.output_ids == oracle(ids)
+    assert balanced(llm)
