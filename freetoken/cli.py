@@ -306,6 +306,22 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="K/V storage: auto = the model's dtype; int8 (q8_0) / fp8_e4m3 (CUDA) hold about twice the tokens per byte",
     )
     g.add_argument(
+        "--state-snapshots",
+        type=int,
+        default=None,
+        metavar="N",
+        help="hybrid models (Qwen3.5): recurrent-state snapshots the prefix cache may keep, one state slot each "
+        "(default: sized from memory, at most 4 per running request; 0 = no prefix hits on such models)",
+    )
+    g.add_argument(
+        "--state-snapshot-interval",
+        type=int,
+        default=2048,
+        metavar="TOKENS",
+        help="hybrid models: a state snapshot at least every TOKENS tokens of a long prompt, besides message "
+        "boundaries and branch points (default 2048; 0 = none)",
+    )
+    g.add_argument(
         "--max-pinned-tokens",
         type=int,
         default=None,
@@ -697,6 +713,8 @@ def _serve(args: argparse.Namespace) -> None:
         debug_kv=args.debug_kv,
         test_hold=args.test_hold,
         max_pinned_tokens=args.max_pinned_tokens,
+        state_snapshots=args.state_snapshots,
+        state_snapshot_interval=args.state_snapshot_interval,
         kv_cache_dtype=args.kv_cache_dtype,
         threads=args.threads,
         tensor_parallel_size=args.tensor_parallel_size,

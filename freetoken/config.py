@@ -50,6 +50,11 @@ class EngineConfig:
     swa_pool_tokens: int | str | None = None  # N tokens or "floor"
     debug_kv: bool = False
     max_pinned_tokens: int | None = None  # retention pins' cap (kv/pins.py); None: a quarter of the FULL pool
+    # Hybrid models (linear-attention layers): state slots the prefix cache may keep as snapshots
+    # beyond the running requests' (None: sized from memory, engine/build.py), and a snapshot
+    # point at least every this many prompt tokens (0: only boundaries, branch points, resend caps).
+    state_snapshots: int | None = None
+    state_snapshot_interval: int = 2048
     kv_cache_dtype: str = "auto"  # auto | bf16 | int8 (q8_0) | fp8_e4m3 (CUDA): kv/tensors.py
     threads: int | None = None
     tensor_parallel_size: int = 1  # engine processes, one per rank (freetoken.distributed)
@@ -103,6 +108,10 @@ class EngineConfig:
             )
         if self.max_pinned_tokens is not None and self.max_pinned_tokens < 0:
             raise ConfigError(f"--max-pinned-tokens must be >= 0, got {self.max_pinned_tokens}")
+        if self.state_snapshots is not None and self.state_snapshots < 0:
+            raise ConfigError(f"--state-snapshots must be >= 0, got {self.state_snapshots}")
+        if self.state_snapshot_interval < 0:
+            raise ConfigError(f"--state-snapshot-interval must be >= 0, got {self.state_snapshot_interval}")
         if self.max_waiting_requests < 0:
             raise ConfigError(f"--max-waiting-requests must be >= 0, got {self.max_waiting_requests}")
         if self.num_tokens is not None and self.num_tokens < self.page_size:

@@ -37,16 +37,30 @@ from freetoken.weights.progress import ProgressCallback
 log = logging.getLogger("freetoken.engine")
 
 
+def available_bytes(config: EngineConfig, model_config: ModelConfig, device: torch.device) -> int:
+    """Memory the K/V pools (and a hybrid model's state pool) may be sized from. An offload
+    expert cache's budget is not available to them (it fills as experts are routed to)."""
+    if device.type == "cuda":
+        available = torch.cuda.mem_get_info(device)[0]
+    else:
+        available = psutil.virtual_memory().available
+    if config.moe_strategy == "offload" and model_config.num_experts:  # the expert cache fills after this
+        available = max(available - int(config.expert_cache_gb * GIB), 0)
+    return available
+
+
 def resolve_for_model(
     config: EngineConfig,
     model_config: ModelConfig,
     dtype: torch.dtype,
     device: torch.device,
     rank_layout: KVLayout | None = None,
+    state_slots: int | None = None,
 ) -> ResolvedConfig:
     """Pool sizes for the model; `rank_layout` is one tensor-parallel rank's K/V shape (default:
-    the whole model's). CPU ranks share one memory, so there every rank's K/V counts; an offload
-    expert cache's budget is not available to the pools (it fills as experts are routed to)."""
+    the whole model's). CPU ranks share one memory, so there every rank's K/V counts. A hybrid
+    model's state pool (`state_slots`, default `state_pool_slots`) is allocated whole, before
+    the pages."""
     layout = rank_layout or model_config.kv_layout()
     ranks_here = 1 if device.type == "cuda" else config.tensor_parallel_size
     cache = config.kv_cache_dtype
@@ -54,14 +68,11 @@ def resolve_for_model(
     swa_bytes = (
         ranks_here * KVTensors.bytes_per_page(layout, 1, dtype, True, cache, device) if model_config.has_swa else 0
     )
-    if device.type == "cuda":
-        available = torch.cuda.mem_get_info(device)[0]
-    else:
-        available = psutil.virtual_memory().available
-    if config.moe_strategy == "offload" and model_config.num_experts:  # the expert cache fills after this
-        available = max(available - int(config.expert_cache_gb * GIB), 0)
-    if model_config.has_linear:  # the state pool is allocated whole, before the pages
-        available = max(available - state_slots(config) * layout.state_bytes(), 0)
+    available = available_bytes(config, model_config, device)
+    if model_config.has_linear:
+        slot = layout.state_bytes()
+        slots = state_pool_slots(config, slot, available) if state_slots is None else state_slots
+        available = max(available - slots * slot, 0)
     return config.resolve(
         model_context_length=model_config.max_position_embeddings,
         window=model_config.sliding_window if model_config.has_swa else None,
@@ -71,11 +82,25 @@ def resolve_for_model(
 
 
 STATE_SLOTS_SPARE = 2  # state slots beyond --max-running-requests: a quarantined slot costs no concurrency
+SNAPSHOTS_PER_RUNNING = 4  # default snapshot slots per running request, at most ...
+SNAPSHOT_MEMORY_SHARE = 0.1  # ... and within this share of the available memory ...
+MIN_SNAPSHOTS = 4  # ... but never fewer (a shared system prompt and a few conversations' last turns)
 
 
-def state_slots(config: EngineConfig) -> int:
-    """Slots of a hybrid model's state pool: one per running request, plus STATE_SLOTS_SPARE."""
-    return config.max_running_requests + STATE_SLOTS_SPARE
+def snapshot_slots(config: EngineConfig, slot_bytes: int, available: int) -> int:
+    """State slots the prefix cache may keep as snapshots: `--state-snapshots`, or by default
+    SNAPSHOTS_PER_RUNNING per running request within SNAPSHOT_MEMORY_SHARE of `available` (a
+    Qwen3.5-35B-A3B slot is ~63 MB), at least MIN_SNAPSHOTS."""
+    if config.state_snapshots is not None:
+        return config.state_snapshots
+    by_memory = int(SNAPSHOT_MEMORY_SHARE * available) // max(slot_bytes, 1)
+    return max(MIN_SNAPSHOTS, min(SNAPSHOTS_PER_RUNNING * config.max_running_requests, by_memory))
+
+
+def state_pool_slots(config: EngineConfig, slot_bytes: int, available: int) -> int:
+    """Slots of a hybrid model's state pool: one per running request, STATE_SLOTS_SPARE, and
+    the snapshots' (`snapshot_slots`)."""
+    return config.max_running_requests + STATE_SLOTS_SPARE + snapshot_slots(config, slot_bytes, available)
 
 
 def refuse_unsupported_hybrid(config: EngineConfig, model_config: ModelConfig, device: torch.device) -> None:
@@ -101,8 +126,12 @@ def build_engine_for(config: EngineConfig, loaded: LoadedModel, peers: Peers | N
     """An engine over an already loaded model (tests reuse one model across engines); `peers`:
     the other tensor-parallel ranks, told the pool sizes here and sent every step by the runner."""
     refuse_unsupported_hybrid(config, loaded.config, loaded.device)
-    slots = state_slots(config) if loaded.config.has_linear else None
-    resolved = resolve_for_model(config, loaded.config, loaded.dtype, loaded.device, loaded.model.config.kv_layout())
+    layout = loaded.model.config.kv_layout()  # this rank's KV heads: the model's own config (a shard's under TP)
+    slots = None
+    if loaded.config.has_linear:
+        available = available_bytes(config, loaded.config, loaded.device)
+        slots = state_pool_slots(config, layout.state_bytes(), available)
+    resolved = resolve_for_model(config, loaded.config, loaded.dtype, loaded.device, layout, slots)
     window = loaded.config.sliding_window if loaded.config.has_swa else None
     kv = KVManager(
         full_pages=resolved.full_pages,
@@ -112,8 +141,8 @@ def build_engine_for(config: EngineConfig, loaded: LoadedModel, peers: Peers | N
         cache_type=resolved.cache_type,
         max_pinned_pages=None if config.max_pinned_tokens is None else config.max_pinned_tokens // config.page_size,
         state_slots=slots,
+        snapshot_interval=config.state_snapshot_interval,
     )
-    layout = loaded.model.config.kv_layout()  # this rank's KV heads: the model's own config (a shard's under TP)
     tensors = KVTensors(
         layout,
         resolved.full_pages,
@@ -128,6 +157,17 @@ def build_engine_for(config: EngineConfig, loaded: LoadedModel, peers: Peers | N
         kind: KVTensors.bytes_per_page(layout, 1, loaded.dtype, kind == "swa", config.kv_cache_dtype, loaded.device)
         for kind in (("full", "swa") if loaded.config.has_swa else ("full",))
     }
+    if slots:
+        kv.copy_state = tensors.copy_state
+        log.info(
+            "state pool: %d slots of %.1f MB (%d running + %d spare + %d prefix-cache snapshots), %.2f GB",
+            slots,
+            layout.state_bytes() / 1e6,
+            config.max_running_requests,
+            STATE_SLOTS_SPARE,
+            slots - config.max_running_requests - STATE_SLOTS_SPARE,
+            slots * layout.state_bytes() / 1e9,
+        )
     report_memory(loaded.model, tensors.nbytes)
     log.info(
         "KV pools: full %d pages, swa %s pages of %d tokens; cache %s; context %d",

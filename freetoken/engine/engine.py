@@ -252,7 +252,9 @@ class Engine:
     def _commit(self, items: list[ScheduledItem], updates: dict[str, RequestUpdate]) -> None:
         """A prompt chunk's K/V becomes reusable now (the last one too: a request sharing the whole
         prompt can hit it while this one decodes), and the pins it reaches apply; decode steps
-        commit at finish."""
+        commit at finish, and on a hybrid model also when they reach a page boundary (a state
+        snapshot there, kv/manager.py)."""
+        page = self.config.engine.page_size
         for item in items:
             req = item.req
             if item.prompt_chunk and req.status is RequestStatus.RUNNING:
@@ -260,6 +262,12 @@ class Engine:
                 resend_at = len(req.prompt_ids) - 1 if prompt_done else None
                 self.kv.commit(req.rid, req.all_ids[: req.num_computed], req.boundaries, resend_at)
                 self._pin(req, updates)
+            elif (
+                self.kv.state_pool is not None and req.status is RequestStatus.RUNNING and req.num_computed % page == 0
+            ):
+                # A hybrid model's state is at a page boundary only now: its snapshot there is
+                # where the next request of a conversation (prompt + this output + more) hits.
+                self.kv.commit(req.rid, req.all_ids[: req.num_computed], req.boundaries)
 
     def _release(self, items: list[ScheduledItem]) -> None:
         """A verified chunk's pages that only rejected drafts were written to, then the SWA pages

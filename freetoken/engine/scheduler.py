@@ -3,7 +3,7 @@
 Owns the waiting and running queues, admission over both KV pools, chunked prefill within
 `max_prefill_length`, preemption when a running request cannot grow, and (`--speculative ngram`)
 turning decode rows into verified chunks of 1 + k tokens once every other need of the step is
-met: a draft's pages may come from evicting the prefix cache, never from a preemption. Running out of a pool
+met (a hybrid model's prompt chunks also end at the KV manager's snapshot points, `chunk_end`): a draft's pages may come from evicting the prefix cache, never from a preemption. Running out of a pool
 is a scheduling condition here: a request waits, or the youngest running one is preempted; it is
 never an exception. Once a step's batch is final it seals each item: which rows of the forward
 give logits and which of those are sampled, and the request's page tables, decided once here and
@@ -118,7 +118,7 @@ class Scheduler:
             remaining = req.num_tokens - req.num_computed
             if rule is not None and remaining == 1 and rule.holds(req):
                 continue  # the test hook holds this decode row
-            n = 1 if remaining == 1 else min(remaining, budget)
+            n = 1 if remaining == 1 else self._chunk(req, req.num_computed, min(remaining, budget))
             if n == 0:
                 continue
             if not self._grow(req, req.num_computed + n, items):
@@ -146,10 +146,12 @@ class Scheduler:
 
     def _admit(self, req: Request, budget: int) -> ScheduledItem | None:
         use_cache = req.params.prompt_logprobs is None
-        cached = self.kv.admit(req.rid, req.all_ids, use_cache=use_cache)
+        cached = self.kv.admit(
+            req.rid, req.all_ids, use_cache=use_cache, boundaries=req.boundaries, prompt_len=len(req.prompt_ids)
+        )
         # Explained before `extend`, whose eviction would change what the tree held.
         miss = self.kv.explain_miss(req.rid, req.all_ids) if use_cache and not req.admitted_once else None
-        n = min(req.num_tokens - cached, budget)
+        n = self._chunk(req, cached, min(req.num_tokens - cached, budget))
         if not self.kv.extend(req.rid, cached + n):
             self.kv.release(req.rid)  # the lease goes back in the same step
             return None
@@ -159,6 +161,11 @@ class Scheduler:
             req.admitted_once = True
         req.num_computed = cached
         return ScheduledItem(req, cached, n)
+
+    def _chunk(self, req: Request, start: int, n: int) -> int:
+        """A chunk of `n` tokens from `start`, cut short where the KV manager wants the request's
+        recurrent state for a snapshot (hybrid models: the step ends with the state there)."""
+        return self.kv.chunk_end(req.rid, start, start + n) - start
 
     def _grow(self, req: Request, num_tokens: int, items: list[ScheduledItem]) -> bool:
         """Make `req`'s tables cover `num_tokens`, preempting the youngest requests as needed.

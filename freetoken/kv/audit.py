@@ -7,7 +7,7 @@ reference count and every holder, so the report alone says where a page went.
 - A1 rc == tree references + request references, per pool, per page;
 - A2 the free list is exactly {p >= 1 : rc[p] == 0}, no duplicates, NULL never in it;
 - A3 tree structure: no page in two tree entries, no NULL full entry, page-aligned nodes, no
-  empty node;
+  empty node, no snapshot slot a request also holds;
 - A4 each running request: no hole in its FULL table, in-window SWA entries live, SWA entries
   out of the window NULL;
 - A5 at idle: free + tree pages == capacity (less quarantined and retired pages) per pool;
@@ -18,9 +18,10 @@ reference count and every holder, so the report alone says where a page went.
 Retired pages (released above a shrink target, kv/pool.py) are left out like quarantined ones,
 and A3 also checks that the tree holds none of them.
 
-The state pool of a hybrid model (one slot per running request: the conv and recurrent states of
-its linear-attention layers) is recounted like a page pool under A1, A2 and A5; its holders are
-the requests' `state` entries (the tree holds no state slot yet).
+The state pool of a hybrid model (the conv and recurrent states of its linear-attention layers,
+one slot per running request and one per snapshot the tree keeps) is recounted like a page pool
+under A1, A2, A3 and A5; its holders are the requests' `state` entries and the tree entries
+holding a snapshot.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import numpy as np
 from freetoken.kv.errors import IntegrityReport, KVIntegrityError
 from freetoken.kv.pool import PagePool
 from freetoken.kv.table import RequestTables
-from freetoken.kv.tree import RadixTree
+from freetoken.kv.tree import Node, RadixTree
 from freetoken.kv.window import first_window_page, num_pages
 
 MAX_REPORTS_PER_CHECK = 20
@@ -64,25 +65,32 @@ class AuditReport:
 def holders_of(kind: str, page: int, tree: RadixTree | None, requests: Mapping[str, RequestTables]) -> tuple[str, ...]:
     """Every holder of `page` in pool `kind`: tree entries (by scan) and request entries."""
     out: list[str] = []
-    if kind == "state":
-        return tuple(f"request {rid} state" for rid, req in requests.items() if req.state == page)
     if tree is not None:
         for node in tree.nodes():
-            entries = node.full if kind == "full" else node.swa
+            entries = _entries(node, kind)
+            what = " snapshot" if kind == "state" else ""
             out.extend(
-                f"tree node#{node.uid} [{node.start},{node.end}) entry {j}" for j, p in enumerate(entries) if p == page
+                f"tree node#{node.uid} [{node.start},{node.end}) entry {j}{what}"
+                for j, p in enumerate(entries)
+                if p == page
             )
+    if kind == "state":
+        return (*out, *(f"request {rid} state" for rid, req in requests.items() if req.state == page))
     for rid, req in requests.items():
         table = req.full if kind == "full" else (req.swa or [])
         out.extend(f"request {rid} {kind}[{i}]" for i, p in enumerate(table) if p == page)
     return tuple(out)
 
 
+def _entries(node: Node, kind: str) -> list[int]:
+    return node.full if kind == "full" else node.swa if kind == "swa" else node.state
+
+
 def _tree_refs(kind: str, tree: RadixTree | None) -> Counter[int]:
     refs: Counter[int] = Counter()
-    if tree is not None and kind != "state":
+    if tree is not None:
         for node in tree.nodes():
-            refs.update(p for p in (node.full if kind == "full" else node.swa) if p)
+            refs.update(p for p in _entries(node, kind) if p)
     return refs
 
 
@@ -140,6 +148,8 @@ def _audit_pool(
             add("A3", page, f"page in {c} tree entries")
         if page in retired:
             add("A3", page, "retired page in the tree")
+        if kind == "state" and req_refs[page]:
+            add("A3", page, "snapshot slot also held by a request (its steps would write the snapshot)")
     # A5
     if idle:
         tree_pages = sum(1 for p in tree_refs if p not in quarantined)
@@ -159,7 +169,7 @@ def _audit_tree(tree: RadixTree, report: AuditReport) -> None:
         bad = ""
         if node.npages == 0:
             bad = "empty node"
-        elif len(node.key) != node.npages * p or len(node.swa) != node.npages:
+        elif len(node.key) != node.npages * p or len(node.swa) != node.npages or len(node.state) != node.npages:
             bad = "node length not page-aligned or tables of different lengths"
         elif 0 in node.full:
             bad = "NULL full entry"

@@ -2,12 +2,19 @@
 
 Owns the two page pools, the radix tree and every admitted request's page tables, and is the
 only place where a request's references are taken or dropped. A hybrid model (linear-attention
-layers, Qwen3.5) adds a state pool: one slot (the conv and recurrent states of every linear layer)
-per running request, owned like a page (reference count, free list, audit, quarantine). `extend`
-takes the request's slot together with its first pages (all-or-nothing) and `release` gives it
-back. The tree keeps no state snapshot yet, so on such a model a match hits 0 tokens (the miss
-reason says `state_missing`): a request always computes from position 0, from a zero state. It must not decide scheduling
-(who runs, who is preempted) and must not touch the physical K/V tensors.
+layers, Qwen3.5) adds a state pool: slots holding the conv and recurrent states of every linear
+layer, owned like pages (reference count, free list, audit, quarantine). A running request holds
+one (taken by `extend` with its first pages, all-or-nothing, or by `admit` on a hit) and the
+tree holds *snapshots*: copy-on-commit, a commit that finds the request's state at a page
+boundary (`len(tokens)` page-aligned) has the tree take a slot of its own there and copies the
+request's state into it; copy-on-hit, a hit (which on such a model needs a snapshot at exactly
+its end) takes the request's own slot at admission and copies the snapshot into it. The copies
+are `copy_state`, a callback into the physical tensors (kv/tensors.py) that whoever allocates
+them sets; this module decides who holds which slot. `chunk_end` tells the scheduler where a
+prompt chunk must end so that the request's state is at a wanted snapshot point after some step
+(marked boundaries, the resend cap, the tree's branch point, every `snapshot_interval` tokens).
+It must not decide scheduling (who runs, who is preempted) and must not touch the physical K/V
+tensors itself.
 
 Every step of a request, in the order the engine calls it:
 
@@ -46,6 +53,13 @@ from freetoken.kv.errors import KVIntegrityError
 from freetoken.kv.miss import CacheMiss, explain
 from freetoken.kv.pins import pin_path, pinned_pages, pinned_swa_pages, release_all
 from freetoken.kv.pool import PagePool
+from freetoken.kv.snapshots import (
+    drop_passing_snapshot,
+    evict_snapshots,
+    evictable_snapshots,
+    plan_snapshot_points,
+    take_snapshot,
+)
 from freetoken.kv.table import RequestTables
 from freetoken.kv.tree import RadixTree
 from freetoken.kv.window import first_window_page, floor_to_page, num_pages
@@ -83,6 +97,7 @@ class KVManager:
         max_pinned_pages: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         state_slots: int | None = None,
+        snapshot_interval: int = 0,
     ) -> None:
         if page_size < 1:
             raise ConfigError(f"page size must be >= 1, got {page_size}")
@@ -103,8 +118,13 @@ class KVManager:
         self.state_pool = PagePool("state", state_slots, self._holders) if state_slots else None
         self.tree: RadixTree | None = None
         if self.resolved_cache_type != "naive":
-            self.tree = RadixTree(self.full_pool, self.swa_pool, page_size, window)
+            self.tree = RadixTree(self.full_pool, self.swa_pool, page_size, window, self.state_pool)
             self.tree.clock = clock
+        # Hybrid models: a snapshot point at least every this many prompt tokens (0: none).
+        self.snapshot_interval = snapshot_interval
+        # Copies the states of one slot into another (src, dst): set by whoever allocates the
+        # state tensors (engine/build.py); None copies nothing (the pools alone, in unit tests).
+        self.copy_state: Callable[[int, int], None] | None = None
         # Retention pins (kv/pins.py): by default at most a quarter of the FULL pool is pinned.
         self.max_pinned_pages = full_pages // 4 if max_pinned_pages is None else max_pinned_pages
         # SWA pages a pin keeps live (the window before each breakpoint): a quarter of that pool.
@@ -144,17 +164,36 @@ class KVManager:
 
     # -- request lifecycle ------------------------------------------------------------------
 
-    def admit(self, rid: str, tokens: Sequence[int], *, use_cache: bool = True) -> int:
+    def admit(
+        self,
+        rid: str,
+        tokens: Sequence[int],
+        *,
+        use_cache: bool = True,
+        boundaries: Sequence[int] = (),
+        prompt_len: int | None = None,
+    ) -> int:
         """Admit a request: match its prompt and take its lease; returns the cached length.
 
         `use_cache=False` (prompt logprobs requested) skips the cache (0). Release the lease at
-        once with `release(rid)` if the request then does not fit.
+        once with `release(rid)` if the request then does not fit. On a hybrid model a hit also
+        takes the request's own state slot, a copy of the snapshot at the hit (no slot to be
+        had: no hit), and the request's snapshot points are planned (`chunk_end`): the marked
+        `boundaries`, the resend cap of its `prompt_len` (default: all of `tokens`), where the
+        tree's path of it ends and every `snapshot_interval` tokens.
         """
         if rid in self._requests:
             raise ValueError(f"request {rid!r} is already admitted")
         req = RequestTables(rid, swa=[] if self.swa_pool is not None else None)
-        if use_cache and self.tree is not None and len(tokens) > 1 and self.state_pool is None:
+        if use_cache and self.tree is not None and len(tokens) > 1:
             hit = self.tree.match(tuple(tokens))
+            if self.state_pool is not None and hit.length:
+                req.state = self._take_state_slot(keep=hit.state)
+                if not req.state:
+                    self._requests[rid] = req
+                    return 0
+                if self.copy_state is not None:
+                    self.copy_state(hit.state, req.state)
             self.full_pool.incref(hit.full)
             if self.swa_pool is not None and hit.swa is not None:
                 self.swa_pool.incref([p for p in hit.swa if p])
@@ -162,7 +201,29 @@ class KVManager:
             req.full = list(hit.full)
             req.cached_len = req.next_pos = hit.length
         self._requests[rid] = req
+        if self.state_pool is not None and self.tree is not None and use_cache:
+            n = len(tokens) if prompt_len is None else prompt_len
+            req.stops = plan_snapshot_points(
+                self.tree, tuple(tokens), req.cached_len, boundaries, n, self.snapshot_interval
+            )
         return req.cached_len
+
+    def chunk_end(self, rid: str, start: int, end: int) -> int:
+        """Where a chunk computing tokens [start, end) should end: before `end` at the first
+        snapshot point of the request inside it (hybrid models; else `end`)."""
+        for stop in self._req(rid).stops:
+            if start < stop < end:
+                return stop
+        return end
+
+    def _take_state_slot(self, keep: int = 0) -> int:
+        """A state slot for a request, evicting snapshots (never `keep`, pinned ones too: a pin
+        never starves a request) when none is free; 0 when none can be had."""
+        assert self.state_pool is not None
+        if self.state_pool.num_free < 1 and self.tree is not None:
+            evict_snapshots(self.tree, 1, keep=keep, pinned_too=True)
+        got = self.state_pool.alloc(1)
+        return got[0] if got else 0
 
     def explain_miss(self, rid: str, tokens: Sequence[int]) -> CacheMiss | None:
         """Why `rid`'s admission hit stopped where it did; call it right after `admit`, before
@@ -185,9 +246,11 @@ class KVManager:
         req = self._req(rid)
         need = self.pages_needed(rid, num_tokens)
         if self.state_pool is not None and not req.state:
-            if self.state_pool.num_free < 1 or (need and not self._make_room(need)):
+            if need and not self._make_room(need):
                 return False
-            (req.state,) = self.state_pool.alloc(1) or [0]
+            req.state = self._take_state_slot()
+            if not req.state:
+                return False
         if need == 0:
             return True
         if not self._make_room(need):
@@ -262,7 +325,9 @@ class KVManager:
         K/V is written (whole pages of them are committed); `boundaries` are positions the
         request marks (a chat request: the end of each message); `resend_at` is where a resend of
         the request's prompt would hit (its length - 1), whose window is kept too. Only adds tree
-        references."""
+        references; on a hybrid model, when `len(tokens)` is page-aligned (the request's state is
+        at a page boundary), a snapshot of its state there (unless the tree has one): the engine
+        also commits a decode step that reaches a page boundary (`_snapshot`)."""
         req = self._req(rid)
         n = floor_to_page(len(tokens), self.page_size)
         if n > len(req.full) * self.page_size:
@@ -272,6 +337,24 @@ class KVManager:
         committed = tuple(tokens[:n])
         self.tree.insert(committed, req.full, req.swa, boundaries, resend_at)
         req.committed = committed
+        if self.state_pool is not None and req.state and len(tokens) == n:
+            self._snapshot(req, committed, n)
+
+    def _snapshot(self, req: RequestTables, committed: tuple[int, ...], n: int) -> None:
+        """Copy-on-commit: the request's state is after token n - 1 now, and only now. A snapshot
+        at none of the request's planned points (a chunk that happened to end on a page, a decode
+        step's page) is kept only until its next one: the last page boundary its state passed is
+        what the next request of a conversation, extending the whole sequence, can hit."""
+        assert self.tree is not None
+        slot = take_snapshot(self.tree, committed, n)
+        if not slot:
+            return
+        if self.copy_state is not None:
+            self.copy_state(req.state, slot)
+        pos, old = req.rolling
+        if old:
+            drop_passing_snapshot(self.tree, committed, pos, old)
+        req.rolling = (0, 0) if n in req.stops else (n, slot)
 
     def release_out_of_window(self, rid: str, next_pos: int) -> int:
         """Drop the request's SWA pages no query at `next_pos` or later can see (q - k >= W).
@@ -313,8 +396,10 @@ class KVManager:
         """Pages of pool `kind` an admission may count on: free pages plus what eviction could
         free now (tree-only pages no request holds, so not those any lease pins)."""
         pool = self._pool(kind)
-        if self.tree is None or kind == "state":
+        if self.tree is None:
             return pool.num_free
+        if kind == "state":
+            return pool.num_free + evictable_snapshots(self.tree)
         extra = self.tree.evictable_full() if kind == "full" else self.tree.evictable_swa()
         return pool.num_free + extra
 
@@ -326,6 +411,8 @@ class KVManager:
             return 0
         if kind == "full":
             return self.tree.evict_full(num_pages_wanted)
+        if kind == "state":
+            return evict_snapshots(self.tree, num_pages_wanted, pinned_too=True)
         return self.tree.evict_swa(num_pages_wanted)
 
     # -- retention pins ---------------------------------------------------------------------
@@ -429,7 +516,7 @@ class KVManager:
         pool = self._pool(kind)
         wanted = {int(p) for p in pages if 0 < int(p) <= pool.capacity}
         pool.quarantine(sorted(wanted))
-        if self.tree is not None and kind != "state":
+        if self.tree is not None:
             self.tree.drop(kind, sorted(wanted))
         return {rid for rid, req in self._requests.items() if wanted & set(req.held(kind))}
 
@@ -443,10 +530,8 @@ class KVManager:
             q = set(pool.quarantined_pages())
             held = {p for r in self._requests.values() for p in r.held(pool.kind)} - q
             tree_pages: set[int] = set()
-            if self.tree is not None and pool.kind != "state":
-                tree_pages = (
-                    {p for n in self.tree.nodes() for p in (n.full if pool.kind == "full" else n.swa)} - q - {0}
-                )
+            if self.tree is not None:
+                tree_pages = set(self.tree.owned(pool.kind)) - q
             pools[pool.kind] = {
                 "capacity": pool.capacity - pool.num_retired,  # converges to `target` while shrinking
                 "free": pool.num_free,

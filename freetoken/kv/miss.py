@@ -8,7 +8,7 @@ no node, no access stamp. Reasons, in the order they are decided:
 - `capped`: the hit is as long as the cap allows (the last token, and so the last partial
   page, is always computed);
 - `state_missing`: (hybrid models) the tree holds more whole pages of the prompt, but no
-  recurrent-state snapshot at the end of any longer prefix (none is kept yet);
+  recurrent-state snapshot at the end of any longer prefix (never taken there, or evicted);
 - `window_evicted`: the tree holds more whole pages of the prompt, but the sliding window
   before every longer prefix has a tombstone;
 - `evicted`: the tree's path ends at the hit and the next page of the prompt was in the tree

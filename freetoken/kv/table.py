@@ -23,6 +23,8 @@ class RequestTables:
     cached_len: int = 0  # tokens the admission hit let it skip
     state: int = 0  # its slot of the state pool (hybrid models), 0 = none held
     committed: tuple[int, ...] = ()  # the tokens of its last commit (page-aligned)
+    stops: tuple[int, ...] = ()  # hybrid models: positions where a prompt chunk ends for a snapshot
+    rolling: tuple[int, int] = (0, 0)  # its last snapshot at no planned point: (position, slot)
     # Speculative decoding (engine/speculative.py): the tables were grown for a verified chunk
     # not yet resolved by `KVManager.accept`; `drafted` stays set once the request has drafted.
     draft_pending: bool = False

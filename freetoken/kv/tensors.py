@@ -158,6 +158,15 @@ class KVTensors:
         states = [t for t in (*self.conv, *self.recurrent) if t is not None]
         return sum(t.numel() * t.element_size() for t in [*tensors, *scales, *states])
 
+    def copy_state(self, src: int, dst: int) -> None:
+        """Copy the conv and recurrent states of slot `src` into slot `dst` in every linear layer
+        (a prefix-cache snapshot taken or a hit's copy; the KV manager decides which slots)."""
+        if not 0 < src <= self.state_slots or not 0 < dst <= self.state_slots or src == dst:
+            raise ValueError(f"state copy from slot {src} to {dst} of {self.state_slots}")
+        for t in (*self.conv, *self.recurrent):
+            if t is not None:
+                t[dst].copy_(t[src])
+
     def clear_states(self, slots: list[int]) -> None:
         """Zero the conv and recurrent states of `slots` in every linear layer (a fresh request)."""
         for t in (*self.conv, *self.recurrent):

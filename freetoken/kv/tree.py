@@ -13,6 +13,13 @@ and must not release any reference but its own (DESIGN.md §3, rules 3, 4 and 6)
   (a retention pin, kv/pins.py: `pin_until` on the clock the manager gives the tree; a hit
   renews it).
 
+Hybrid models (a state pool: the recurrent state of every linear-attention layer, one slot per
+position): an entry may also hold a *snapshot*, one state slot with the state after the last
+token of that entry's page, the tree's own reference, never written after it is taken; a hit on
+such a model needs a snapshot at exactly its end. Removing an entry releases its snapshot, and
+`drop("state", ...)` drops snapshots alone (the entry and its pages stay). Which snapshots are
+taken, kept and evicted first is kv/snapshots.py.
+
 Nodes are split at page boundaries only, so every node holds whole pages.
 """
 
@@ -48,6 +55,7 @@ class Node:
     live: int = 0  # number of live SWA entries
     pin_until: float = 0.0  # retention pin: eviction skips the node while the clock is before it
     pin_ttl: float = 0.0  # how long a hit renews the pin for
+    state: list[int] = field(default_factory=list)  # state slot per entry (its snapshot), 0 = none
 
     @property
     def npages(self) -> int:
@@ -60,19 +68,29 @@ class Node:
 
 @dataclass(frozen=True)
 class TreeMatch:
-    """A hit: `length` tokens; the pages a lease must take (SWA: 0 outside the window)."""
+    """A hit: `length` tokens; the pages a lease must take (SWA: 0 outside the window); `state`:
+    the snapshot at `length` whose copy a hybrid model's request starts from (0: none)."""
 
     length: int
     full: list[int]
     swa: list[int] | None
+    state: int = 0
 
 
 class RadixTree:
     """Prefix cache over one FULL pool and an optional SWA pool."""
 
-    def __init__(self, full_pool: PagePool, swa_pool: PagePool | None, page_size: int, window: int | None) -> None:
+    def __init__(
+        self,
+        full_pool: PagePool,
+        swa_pool: PagePool | None,
+        page_size: int,
+        window: int | None,
+        state_pool: PagePool | None = None,
+    ) -> None:
         self.full_pool = full_pool
         self.swa_pool = swa_pool
+        self.state_pool = state_pool
         self.page_size = page_size
         self.window = window
         self._uids = itertools.count(1)
@@ -83,6 +101,7 @@ class RadixTree:
         self._swa_nodes: dict[Node, None] = {}  # nodes with a live SWA entry
         self._full_at: dict[int, Node] = {}
         self._swa_at: dict[int, Node] = {}
+        self._state_at: dict[int, Node] = {}  # snapshot slot -> its node
         self.evicted = EvictedPaths(4 * full_pool.capacity)  # for the cache report's miss reason
         self.clock: Callable[[], float] = time.monotonic  # the pins' clock (tests give a fake one)
         self.swa_pinned: dict[int, float] = {}  # SWA page -> pin deadline (the window before a pin's end)
@@ -116,15 +135,23 @@ class RadixTree:
             stack.extend(node.children.values())
 
     def num_pages(self, kind: str) -> int:
-        """Pages the tree references in pool `kind`."""
-        return len(self._full_at) if kind == "full" else len(self._swa_at)
+        """Pages (state: slots) the tree references in pool `kind`."""
+        return len(self.owned(kind))
+
+    def owned(self, kind: str) -> dict[int, Node]:
+        """The tree's pages (state: snapshot slots) of pool `kind`, each with its node."""
+        return self._full_at if kind == "full" else self._swa_at if kind == "swa" else self._state_at
+
+    @staticmethod
+    def _entries(node: Node, kind: str) -> list[int]:
+        return node.full if kind == "full" else node.swa if kind == "swa" else node.state
 
     def where(self, kind: str, page: int) -> str | None:
         """Describe the tree entry holding `page`, for error reports."""
-        node = (self._full_at if kind == "full" else self._swa_at).get(page)
+        node = self.owned(kind).get(page)
         if node is None:
             return None
-        entries = node.full if kind == "full" else node.swa
+        entries = self._entries(node, kind)
         j = entries.index(page) if page in entries else -1
         return f"tree node#{node.uid} [{node.start},{node.end}) entry {j}"
 
@@ -163,8 +190,10 @@ class RadixTree:
         cap = floor_to_page(len(tokens) - 1, p) // p if len(tokens) > 1 else 0
         entries = self._walk(tokens, cap)
         live = None if self.swa_pool is None else [n.swa[j] != 0 for n, j in entries]
-        length = hit_length(len(entries), live, len(tokens), p, self.window)
+        snaps = None if self.state_pool is None else [n.state[j] != 0 for n, j in entries]
+        length = hit_length(len(entries), live, len(tokens), p, self.window, snaps)
         k = length // p
+        state = entries[k - 1][0].state[entries[k - 1][1]] if snaps is not None and k else 0
         stamp = self._tick()
         now = self.clock()
         for node, _ in entries[:k]:
@@ -176,10 +205,14 @@ class RadixTree:
                         self.swa_pinned[s] = node.pin_until
         full = [n.full[j] for n, j in entries[:k]]
         if self.swa_pool is None or self.window is None:
-            return TreeMatch(length, full, None)
+            return TreeMatch(length, full, None, state)
         first = first_window_page(length, self.window, p)
         swa = [n.swa[j] if i >= first else 0 for i, (n, j) in enumerate(entries[:k])]
-        return TreeMatch(length, full, swa)
+        return TreeMatch(length, full, swa, state)
+
+    def path_pages(self, tokens: Tokens, max_pages: int) -> int:
+        """Whole pages of `tokens` (at most max_pages) the tree holds: where its path ends."""
+        return len(self._walk(tokens, max_pages))
 
     def touch(self, tokens: Tokens) -> None:
         """Stamp the path of `tokens` as just used (a preempted request's resume hits it)."""
@@ -205,9 +238,11 @@ class RadixTree:
             last_access=node.last_access,
             pin_until=node.pin_until,
             pin_ttl=node.pin_ttl,
+            state=node.state[:m],
         )
         upper.live = sum(1 for s in upper.swa if s)
         node.key, node.full, node.swa, node.pri = (node.key[m * p :], node.full[m:], node.swa[m:], node.pri[m:])
+        node.state = node.state[m:]
         node.start += m * p
         node.live -= upper.live
         node.parent.children[upper.key[:p]] = upper
@@ -218,6 +253,9 @@ class RadixTree:
         for page in upper.swa:
             if page:
                 self._swa_at[page] = upper
+        for slot in upper.state:
+            if slot:
+                self._state_at[slot] = upper
         self._refresh(upper)
         self._refresh(node)
         return upper
@@ -238,7 +276,15 @@ class RadixTree:
         self.full_pool.incref(pages)
         k = len(pages)
         node = Node(
-            next(self._uids), pos, tokens[pos : pos + k * p], pages, [0] * k, [False] * k, parent, last_access=stamp
+            next(self._uids),
+            pos,
+            tokens[pos : pos + k * p],
+            pages,
+            [0] * k,
+            [False] * k,
+            parent,
+            last_access=stamp,
+            state=[0] * k,
         )
         for page in pages:
             self._full_at[page] = node
@@ -335,11 +381,14 @@ class RadixTree:
     def _trim_tail(self, node: Node, k: int) -> int:
         """Drop the tree's references of the last k entries of a leaf; returns full pages freed."""
         full, swa = node.full[-k:], [s for s in node.swa[-k:] if s]
+        state = [s for s in node.state[-k:] if s]
         for page in full:
             del self._full_at[page]
         for page in swa:
             del self._swa_at[page]
             self.swa_pinned.pop(page, None)
+        for slot in state:
+            del self._state_at[slot]
         if k == node.npages and node.parent is not None:
             del node.parent.children[node.key[: self.page_size]]
             self._refresh(node.parent)
@@ -350,11 +399,14 @@ class RadixTree:
             p = self.page_size
             node.key, node.full = node.key[: -k * p], node.full[:-k]
             node.swa, node.pri = node.swa[:-k], node.pri[:-k]
+            node.state = node.state[:-k]
             node.live -= len(swa)
             node.marked = False
             self._refresh(node)
         if self.swa_pool is not None:
             self.swa_pool.decref(swa)
+        if self.state_pool is not None:
+            self.state_pool.decref(state)
         return self.full_pool.decref(full)
 
     def evict_full(self, need: int) -> int:
@@ -408,6 +460,20 @@ class RadixTree:
             victims.append(page)
         return self.swa_pool.decref(victims)
 
+    # -- state snapshots (hybrid models; which and when: kv/snapshots.py) ------------------
+
+    def hold_snapshot(self, node: Node, j: int, slot: int) -> None:
+        """Entry j of `node` holds `slot` (just allocated: the reference is the tree's)."""
+        if node.state[j] or slot in self._state_at:
+            raise self.state_pool.integrity_error("tree", slot, "snapshot on an entry that has one")  # type: ignore[union-attr]
+        node.state[j] = slot
+        self._state_at[slot] = node
+
+    def _drop_snapshots(self, slots: Sequence[int]) -> None:
+        for slot in slots:
+            node = self._state_at.pop(slot)
+            node.state[node.state.index(slot)] = 0
+
     def evictable_full(self) -> int:
         """FULL pages repeated full passes could free now: tree-only pages with no
         request-held page below them in their subtree."""
@@ -439,11 +505,17 @@ class RadixTree:
 
     def pages_above(self, kind: str, limit: int) -> list[int]:
         """The tree's pages of pool `kind` with an index above `limit` (a shrink drops them)."""
-        return sorted(p for p in (self._full_at if kind == "full" else self._swa_at) if p > limit)
+        return sorted(p for p in self.owned(kind) if p > limit)
 
     def drop(self, kind: str, pages: Sequence[int]) -> None:
         """Quarantine support: drop every tree entry on `pages` (a FULL entry takes the rest of
-        its path with it; an SWA entry becomes a tombstone)."""
+        its path with it; an SWA entry becomes a tombstone; a state slot: the snapshot alone)."""
+        if kind == "state":
+            held = [s for s in pages if s in self._state_at]
+            self._drop_snapshots(held)
+            if self.state_pool is not None:
+                self.state_pool.decref(held)
+            return
         for page in pages:
             if kind == "swa":
                 node = self._swa_at.pop(page, None)

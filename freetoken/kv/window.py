@@ -35,7 +35,12 @@ def first_window_page(end: int, window: int, page_size: int) -> int:
 
 
 def hit_length(
-    path_pages: int, swa_live: Sequence[bool] | None, prompt_len: int, page_size: int, window: int | None
+    path_pages: int,
+    swa_live: Sequence[bool] | None,
+    prompt_len: int,
+    page_size: int,
+    window: int | None,
+    snapshots: Sequence[bool] | None = None,
 ) -> int:
     """The hit rule: how many prompt tokens a new request may skip.
 
@@ -44,18 +49,24 @@ def hit_length(
     first: L <= floor_to_page(prompt_len - 1), so at least one token is computed. Then the largest
     L = k*P under the cap whose window (every SWA page overlapping the last W - 1 tokens before L)
     is live. The rule is not monotone in L, so every k is checked, not only the longest path.
+    `snapshots[i]` (hybrid models, None otherwise) says whether a recurrent-state snapshot exists
+    at the end of page i: then L = k*P also needs `snapshots[k - 1]`.
     """
     if prompt_len <= 1:
         return 0
     max_k = min(path_pages, floor_to_page(prompt_len - 1, page_size) // page_size)
-    if swa_live is None or window is None:
+    windowed = swa_live is not None and window is not None
+    if not windowed and snapshots is None:
         return max_k * page_size
     best = 0
     last_dead = -1  # index of the last tombstone among pages [0, k)
     for k in range(1, max_k + 1):
-        if not swa_live[k - 1]:
-            last_dead = k - 1
-        if last_dead < first_window_page(k * page_size, window, page_size):
+        if windowed:
+            if not swa_live[k - 1]:  # type: ignore[index]
+                last_dead = k - 1
+            if last_dead >= first_window_page(k * page_size, window, page_size):  # type: ignore[arg-type]
+                continue
+        if snapshots is None or snapshots[k - 1]:
             best = k
     return best * page_size
 

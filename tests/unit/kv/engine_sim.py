@@ -51,7 +51,7 @@ class NullRunner:
         for item in items:
             req = item.req
             tokens = req.token_slice(0, item.start + item.n)
-            self.kv.forward(req.rid, tokens, item.start, item.n)
+            self.kv.forward(req.rid, tokens, item.start, item.n, item.state_slot)
             ids = self.kv.shadow.requests[req.rid].ids
             if item.all_logits:
                 rows.extend(ids[item.start : item.start + item.n])
@@ -72,6 +72,7 @@ class Setup:
     max_running: int = 3
     chunk: int = 8
     cache_type: str = "radix"
+    state_slots: int | None = None  # a hybrid model's state pool (linear-attention layers)
 
 
 def make_engine(setup: Setup, kv_class: type[CheckedKV] = CheckedKV, debug_kv: bool = True,
@@ -90,7 +91,8 @@ def make_engine(setup: Setup, kv_class: type[CheckedKV] = CheckedKV, debug_kv: b
     resolved = config.resolve(model_context_length=4096, window=setup.window,
                               kv_bytes_per_token=1, available_bytes=1 << 30)
     kv = kv_class(full_pages=resolved.full_pages, swa_pages=resolved.swa_pages, page_size=p,
-                  window=setup.window, cache_type=resolved.cache_type, clock=clock)
+                  window=setup.window, cache_type=resolved.cache_type, clock=clock,
+                  state_slots=setup.state_slots, snapshot_interval=16 if setup.state_slots else 0)
     return Engine(resolved, NullRunner(kv), kv, None)
 
 
@@ -157,10 +159,18 @@ class Traffic:
         return prefix[:share] + tail, bounds
 
 
-def random_program(seed: int) -> tuple[Setup, Callable[[Engine], None]]:
+# Hybrid models: no window, a state pool of R + 2 slots (every snapshot evicted for the next
+# request's slot) or with room for snapshots.
+HYBRID_SETUPS = [
+    Setup(4, None, 24, state_slots=5), Setup(4, None, 32, chunk=12, state_slots=9),
+    Setup(2, None, 40, max_running=4, chunk=10, state_slots=8),
+]
+
+
+def random_program(seed: int, setups: list[Setup] = SETUPS) -> tuple[Setup, Callable[[Engine], None]]:
     """A setup and a program over it, both from `seed` alone."""
     rng = random.Random(seed)
-    setup = rng.choice(SETUPS)
+    setup = rng.choice(setups)
 
     def program(engine: Engine) -> None:
         long = [rng.randrange(VOCAB) for _ in range(rng.randint(20, 44))]
@@ -198,9 +208,9 @@ def random_program(seed: int) -> tuple[Setup, Callable[[Engine], None]]:
     return setup, program
 
 
-def run_program(seed: int, kv_class: type[CheckedKV] = CheckedKV) -> CheckedKV:
+def run_program(seed: int, kv_class: type[CheckedKV] = CheckedKV, setups: list[Setup] = SETUPS) -> CheckedKV:
     """Play the program of `seed`; any failure is re-raised naming the seed."""
-    setup, program = random_program(seed)
+    setup, program = random_program(seed, setups)
     engine = make_engine(setup, kv_class)
     try:
         program(engine)

@@ -195,8 +195,9 @@ class ReferenceDefect(ReferenceCommits):
         self.doomed: dict[str, list[tuple[int, int]]] = {}
         self.refused = 0
 
-    def admit(self, rid: str, tokens: Sequence[int], *, use_cache: bool = True) -> int:
-        cached = super().admit(rid, tokens, use_cache=use_cache)
+    def admit(self, rid: str, tokens: Sequence[int], *, use_cache: bool = True, boundaries: Sequence[int] = (),
+              prompt_len: int | None = None) -> int:
+        cached = super().admit(rid, tokens, use_cache=use_cache, boundaries=boundaries, prompt_len=prompt_len)
         self.accepted[rid] = cached
         return cached
 

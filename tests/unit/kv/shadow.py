@@ -69,6 +69,9 @@ class Shadow:
         self.ids = PrefixIds()
         self.content: dict[str, dict[int, list[int | None]]] = {"full": {}, "swa": {}}
         self.requests: dict[str, _ReqShadow] = {}
+        # Hybrid models: the prefix id whose recurrent state each state slot holds (0: the zero
+        # state of the empty prefix; absent: never written).
+        self.state: dict[int, int | None] = {}
         self.writes = 0
         self.enabled = True  # False: record writes, check nothing (to show what the audit misses)
 
@@ -86,10 +89,17 @@ class Shadow:
             req.ids.extend(self.ids.chain(parent, req.tokens[len(req.ids) : upto]))
         return req.ids
 
+    def copy_state(self, src: int, dst: int) -> None:
+        """The KV manager's state copy (a snapshot taken, a hit's copy)."""
+        self.state[dst] = self.state.get(src)
+
     def write(self, rid: str, tokens: Sequence[int], start: int, n: int,
-              full: Sequence[int], swa: Sequence[int] | None) -> None:
+              full: Sequence[int], swa: Sequence[int] | None, state_slot: int = 0) -> None:
         """The forward computes tokens[start:start + n] of `rid` into its tables: check every key
-        its queries will read, then record the writes. `tokens` covers at least start + n."""
+        its queries will read, then record the writes. `tokens` covers at least start + n. On a
+        hybrid model the chunk starts from the state in `state_slot` (zeroed at position 0),
+        which must be the state of its own prefix tokens[:start], and leaves the state of
+        tokens[:start + n] there."""
         req = self.requests.get(rid)
         if req is None:
             raise ShadowViolation(f"forward of {rid}, which holds no KV pages")
@@ -113,6 +123,13 @@ class Shadow:
                 stores.append((page, pos % p, ids[pos]))
             self._store(kind, stores)
         self.writes += 1
+        if state_slot:
+            have = 0 if start == 0 else self.state.get(state_slot)
+            if self.enabled and have != (ids[start - 1] if start else 0):
+                raise ShadowViolation(
+                    f"{rid} computes from {start} starting from state slot {state_slot} holding "
+                    f"the state of prefix {have}, not of its own (id {ids[start - 1]})")
+            self.state[state_slot] = ids[start + n - 1]
         req.valid = max(req.valid, start + n)
         end = start + n
         if not self.enabled:
@@ -162,6 +179,10 @@ class Shadow:
                         if page:
                             self._claim(out, f"tree node#{node.uid} entry {j}", kind, page,
                                         node.start + j * p, ids[j * p : (j + 1) * p])
+                    slot = node.state[j] if node.state else 0
+                    if slot and self.state.get(slot) != ids[(j + 1) * p - 1]:
+                        out.append(f"tree node#{node.uid} entry {j}: snapshot slot {slot} holds the state "
+                                   f"of prefix {self.state.get(slot)}, claims {ids[(j + 1) * p - 1]}")
                 if len(out) >= limit:
                     return out
         for rid, tables in kv._requests.items():
@@ -170,6 +191,9 @@ class Shadow:
                 out.append(f"request {rid} holds pages the shadow never saw admitted")
                 continue
             ids = self._ids_of(req, req.valid)
+            if tables.state and req.valid and self.state.get(tables.state) != ids[req.valid - 1]:
+                out.append(f"request {rid}: state slot {tables.state} holds the state of prefix "
+                           f"{self.state.get(tables.state)}, not of its {req.valid} tokens")
             for kind, table in (("full", tables.full), ("swa", tables.swa or [])):
                 for i, page in enumerate(table):
                     lo, hi = i * p, min((i + 1) * p, req.valid)
@@ -210,6 +234,8 @@ class CheckedKV(KVManager):
         # Pages the (null) runner's K/V tensors hold per pool: a table entry past them would
         # index memory that does not exist.
         self.tensor_pages = {"full": self.full_pool.capacity, "swa": self.swa_pool.capacity if self.swa_pool else 0}
+        if self.state_pool is not None:
+            self.copy_state = self.shadow.copy_state
         if self.tree is not None:
             for kind in ("full", "swa"):
                 name = f"evict_{kind}"
@@ -226,15 +252,16 @@ class CheckedKV(KVManager):
             return
         report = run_audit(full_pool=self.full_pool, swa_pool=self.swa_pool, tree=self.tree,
                            requests=self._requests, page_size=self.page_size,
-                           window=self.window, idle=not self._requests)
+                           window=self.window, idle=not self._requests, state_pool=self.state_pool)
         problems += [str(v) for v in report.violations]
         if problems:
             raise ShadowViolation(f"after {after}:\n  " + "\n  ".join(problems))
 
     # -- the calls ------------------------------------------------------------------------
 
-    def admit(self, rid: str, tokens: Sequence[int], *, use_cache: bool = True) -> int:
-        cached = super().admit(rid, tokens, use_cache=use_cache)
+    def admit(self, rid: str, tokens: Sequence[int], *, use_cache: bool = True, boundaries: Sequence[int] = (),
+              prompt_len: int | None = None) -> int:
+        cached = super().admit(rid, tokens, use_cache=use_cache, boundaries=boundaries, prompt_len=prompt_len)
         self.shadow.admit(rid, tokens, cached)
         self.prompt_len[rid] = len(tokens)
         self.log.append(("admit", rid))
@@ -338,14 +365,14 @@ class CheckedKV(KVManager):
 
     # -- what the runner reports ----------------------------------------------------------
 
-    def forward(self, rid: str, tokens: Sequence[int], start: int, n: int) -> None:
-        """The forward of one item: shadow writes and read checks."""
+    def forward(self, rid: str, tokens: Sequence[int], start: int, n: int, state_slot: int = 0) -> None:
+        """The forward of one item: shadow writes and read checks (and its state, hybrid models)."""
         full, swa = self.page_tables(rid)
         for kind, table in (("full", full), ("swa", swa)):
             if table is not None and len(table) and int(table.max()) > self.tensor_pages[kind]:
                 raise ShadowViolation(f"{rid}'s {kind} table names page {int(table.max())}, past the "
                                       f"{self.tensor_pages[kind]} pages the K/V tensors hold")
-        self.shadow.write(rid, tokens, start, n, full, swa)
+        self.shadow.write(rid, tokens, start, n, full, swa, state_slot)
         self.log.append(("forward", rid))
         if rid in self.seeded and start >= self.prompt_len.get(rid, 0) and n == 1:
             holder, decodes = self.seeded[rid]
