@@ -18,7 +18,9 @@ from dataclasses import dataclass, replace
 from freetoken.config import ResolvedConfig
 from freetoken.engine.hold import TestHold
 from freetoken.engine.speculative import Speculator
+from freetoken.kv.disk_tier import DiskTier
 from freetoken.kv.manager import KVManager, PageTables
+from freetoken.kv.miss import CacheMiss
 from freetoken.request import Request, RequestStatus
 
 
@@ -81,6 +83,7 @@ class Scheduler:
             else None
         )
         self.hold = TestHold(engine.test_hold) if engine.test_hold else None  # a test hook (hold.py)
+        self.disk: DiskTier | None = None  # the disk tier under the prefix cache (--kv-disk-dir)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -147,8 +150,14 @@ class Scheduler:
     def _admit(self, req: Request, budget: int) -> ScheduledItem | None:
         use_cache = req.params.prompt_logprobs is None
         cached = self.kv.admit(req.rid, req.all_ids, use_cache=use_cache)
+        left_on_disk = False
+        if use_cache and self.disk is not None:  # a synchronous load, committed before it returns
+            loaded = self.disk.load(self.kv, req.rid, req.all_ids, cached, min(req.num_tokens - cached, budget))
+            cached, left_on_disk = loaded.length, loaded.left_on_disk
         # Explained before `extend`, whose eviction would change what the tree held.
         miss = self.kv.explain_miss(req.rid, req.all_ids) if use_cache and not req.admitted_once else None
+        if miss is not None and left_on_disk and miss.reason != "capped":
+            miss = CacheMiss(miss.matched, "on_disk")
         n = min(req.num_tokens - cached, budget)
         if not self.kv.extend(req.rid, cached + n):
             self.kv.release(req.rid)  # the lease goes back in the same step
@@ -188,6 +197,8 @@ class Scheduler:
     def preempt(self, req: Request) -> None:
         """Commit what `req` has written, release its pages and requeue it at the front."""
         self.kv.commit(req.rid, req.all_ids[: req.num_computed])
+        if self.disk is not None:
+            self.disk.save(self.kv, req.rid, req.all_ids[: req.num_computed])
         self.kv.release(req.rid, preempted=True)
         self.running.remove(req)
         req.status = RequestStatus.WAITING
