@@ -254,7 +254,7 @@ class KVTensors:
         """Views of one page of every layer of a pool: K, V (and their scales) per layer, in order."""
         parts: list[torch.Tensor] = []
         for i, s in enumerate(self.sliding):
-            if s != sliding:
+            if s != sliding or self.linear[i]:
                 continue
             for t in (self.k[i], self.v[i]):
                 parts.append(t[page])
