@@ -306,6 +306,26 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="K/V storage: auto = the model's dtype; int8 (q8_0) / fp8_e4m3 (CUDA) hold about twice the tokens per byte",
     )
     g.add_argument(
+        "--kv-disk-dir",
+        default=None,
+        metavar="DIR",
+        help="a disk tier under the prefix cache: committed KV pages are written here and loaded back "
+        "after an eviction or a restart (docs/kv-cache.md); off by default",
+    )
+    g.add_argument(
+        "--kv-disk-gb",
+        type=float,
+        default=16.0,
+        metavar="N",
+        help="the disk tier's bound in GiB (least recently used pages are deleted past it)",
+    )
+    g.add_argument(
+        "--kv-disk-load",
+        default="auto",
+        choices=["auto", "always"],
+        help="auto: load pages from disk when reading is measured cheaper than prefilling them; always",
+    )
+    g.add_argument(
         "--max-pinned-tokens",
         type=int,
         default=None,
@@ -698,6 +718,9 @@ def _serve(args: argparse.Namespace) -> None:
         test_hold=args.test_hold,
         max_pinned_tokens=args.max_pinned_tokens,
         kv_cache_dtype=args.kv_cache_dtype,
+        kv_disk_dir=args.kv_disk_dir,
+        kv_disk_gb=args.kv_disk_gb,
+        kv_disk_load=args.kv_disk_load,
         threads=args.threads,
         tensor_parallel_size=args.tensor_parallel_size,
         moe_strategy=args.moe_strategy,
