@@ -16,16 +16,7 @@ import pytest
 
 from freetoken.kv.disk import DiskStore
 from freetoken.kv.disk_cost import LoadPolicy
-from freetoken.kv.disk_file import (
-    HEADER_SIZE,
-    ROOT,
-    FileProblem,
-    PageHeader,
-    chain_keys,
-    decode,
-    encode,
-    identity_key,
-)
+from freetoken.kv.disk_file import HEADER_SIZE, ROOT, FileProblem, PageHeader, chain_keys, decode, encode, identity_key
 
 P = 4
 IDENT = identity_key(["test-model", "float32", P])
