@@ -5,6 +5,10 @@ ones, scheduler.py): its 1 + k rows are sampled as usual, the longest confirmed 
 token after it are kept (speculative.py), and the step's release starts with `KVManager.accept`,
 which gives back the pages only rejected tokens were written to (commits cover kept tokens only).
 
+With the disk tier (`--kv-disk-dir`, kv/disk_tier.py) every commit is followed by a write-behind
+of the pages not yet on disk (copied here, written by the tier's thread, never waited for), and
+`close` writes the backlog at shutdown.
+
 A request with a reasoning budget (freetoken/reasoning_budget.py) whose budget is spent gets the
 close of its reasoning forced: its row is sampled as usual and the forced token replaces the draw.
 

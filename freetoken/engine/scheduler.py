@@ -7,7 +7,9 @@ met: a draft's pages may come from evicting the prefix cache, never from a preem
 is a scheduling condition here: a request waits, or the youngest running one is preempted; it is
 never an exception. Once a step's batch is final it seals each item: which rows of the forward
 give logits and which of those are sampled, and the request's page tables, decided once here and
-read by the runner and the engine. It does not run the model or sample.
+read by the runner and the engine. With the disk tier (`--kv-disk-dir`) an admission's hit is
+extended by a synchronous load from disk (kv/disk_tier.py) before the miss is explained. It does
+not run the model or sample.
 """
 
 from __future__ import annotations
