@@ -4,7 +4,9 @@ Owns the files under `--kv-disk-dir` (`DIR/<identity>/<kind>/<xx>/<key>.kvp`, on
 kv/disk_file.py) and the index of them: (kind, key) -> bytes, in least-recently-used order,
 bounded by `--kv-disk-gb` (a write past the bound deletes the oldest files). Disk entries are not
 pages: no pool counts them and the pool audit does not see them; `audit` here checks every
-entry's file (it exists and its checksum matches) and drops the ones that fail.
+entry's file (it exists and its checksum matches) and drops the ones that fail, and the writer
+thread, whenever it has had nothing to write for `audit_idle_s`, checks the next batch of entries
+(a rolling audit, cycling over the index, off the engine's thread).
 
 Writes are off the engine's critical path: `submit` hands a page (already copied to host memory
 by the engine thread) to the writer thread and returns at once; when the backlog is over its
@@ -38,6 +40,8 @@ from freetoken.kv.disk_file import HEADER_SIZE, FileProblem, PageHeader, decode,
 log = logging.getLogger("freetoken.kv.disk")
 
 GIB = 1 << 30
+AUDIT_IDLE_S = 2.0  # the writer's rolling audit: a batch after this long without a write
+AUDIT_BATCH = 16  # entries per batch
 SUFFIX = ".kvp"
 _IDENTITY_DIR = re.compile(r"[0-9a-f]{32}")
 Key = tuple[str, bytes]  # (pool kind, page key)
@@ -52,6 +56,9 @@ class DiskCounters:
     evicted: int = 0  # files deleted to stay within the bound
     corrupt: int = 0  # files found unreadable, truncated, corrupt or not the page expected
     invalidated: int = 0  # files of another identity deleted at start
+    audited: int = 0  # entries the writer's rolling audit checked
+    audit_cycles: int = 0  # passes of that audit over the index begun
+    audit_failures: int = 0  # entries an audit found wrong (and dropped)
 
 
 @dataclass
@@ -64,7 +71,14 @@ class _Write:
 class DiskStore:
     """Page files of one identity under `root`, at most `max_bytes` of them."""
 
-    def __init__(self, root: str | Path, identity: bytes, max_bytes: int, max_backlog_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        root: str | Path,
+        identity: bytes,
+        max_bytes: int,
+        max_backlog_bytes: int | None = None,
+        audit_idle_s: float = AUDIT_IDLE_S,
+    ) -> None:
         if max_bytes <= 0:
             raise ValueError(f"the disk tier needs a positive size, got {max_bytes} bytes")
         self.root = Path(root)
@@ -82,6 +96,9 @@ class DiskStore:
         self._backlog_bytes = 0
         self._idle = threading.Condition(self._lock)
         self._queue: queue.SimpleQueue[_Write | None] = queue.SimpleQueue()
+        self.audit_idle_s = audit_idle_s  # the writer audits a batch after this long without a write
+        self.audit_batch = AUDIT_BATCH
+        self._audit_todo: list[Key] = []
         self.gate = threading.Event()  # a test hook: the writer waits while it is clear
         self.gate.set()
         self._open()
@@ -209,7 +226,11 @@ class DiskStore:
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=self.audit_idle_s)
+            except queue.Empty:
+                self._rolling_audit()
+                continue
             if item is None:
                 return
             self.gate.wait()
@@ -297,6 +318,27 @@ class DiskStore:
         matches. Entries that fail are dropped; returns one line per failure."""
         with self._lock:
             keys = list(self._index)
+        return self._audit(keys)
+
+    def _rolling_audit(self) -> None:
+        """The writer's idle work: check the next `audit_batch` entries (a cycle over the index,
+        so every entry is checked again and again while the tier is idle; the engine never waits
+        for it)."""
+        if not self._audit_todo:
+            with self._lock:
+                self._audit_todo = list(self._index)
+            if not self._audit_todo:
+                return
+            self.counters.audit_cycles += 1
+        batch, self._audit_todo = self._audit_todo[: self.audit_batch], self._audit_todo[self.audit_batch :]
+        problems = self._audit(batch)
+        with self._lock:
+            self.counters.audited += len(batch)
+            self.counters.audit_failures += len(problems)
+        for line in problems:
+            log.warning("disk tier audit: %s; dropped", line)
+
+    def _audit(self, keys: list[Key]) -> list[str]:
         problems: list[str] = []
         for kind, digest in keys:
             path = self._path((kind, digest))
@@ -328,4 +370,7 @@ class DiskStore:
                 "evicted": c.evicted,
                 "corrupt": c.corrupt,
                 "invalidated": c.invalidated,
+                "audited": c.audited,
+                "audit_cycles": c.audit_cycles,
+                "audit_failures": c.audit_failures,
             }

@@ -9,6 +9,7 @@ audit finds a file changed behind the index's back."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -149,3 +150,16 @@ def test_load_policy_compares_the_measured_rates() -> None:
     assert policy.should_load(50 * 10**6, 1000)  # 0.5 s of reading against 1 s of prefill
     assert not policy.should_load(200 * 10**6, 1000)
     assert LoadPolicy("always").should_load(10**12, 1)
+
+
+def test_the_writer_audits_while_idle(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path, IDENT, 1 << 20, audit_idle_s=0.01)
+    keys = write_pages(store, 3)
+    path = store._path(("full", keys[1]))
+    path.write_bytes(path.read_bytes()[:-1] + b"\x00")  # a bit flipped behind the index's back
+    deadline = time.monotonic() + 30  # a bound on the wait, not a timing assertion
+    while store.status()["audit_failures"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    status = store.status()
+    assert status["audit_failures"] == 1 and status["audited"] >= 3, status
+    assert not store.on_disk("full", keys[1]) and store.on_disk("full", keys[0])
