@@ -99,6 +99,7 @@ class DiskStore:
         self.audit_idle_s = audit_idle_s  # the writer audits a batch after this long without a write
         self.audit_batch = AUDIT_BATCH
         self._audit_todo: list[Key] = []
+        self._closed = False
         self.gate = threading.Event()  # a test hook: the writer waits while it is clear
         self.gate.set()
         self._open()
@@ -212,7 +213,7 @@ class DiskStore:
         with self._lock:
             if key in self._index or key in self._pending:
                 return False
-            if self._backlog_bytes + nbytes > self.max_backlog_bytes:
+            if self._closed or self._backlog_bytes + nbytes > self.max_backlog_bytes:
                 self.counters.dropped_writes += 1
                 return False
             self._pending[key] = nbytes
@@ -274,6 +275,8 @@ class DiskStore:
         """Write what is queued (up to `timeout_s`), then stop the writer. True when nothing was
         left unwritten."""
         done = self.flush(timeout_s)
+        with self._lock:
+            self._closed = True  # a page submitted from now on is dropped: no writer would take it
         self._queue.put(None)
         self._thread.join(timeout=0 if not done else timeout_s)
         return done
