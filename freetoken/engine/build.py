@@ -179,7 +179,10 @@ def disk_tier(config: EngineConfig, loaded: LoadedModel, tensors: KVTensors, win
     K/V storage dtype and shape, and the page size; it reads its index now."""
     layout = loaded.model.config.kv_layout()
     identity = identity_key([model_identity(loaded), str(tensors.dtype), repr(layout), config.page_size, window])
-    store = DiskStore(config.kv_disk_dir, identity, int(config.kv_disk_gb * DISK_GIB))
+    try:
+        store = DiskStore(config.kv_disk_dir, identity, int(config.kv_disk_gb * DISK_GIB))
+    except OSError as err:
+        raise ConfigError(f"--kv-disk-dir {config.kv_disk_dir} cannot be used: {err}") from None
     log.info("disk tier: %s, %d pages on disk (%.1f GiB bound)", store.dir, store.entries, config.kv_disk_gb)
     return DiskTier(store, tensors, config.page_size, window, LoadPolicy(config.kv_disk_load))
 

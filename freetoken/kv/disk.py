@@ -253,9 +253,13 @@ class DiskStore:
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        with tmp.open("wb") as f:
-            for piece in encode(item.header, item.tokens, memoryview(item.payload).cast("B")):  # type: ignore[arg-type]
-                f.write(piece)
+        try:
+            with tmp.open("wb") as f:
+                for piece in encode(item.header, item.tokens, memoryview(item.payload).cast("B")):  # type: ignore[arg-type]
+                    f.write(piece)
+        except OSError:
+            tmp.unlink(missing_ok=True)  # a full disk leaves no half file behind
+            raise
         size = item.header.file_size
         with self._lock:
             self._evict_over(size)

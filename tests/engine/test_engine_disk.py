@@ -156,3 +156,12 @@ def test_a_model_or_kv_dtype_change_invalidates_the_tier(request, make_llm, tmp_
         other = make_llm(request.getfixturevalue("tiny_llama"), kv_cache_dtype="int8", **flags)
     assert other.engine.disk.store.status()["invalidated"] > 0 and other.engine.disk.store.entries == 0
     assert run(other, ids + [5, 6]).report.cached_tokens == 0
+
+
+def test_an_unusable_directory_is_refused_naming_the_flag(tiny_llama, make_llm, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from freetoken.errors import ConfigError
+
+    not_a_dir = tmp_path / "a-file"
+    not_a_dir.write_text("x")
+    with pytest.raises(ConfigError, match="--kv-disk-dir"):
+        make_llm(tiny_llama, kv_disk_dir=str(not_a_dir))
