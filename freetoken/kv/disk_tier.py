@@ -131,12 +131,12 @@ class DiskTier:
         if target <= hit:
             return DiskHit(hit)
         want = target // p
-        swa_pages = [] if self.window is None else list(range(max(h, first_window_page(target, self.window, p)), want))
+        first = 0 if self.window is None else first_window_page(target, self.window, p)  # the window before it
+        swa_pages = [] if self.window is None else list(range(max(h, first), want))
         nbytes = (want - h) * self._nbytes["full"] + len(swa_pages) * self._nbytes["swa"]
         if not self.policy.should_load(nbytes, target - hit):
             self.counters.declined += 1
             return DiskHit(hit, left_on_disk=True)
-        first = 0 if self.window is None else first_window_page(target, self.window, p)
         if not self._fits(kv, rid, target, min(target + chunk, len(tokens)), first) or not kv.extend(
             rid, target, swa_from=first
         ):
