@@ -322,6 +322,26 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "boundaries and branch points (default 2048; 0 = none)",
     )
     g.add_argument(
+        "--kv-disk-dir",
+        default=None,
+        metavar="DIR",
+        help="a disk tier under the prefix cache: committed KV pages are written here and loaded back "
+        "after an eviction or a restart (docs/kv-cache.md); off by default",
+    )
+    g.add_argument(
+        "--kv-disk-gb",
+        type=float,
+        default=16.0,
+        metavar="N",
+        help="the disk tier's bound in GiB (least recently used pages are deleted past it)",
+    )
+    g.add_argument(
+        "--kv-disk-load",
+        default="auto",
+        choices=["auto", "always"],
+        help="auto: load pages from disk when reading is measured cheaper than prefilling them; always",
+    )
+    g.add_argument(
         "--max-pinned-tokens",
         type=int,
         default=None,
@@ -716,6 +736,9 @@ def _serve(args: argparse.Namespace) -> None:
         state_snapshots=args.state_snapshots,
         state_snapshot_interval=args.state_snapshot_interval,
         kv_cache_dtype=args.kv_cache_dtype,
+        kv_disk_dir=args.kv_disk_dir,
+        kv_disk_gb=args.kv_disk_gb,
+        kv_disk_load=args.kv_disk_load,
         threads=args.threads,
         tensor_parallel_size=args.tensor_parallel_size,
         moe_strategy=args.moe_strategy,

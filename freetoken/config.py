@@ -18,6 +18,7 @@ WEIGHT_POLICIES = ("auto", "bf16", "int8", "int4")
 PREFILL_WEIGHTS = ("auto", "bf16", "quantized")  # models.linear.keeps_dense_copy
 MOE_STRATEGIES = ("resident", "offload")  # --moe-strategy (models/experts.py)
 KV_CACHE_DTYPES = ("auto", "bf16", "int8", "q8_0", "fp8_e4m3")  # kv/tensors.py stores them (q8_0 = int8)
+KV_DISK_LOADS = ("auto", "always")  # --kv-disk-load (kv/disk_cost.py)
 
 
 def swa_floor_pages(max_running: int, max_prefill: int, window: int, page_size: int) -> int:
@@ -70,6 +71,9 @@ class EngineConfig:
         "resident"  # resident | offload: experts decoded at load, or an LRU cache over the file (docs/moe.md)
     )
     expert_cache_gb: float = 4.0  # offload: the expert cache's budget (resizable: POST /admin/cache/resize)
+    kv_disk_dir: str | None = None  # the disk tier under the prefix cache (kv/disk_tier.py); None: off
+    kv_disk_gb: float = 16.0  # its bound (least recently used pages are deleted past it)
+    kv_disk_load: str = "auto"  # auto: load when reading is measured cheaper than prefilling; always
     test_hold: str | None = None  # a test hook, off by default: the hold file of engine/hold.py
 
     def validate(self) -> None:
@@ -134,9 +138,24 @@ class EngineConfig:
             )
         if self.deterministic:
             self._check_deterministic()
+        if self.kv_disk_dir is not None:
+            self._check_disk()
         pool = self.swa_pool_tokens
         if pool is not None and pool != "floor" and not (isinstance(pool, int) and pool >= 1):
             raise ConfigError(f"--swa-pool-tokens must be a positive number of tokens or 'floor', got {pool!r}")
+
+    def _check_disk(self) -> None:
+        """What the disk tier (--kv-disk-dir) cannot work with, refused by name."""
+        if not self.kv_disk_dir:
+            raise ConfigError("--kv-disk-dir must be a directory, got ''")
+        if not self.kv_disk_gb > 0:
+            raise ConfigError(f"--kv-disk-gb must be above 0, got {self.kv_disk_gb}")
+        if self.kv_disk_load not in KV_DISK_LOADS:
+            raise ConfigError(f"--kv-disk-load must be one of {', '.join(KV_DISK_LOADS)}, got {self.kv_disk_load!r}")
+        if self.cache_type == "naive":
+            raise ConfigError("--kv-disk-dir is a tier under the prefix cache: it needs --cache-type radix")
+        if self.tensor_parallel_size > 1:
+            raise ConfigError("--kv-disk-dir does not support --tensor-parallel-size above 1 (each rank holds a shard)")
 
     def _check_deterministic(self) -> None:
         """What --deterministic cannot keep its promise with, refused by name."""

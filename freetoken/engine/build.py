@@ -26,6 +26,11 @@ from freetoken.engine.grammar import GrammarCompiler
 from freetoken.engine.memory_check import check_fits, report_memory
 from freetoken.engine.runner import Runner
 from freetoken.errors import ConfigError
+from freetoken.kv.disk import GIB as DISK_GIB
+from freetoken.kv.disk import DiskStore
+from freetoken.kv.disk_cost import LoadPolicy
+from freetoken.kv.disk_file import identity_key
+from freetoken.kv.disk_tier import DiskTier
 from freetoken.kv.manager import KVManager
 from freetoken.kv.tensors import KVLayout, KVTensors
 from freetoken.models.config import ModelConfig
@@ -33,6 +38,7 @@ from freetoken.models.experts_cache import GIB
 from freetoken.models.load import LoadedModel, load_model
 from freetoken.utils.hardware import default_device, resolve_dtype
 from freetoken.weights.progress import ProgressCallback
+from freetoken.weights.source import file_identity
 
 log = logging.getLogger("freetoken.engine")
 
@@ -118,6 +124,11 @@ def refuse_unsupported_hybrid(config: EngineConfig, model_config: ModelConfig, d
         raise ConfigError(f"--deterministic is not supported on {name} models yet")
     if config.tensor_parallel_size > 1:
         raise ConfigError(f"--tensor-parallel-size {config.tensor_parallel_size} is not supported on {name} models")
+    if config.kv_disk_dir is not None:
+        raise ConfigError(
+            f"--kv-disk-dir is not supported on {name} models yet: the disk tier keeps no recurrent-state "
+            "snapshots, and a prefix hit on such a model needs one"
+        )
     if device.type != "cpu":
         raise ConfigError(f"--device {device.type} is not supported on {name} models yet (tested on CPU only)")
 
@@ -185,7 +196,35 @@ def build_engine_for(config: EngineConfig, loaded: LoadedModel, peers: Peers | N
         check_reports(reports)  # a rank that built another model or other K/V: refused, one line
     prepare_deterministic(loaded.model, loaded.config, loaded.dtype, config.deterministic)
     runner = Runner(loaded.model, loaded.config, tensors, peers, alone_max=config.alone_max)
-    return Engine(resolved, runner, kv, GrammarCompiler(loaded.tokenizer))
+    disk = None if config.kv_disk_dir is None else disk_tier(config, loaded, tensors, window)
+    return Engine(resolved, runner, kv, GrammarCompiler(loaded.tokenizer), disk)
+
+
+def model_identity(loaded: LoadedModel) -> list[object]:
+    """What makes this model's K/V what it is: its files (path, size, mtime), the weight policy and
+    the format each matrix runs as, the compute dtype. A change of any invalidates the disk tier."""
+    path = loaded.source.path
+    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.suffix in (".json", ".safetensors"))
+    return [
+        loaded.source.kind,
+        [file_identity(f) for f in files],
+        loaded.weights,
+        sorted(loaded.formats.items()),
+        str(loaded.dtype),
+    ]
+
+
+def disk_tier(config: EngineConfig, loaded: LoadedModel, tensors: KVTensors, window: int | None) -> DiskTier:
+    """The disk tier under the prefix cache (--kv-disk-dir), its key the model's identity, the
+    K/V storage dtype and shape, and the page size; it reads its index now."""
+    layout = loaded.model.config.kv_layout()
+    identity = identity_key([model_identity(loaded), str(tensors.dtype), repr(layout), config.page_size, window])
+    try:
+        store = DiskStore(config.kv_disk_dir, identity, int(config.kv_disk_gb * DISK_GIB))
+    except OSError as err:
+        raise ConfigError(f"--kv-disk-dir {config.kv_disk_dir} cannot be used: {err}") from None
+    log.info("disk tier: %s, %d pages on disk (%.1f GiB bound)", store.dir, store.entries, config.kv_disk_gb)
+    return DiskTier(store, tensors, config.page_size, window, LoadPolicy(config.kv_disk_load))
 
 
 def load_for(config: EngineConfig, progress: ProgressCallback | None = None) -> LoadedModel:

@@ -5,6 +5,10 @@ ones, scheduler.py): its 1 + k rows are sampled as usual, the longest confirmed 
 token after it are kept (speculative.py), and the step's release starts with `KVManager.accept`,
 which gives back the pages only rejected tokens were written to (commits cover kept tokens only).
 
+With the disk tier (`--kv-disk-dir`, kv/disk_tier.py) every commit is followed by a write-behind
+of the pages not yet on disk (copied here, written by the tier's thread, never waited for), and
+`close` writes the backlog at shutdown.
+
 A request with a reasoning budget (freetoken/reasoning_budget.py) whose budget is spent gets the
 close of its reasoning forced: its row is sampled as usual and the forced token replaces the draw.
 
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -31,6 +36,7 @@ from freetoken.engine.sample_step import Kept, sample_step
 from freetoken.engine.sampler import prompt_logprobs
 from freetoken.engine.scheduler import ScheduledItem, Scheduler
 from freetoken.errors import FreeTokenError
+from freetoken.kv.disk_tier import DiskTier
 from freetoken.kv.errors import KVIntegrityError
 from freetoken.kv.manager import KVManager
 from freetoken.models.experts import expert_cache, expert_status
@@ -78,13 +84,20 @@ def _update_of(req: Request) -> RequestUpdate:
 
 class Engine:
     def __init__(
-        self, config: ResolvedConfig, runner: Runner, kv: KVManager, grammars: GrammarCompiler | None = None
+        self,
+        config: ResolvedConfig,
+        runner: Runner,
+        kv: KVManager,
+        grammars: GrammarCompiler | None = None,
+        disk: DiskTier | None = None,
     ) -> None:
         self.config = config
         self.runner = runner
         self.kv = kv
+        self.disk = disk  # the disk tier under the prefix cache (kv/disk_tier.py), None without --kv-disk-dir
         self.grammars = GrammarSet(grammars)  # matchers of requests with `params.grammar`
         self.scheduler = Scheduler(kv, config)
+        self.scheduler.disk = disk
         self.requests: dict[str, Request] = {}
         self.steps = 0
         self.drafted_tokens = 0  # speculative decoding, since start (the /metrics counters)
@@ -211,14 +224,20 @@ class Engine:
     def _forward(self, items: list[ScheduledItem]) -> torch.Tensor:
         """Write the K/V of every item's chunk; the logits of their rows (`item.logit_rows` each,
         in order). A chunk that asks for prompt logprobs has them recorded from its rows."""
+        start = time.perf_counter()
         logits = self.runner.forward(items)
+        elapsed = time.perf_counter() - start
         row = 0
+        prefilled = 0
         for item in items:
-            self.prefilled_tokens += max(0, min(item.n, len(item.req.prompt_ids) - item.start))
+            prefilled += max(0, min(item.n, len(item.req.prompt_ids) - item.start))
             item.req.num_computed += item.n  # a verified chunk: set again per token kept (_emit)
             if item.all_logits:
                 self._record_prompt_logprobs(item, logits[row : row + item.n])
             row += item.logit_rows
+        self.prefilled_tokens += prefilled
+        if self.disk is not None and prefilled:
+            self.disk.policy.observe_prefill(prefilled, elapsed)  # the rate a disk load competes with
         return logits
 
     def _sample(
@@ -261,6 +280,7 @@ class Engine:
                 prompt_done = req.num_computed >= len(req.prompt_ids)
                 resend_at = len(req.prompt_ids) - 1 if prompt_done else None
                 self.kv.commit(req.rid, req.all_ids[: req.num_computed], req.boundaries, resend_at)
+                self._save(req)
                 self._pin(req, updates)
             elif (
                 self.kv.state_pool is not None and req.status is RequestStatus.RUNNING and req.num_computed % page == 0
@@ -268,6 +288,11 @@ class Engine:
                 # A hybrid model's state is at a page boundary only now: its snapshot there is
                 # where the next request of a conversation (prompt + this output + more) hits.
                 self.kv.commit(req.rid, req.all_ids[: req.num_computed], req.boundaries)
+
+    def _save(self, req: Request) -> None:
+        """Write-behind: the pages just committed go to the disk tier's writer (never waited for)."""
+        if self.disk is not None:
+            self.disk.save(self.kv, req.rid, req.all_ids[: req.num_computed])
 
     def _release(self, items: list[ScheduledItem]) -> None:
         """A verified chunk's pages that only rejected drafts were written to, then the SWA pages
@@ -357,6 +382,7 @@ class Engine:
         """Commit the tokens whose K/V is written (prompt + output - 1 at most), then release."""
         if req.status is RequestStatus.RUNNING and reason is not FinishReason.ERROR:
             self.kv.commit(req.rid, req.all_ids[: req.num_computed], boundaries=req.boundaries)
+            self._save(req)
         self.kv.release(req.rid)
         self.scheduler.remove(req)
         self.grammars.drop(req.rid)
@@ -401,6 +427,11 @@ class Engine:
             swa_floor=self.config.swa_floor,
         )
 
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Stop the engine's background work: the disk tier writes its backlog (up to
+        `timeout_s`) and stops its writer. True when nothing was left unwritten."""
+        return True if self.disk is None else self.disk.close(timeout_s)
+
     def status(self) -> dict[str, object]:
         """The `/v1/cache/status` document: the KV manager's pools and integrity, plus the floor,
         preemptions, experts and (speculation on) the drafted and accepted token counts."""
@@ -411,6 +442,8 @@ class Engine:
         experts = expert_status(self.runner.model)
         if experts is not None:
             doc["experts"] = experts  # strategy, and the offload cache's counters
+        if self.disk is not None:
+            doc["disk"] = self.disk.status()
         if self.scheduler.speculator is not None:
             doc["speculative"] = {
                 "method": self.config.engine.speculative,

@@ -7,7 +7,9 @@ met (a hybrid model's prompt chunks also end at the KV manager's snapshot points
 is a scheduling condition here: a request waits, or the youngest running one is preempted; it is
 never an exception. Once a step's batch is final it seals each item: which rows of the forward
 give logits and which of those are sampled, and the request's page tables, decided once here and
-read by the runner and the engine. It does not run the model or sample.
+read by the runner and the engine. With the disk tier (`--kv-disk-dir`) an admission's hit is
+extended by a synchronous load from disk (kv/disk_tier.py) before the miss is explained. It does
+not run the model or sample.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from dataclasses import dataclass, replace
 from freetoken.config import ResolvedConfig
 from freetoken.engine.hold import TestHold
 from freetoken.engine.speculative import Speculator
+from freetoken.kv.disk_tier import DiskTier
 from freetoken.kv.manager import KVManager, PageTables
+from freetoken.kv.miss import CacheMiss
 from freetoken.request import Request, RequestStatus
 
 
@@ -81,6 +85,7 @@ class Scheduler:
             else None
         )
         self.hold = TestHold(engine.test_hold) if engine.test_hold else None  # a test hook (hold.py)
+        self.disk: DiskTier | None = None  # the disk tier under the prefix cache (--kv-disk-dir)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -149,8 +154,14 @@ class Scheduler:
         cached = self.kv.admit(
             req.rid, req.all_ids, use_cache=use_cache, boundaries=req.boundaries, prompt_len=len(req.prompt_ids)
         )
+        left_on_disk = False
+        if use_cache and self.disk is not None:  # a synchronous load, committed before it returns
+            loaded = self.disk.load(self.kv, req.rid, req.all_ids, cached, min(req.num_tokens - cached, budget))
+            cached, left_on_disk = loaded.length, loaded.left_on_disk
         # Explained before `extend`, whose eviction would change what the tree held.
         miss = self.kv.explain_miss(req.rid, req.all_ids) if use_cache and not req.admitted_once else None
+        if miss is not None and left_on_disk and miss.reason != "capped":
+            miss = CacheMiss(miss.matched, "on_disk")
         n = self._chunk(req, cached, min(req.num_tokens - cached, budget))
         if not self.kv.extend(req.rid, cached + n):
             self.kv.release(req.rid)  # the lease goes back in the same step
@@ -195,6 +206,8 @@ class Scheduler:
     def preempt(self, req: Request) -> None:
         """Commit what `req` has written, release its pages and requeue it at the front."""
         self.kv.commit(req.rid, req.all_ids[: req.num_computed])
+        if self.disk is not None:
+            self.disk.save(self.kv, req.rid, req.all_ids[: req.num_computed])
         self.kv.release(req.rid, preempted=True)
         self.running.remove(req)
         req.status = RequestStatus.WAITING

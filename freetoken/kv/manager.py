@@ -234,12 +234,31 @@ class KVManager:
             return None
         return explain(self.tree, self.tree.evicted, tokens, req.cached_len, needs_state=self.state_pool is not None)
 
+    def loaded(self, rid: str, length: int) -> None:
+        """The K/V of the request's first `length` tokens (whole pages, at least its cached
+        length) is now written in its pages by something other than a forward (a disk-tier load
+        into pages `extend` gave it): that is its cached length. Pages past `length` go back, as
+        do SWA pages no query at `length` or later can see. Commit the loaded tokens next."""
+        req = self._req(rid)
+        if length < req.cached_len or length % self.page_size:
+            raise ValueError(f"request {rid!r}: a load must end on a page at or past its hit, got {length}")
+        keep = length // self.page_size
+        full, req.full = req.full[keep:], req.full[:keep]
+        self.full_pool.decref([p for p in full if p])
+        if req.swa is not None and self.swa_pool is not None:
+            swa, req.swa = req.swa[keep:], req.swa[:keep]
+            self.swa_pool.decref([p for p in swa if p])
+        req.cached_len = req.next_pos = length
+        self.release_out_of_window(rid, length)
+
     def pages_needed(self, rid: str, num_tokens: int) -> int:
         """New pages (in each pool) that `extend(rid, num_tokens)` would take."""
         return max(0, num_pages(num_tokens, self.page_size) - len(self._req(rid).full))
 
-    def extend(self, rid: str, num_tokens: int) -> bool:
+    def extend(self, rid: str, num_tokens: int, swa_from: int = 0) -> bool:
         """Grow both tables to cover `num_tokens` tokens, evicting as needed; all-or-nothing.
+        New SWA entries below page `swa_from` stay NULL (a disk load fills only the window
+        before its end; a forward always extends with 0).
 
         False (nothing allocated) when even eviction cannot make room: defer or preempt.
         """
@@ -253,10 +272,12 @@ class KVManager:
                 return False
         if need == 0:
             return True
-        if not self._make_room(need):
+        first_new = len(req.full)
+        nulls = min(need, max(0, swa_from - first_new))
+        if not self._make_room(need, need - nulls):
             return False
         full = self.full_pool.alloc(need)
-        swa = self.swa_pool.alloc(need) if self.swa_pool is not None else []
+        swa = self.swa_pool.alloc(need - nulls) if self.swa_pool is not None else []
         if full is None or swa is None:  # unreachable after _make_room; give back, stay whole
             self.full_pool.decref(full or [])
             if self.swa_pool is not None:
@@ -264,7 +285,7 @@ class KVManager:
             return False
         req.full.extend(full)
         if req.swa is not None:
-            req.swa.extend(swa)
+            req.swa.extend([0] * nulls + swa)
         return True
 
     def extend_draft(self, rid: str, num_tokens: int) -> bool:
@@ -293,17 +314,18 @@ class KVManager:
         req.draft_pending = False
         return len(full)
 
-    def _make_room(self, need: int) -> bool:
+    def _make_room(self, need: int, need_swa: int | None = None) -> bool:
         # An eviction pass scans the tree, so when one is needed it frees at least 1/32 of the
         # pool: the scan is paid once per many decode steps, not once per page.
+        need_swa = need if need_swa is None else need_swa
         short = need - self.full_pool.num_free
         if short > 0 and self.tree is not None:
             self.tree.evict_full(max(short, self.full_pool.capacity // EVICT_BATCH_DIVISOR))
         if self.swa_pool is not None:
-            short_swa = need - self.swa_pool.num_free
+            short_swa = need_swa - self.swa_pool.num_free
             if short_swa > 0 and self.tree is not None:
                 self.tree.evict_swa(max(short_swa, self.swa_pool.capacity // EVICT_BATCH_DIVISOR))
-            if self.swa_pool.num_free < need:
+            if self.swa_pool.num_free < need_swa:
                 return False
         return self.full_pool.num_free >= need
 

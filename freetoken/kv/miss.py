@@ -15,6 +15,11 @@ no node, no access stamp. Reasons, in the order they are decided:
   until full eviction, a pool shrink or a quarantine removed it;
 - `diverged_at_token N`: no cached path goes further; token N of the prompt is the first that
   no cached path holds.
+
+With a disk tier (kv/disk_tier.py) the explanation is made after its load, and one more reason
+is given by the tier itself: `on_disk`: the disk held more pages of the prompt but they were not
+loaded (recomputing them was measured cheaper, no pages were free for them, or a file failed its
+checks); `evicted` then means that the pages are gone from the disk too (or were never written).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from freetoken.kv.window import floor_to_page
 if TYPE_CHECKING:
     from freetoken.kv.tree import Node, RadixTree
 
-REASONS = ("capped", "state_missing", "window_evicted", "evicted", "diverged")  # the metric's label values
+REASONS = ("capped", "state_missing", "window_evicted", "evicted", "on_disk", "diverged")  # the metric's label values
 
 
 @dataclass(frozen=True)

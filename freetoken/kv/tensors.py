@@ -259,6 +259,41 @@ class KVTensors:
         else:
             self.num_full_pages = pages
 
+    def _page_parts(self, sliding: bool, page: int) -> list[torch.Tensor]:
+        """Views of one page of every layer of a pool: K, V (and their scales) per layer, in order."""
+        parts: list[torch.Tensor] = []
+        for i, s in enumerate(self.sliding):
+            if s != sliding or self.linear[i]:
+                continue
+            for t in (self.k[i], self.v[i]):
+                parts.append(t[page])
+                if self.quantized:
+                    parts.append(t.kv_scale[page])  # type: ignore[attr-defined]
+        return parts
+
+    def page_nbytes(self, sliding: bool) -> int:
+        """Bytes `page_bytes` gives for one page of the SWA (`sliding`) or FULL pool."""
+        return sum(t.numel() * t.element_size() for t in self._page_parts(sliding, 0))
+
+    def page_bytes(self, sliding: bool, page: int) -> torch.Tensor:
+        """A host copy of one page of every layer of a pool, as one uint8 tensor (the disk tier's
+        payload): each layer's K then V, with an 8-bit cache's scales after each."""
+        parts = [t.contiguous().view(-1).view(torch.uint8) for t in self._page_parts(sliding, page)]
+        return torch.cat(parts).cpu()
+
+    def load_page(self, sliding: bool, page: int, payload: memoryview | bytes) -> None:
+        """Write a payload of `page_bytes` into one page of every layer of a pool (a disk load)."""
+        if page < 1:
+            raise ValueError("page 0 is the NULL page and is never written")
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        if data.numel() != self.page_nbytes(sliding):
+            raise ValueError(f"a page payload of {data.numel()} bytes, expected {self.page_nbytes(sliding)}")
+        at = 0
+        for dst in self._page_parts(sliding, page):
+            n = dst.numel() * dst.element_size()
+            dst.copy_(data[at : at + n].view(dst.dtype).view(dst.shape))
+            at += n
+
     def null_pages_are_zero(self) -> bool:
         """True while page 0 of every layer is still all zeros (a check for tests and audits)."""
         pools = [t for i, t in enumerate((*self.k, *self.v)) if not self.linear[i % len(self.linear)]]

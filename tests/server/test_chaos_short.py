@@ -6,26 +6,33 @@ client) against one `ft serve` with n-gram speculation, int8 K/V, the SWA pool a
 No clock: `--requests` makes the run exactly 42 units over 3 workers, the resizes come every 7
 completed units and the kills after 14 and 28. The script's own verdict must pass: no error
 outside a kill window, no violation, restarts == kills, balanced pools at idle, every kind done,
-the same greedy probe before and after."""
+the same greedy probe before and after. Run twice: without and with the KV disk tier."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_short_chaos_run_passes(tiny_gemma_4k_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("tier", ["memory", "disk"])
+def test_short_chaos_run_passes(tiny_gemma_4k_dir: Path, tmp_path: Path, tier: str) -> None:
+    """`disk`: with the KV disk tier on (`--kv-disk-dir`): its pages survive the kills and are
+    loaded by the new engines, under the same verdict."""
     out = tmp_path / "chaos"
+    disk = ["--serve-arg=--kv-disk-dir", f"--serve-arg={tmp_path / 'kv-disk'}"] if tier == "disk" else []
     cmd = [
         sys.executable, "benchmarks/chaos.py", "--model", str(tiny_gemma_4k_dir), "--requests", "42", "--workers", "3",
         "--kills", "2", "--resize-every-requests", "7", "--threads", "1", "--out", str(out),
         "--serve-arg=--dtype", "--serve-arg=float32", "--serve-arg=--page-size", "--serve-arg=4",
-        "--serve-arg=--num-tokens", "--serve-arg=8192",
+        "--serve-arg=--num-tokens", "--serve-arg=8192", *disk,
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
@@ -36,3 +43,6 @@ def test_short_chaos_run_passes(tiny_gemma_4k_dir: Path, tmp_path: Path) -> None
     assert summary["resizes"]["applied"] + summary["resizes"]["refused_409"] >= 4, summary["resizes"]
     assert summary["probes"][0] == summary["probes"][1] and summary["probes"][0], summary["probes"]
     assert summary["audits"] > 0 and summary["serve_exit_code"] == 0, summary
+    if tier == "disk":  # each engine the supervisor restarted found the pages the killed one wrote
+        found = re.findall(r"disk tier: \S+, (\d+) pages on disk", (out / "serve.log").read_text())
+        assert len(found) == 3 and all(int(n) > 0 for n in found[1:]), found

@@ -16,6 +16,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from freetoken.server.operations.metrics_disk import DiskMetrics
 from freetoken.server.operations.metrics_experts import ExpertMetrics
 from freetoken.server.operations.metrics_speculative import SpeculativeMetrics
 
@@ -92,6 +93,7 @@ class Metrics:
         self.vllm = VllmAliases(r, model_name)
         self.experts = ExpertMetrics(r)
         self.speculative = SpeculativeMetrics(r)
+        self.disk = DiskMetrics(r)
         self.requests = Counter(
             "freetoken_requests", "HTTP generation requests by endpoint and status", ["endpoint", "status"], registry=r
         )
@@ -191,6 +193,7 @@ class Metrics:
         self.vllm.update(status)
         self.experts.update(status)
         self.speculative.update(status)
+        self.disk.update(status)
         for pool, counts in (status.get("pools") or {}).items():
             for state in POOL_STATES:
                 if state in counts:

@@ -59,6 +59,7 @@ LINGER_MS = 2000  # how long the last messages (EngineError) may take to leave a
 # How long a shutting-down engine waits for its weight-cache write (models/load.py): under the
 # 10 s the supervisor gives an engine process to exit before it terminates it.
 CACHE_WRITE_GRACE_S = 8.0
+DISK_FLUSH_GRACE_S = 4.0  # of those, what the disk tier (--kv-disk-dir) may take to write its backlog
 
 
 class EngineFatal(FreeTokenError):
@@ -327,7 +328,10 @@ def run_worker(config: EngineConfig, *, engine_endpoint: str, api_endpoint: str,
         )
         freeze_startup_heap()  # the loaded model's objects: never rescanned by a full collection
         code = serve(WorkerLoop(engine, send, progress), pull, parent_pid)
-        finish_cache_write(loaded, CACHE_WRITE_GRACE_S)
+        started = time.monotonic()
+        if not engine.close(DISK_FLUSH_GRACE_S):  # the disk tier's write backlog, under the same deadline
+            log.warning("engine process %d: the disk tier's write backlog was not all written", os.getpid())
+        finish_cache_write(loaded, max(0.0, CACHE_WRITE_GRACE_S - (time.monotonic() - started)))
         return code
     except Exception as err:  # noqa: BLE001 - report it to the API process before dying
         log.exception("the engine process failed")
