@@ -6,6 +6,9 @@
 #   bash scripts/gpu_check.sh                  # ON THE DEVICE, from the repo root; ~8 minutes at most
 #   bash scripts/gpu_check.sh --dry-run        # on a CPU: every stage's plumbing on tiny shapes
 #
+# With the project's device tool: run(command="bash scripts/gpu_check.sh", carry=["gpu-wheels"],
+# timeout_s=540) -- $OUT is set there, and gpu-wheels/ (ignored by git) must be named to travel.
+#
 # Everything printed also goes to $OUT/gpu_check.log, and the figures and verdicts to
 # $OUT/gpu_check.json ($OUT defaults to ./gpu-check-out). Stages, each under its own time limit
 # (seconds), each recorded with its exit status whatever the others do:
@@ -18,7 +21,7 @@
 #   soak     (85) ft serve --device cuda on a tiny Gemma 3 (SWA radix cache) under benchmarks/soak.py:
 #                  60 s of agent traffic, --debug-kv, pools balanced at idle
 #
-# The wheels (gpu-wheels/, made by --fetch-wheels; $PY_VERSIONS, default "3.10 3.11 3.12", picks
+# The wheels (gpu-wheels/, made by --fetch-wheels; $PY_VERSIONS, default "3.11 3.12", picks
 # the CPython ABIs of the compiled ones; the total must stay under the 64 MiB that travels with the
 # working tree). Runtime: gguf safetensors tokenizers jinja2 markupsafe tqdm psutil fastapi
 # starlette anyio sniffio idna typing_extensions typing_inspection annotated_types pydantic
@@ -95,7 +98,7 @@ fetch_wheels() {
   mkdir -p "$WHEELS"
   local names
   names=$(echo "$PACKAGES" | awk 'NF {print $1}')
-  for v in ${PY_VERSIONS:-3.10 3.11 3.12}; do
+  for v in ${PY_VERSIONS:-3.11 3.12}; do
     # shellcheck disable=SC2086
     pip download --quiet --no-deps --only-binary=:all: --dest "$WHEELS" \
       --python-version "$v" --implementation cp \
