@@ -167,6 +167,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="auto = bfloat16 where the hardware is fast at it, else float32",
     )
     g.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="where the model runs: auto = cuda when a CUDA device is present, else cpu",
+    )
+    g.add_argument(
         "--weights",
         default="auto",
         choices=["auto", "bf16", "int8", "int4"],
@@ -389,6 +395,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--spec-ngram-min", type=int, default=2, metavar="N", help="shortest n-gram looked up (default 2)")
     g.add_argument(
         "--spec-ngram-max", type=int, default=4, metavar="N", help="longest n-gram looked up, tried first (default 4)"
+    )
+    g.add_argument(
+        "--no-cuda-graphs",
+        dest="cuda_graphs",
+        action="store_false",
+        help="run every decode step eagerly on CUDA instead of replaying graphs captured per batch size (default: graphs on CUDA)",
     )
     g.add_argument(
         "--deterministic",
@@ -717,6 +729,7 @@ def _serve(args: argparse.Namespace) -> None:
     engine = EngineConfig(
         model=model,
         dtype=args.dtype,
+        device=None if args.device == "auto" else args.device,
         weights=args.weights,
         prefill_weights=args.prefill_weights,
         weights_cache=args.weights_cache,
@@ -748,6 +761,7 @@ def _serve(args: argparse.Namespace) -> None:
         spec_ngram_min=args.spec_ngram_min,
         spec_ngram_max=args.spec_ngram_max,
         deterministic=args.deterministic,
+        cuda_graphs=args.cuda_graphs,
     )
     engine.validate()
     check_model_heads(engine.model, engine.tensor_parallel_size)  # before listening: one line

@@ -66,6 +66,8 @@ class EngineConfig:
     # Every row computed alike whether it is prefilled, decoded or verified, alone or batched,
     # cached or not: quantized kernels for every row count, attention query by query (docs/engine.md).
     deterministic: bool = False
+    # Decode steps replay CUDA graphs captured per batch-size bucket (engine/cuda_graphs.py); CUDA only.
+    cuda_graphs: bool = True
     weights_cache: str = "auto"  # auto | off | a directory: what a load made of the checkpoint, mapped on the next start (weights/weight_cache.py)
     moe_strategy: str = (
         "resident"  # resident | offload: experts decoded at load, or an LRU cache over the file (docs/moe.md)

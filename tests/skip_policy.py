@@ -31,8 +31,10 @@ class Category:
 
 
 CATEGORIES: tuple[Category, ...] = (
-    Category("cuda", r"needs a CUDA device|is for CUDA", 104,
-             "tests/gpu (92), the CUDA dequantizer (11) and fp8 K/V (1): no CUDA device; all run on one"),
+    Category("cuda", r"needs a CUDA device|is for CUDA", 108,
+             "tests/gpu (96), the CUDA dequantizer (11) and fp8 K/V (1): no CUDA device; all run on one"),
+    Category("triton", r"needs triton \(the `test` extra installs it\)", 2,
+             "the Triton kernels' interpreter tests (one skip per module), where triton is not installed"),
     Category("cpu_features", r"CPU lacks AVX-512", 1, "the qlinear kernel's own test, on a CPU without AVX-512 F/BW/VL/VNNI"),
     Category("opt_in_marker", r"slow: run with -m (router|agent_cli)", 4,
              "opt-in markers: `router` (2, the router extra) and `agent_cli` (2, the npm CLIs)"),

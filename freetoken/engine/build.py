@@ -20,6 +20,7 @@ from freetoken.distributed.checks import check_world_fits
 from freetoken.distributed.group import rank_threads
 from freetoken.distributed.launch import Peers, start_peers
 from freetoken.distributed.report import RankReport, check_reports, exchange
+from freetoken.engine.cuda_graphs import decode_graphs_for
 from freetoken.engine.deterministic import prepare_deterministic
 from freetoken.engine.engine import Engine
 from freetoken.engine.grammar import GrammarCompiler
@@ -195,7 +196,18 @@ def build_engine_for(config: EngineConfig, loaded: LoadedModel, peers: Peers | N
             log.info("tensor parallelism, %s", report.line())
         check_reports(reports)  # a rank that built another model or other K/V: refused, one line
     prepare_deterministic(loaded.model, loaded.config, loaded.dtype, config.deterministic)
-    runner = Runner(loaded.model, loaded.config, tensors, peers, alone_max=config.alone_max)
+    graphs = decode_graphs_for(
+        config.cuda_graphs,
+        loaded.model,
+        tensors,
+        config.page_size,
+        resolved.context_length,
+        loaded.config.has_swa,
+        window,
+        loaded.config.has_linear,
+        peers is not None,
+    )
+    runner = Runner(loaded.model, loaded.config, tensors, peers, alone_max=config.alone_max, graphs=graphs)
     disk = None if config.kv_disk_dir is None else disk_tier(config, loaded, tensors, window)
     return Engine(resolved, runner, kv, GrammarCompiler(loaded.tokenizer), disk)
 
@@ -235,6 +247,8 @@ def load_for(config: EngineConfig, progress: ProgressCallback | None = None) -> 
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     device = torch.device(config.device) if config.device else default_device()
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is available to this process")
     dtype = resolve_dtype(config.dtype, device)
     check_fits(config, dtype, device)  # before any weight is read: one line when it cannot fit
     return load_model(

@@ -5,7 +5,9 @@ specs and logit rows — one forward over the whole batch, never a Python loop o
 batch itself is built and run by `models/forward.py`. It does not decide which rows give logits
 or read the KV manager: each item comes sealed by the scheduler with its logit rows and page
 tables, and no page changes owner here. Under tensor parallelism (rank 0 only) it first broadcasts
-the step to the other ranks, which run the same `build_batch` and `run_model` on it.
+the step to the other ranks, which run the same `build_batch` and `run_model` on it. On CUDA a
+decode step may instead replay a captured graph (`graphs`, engine/cuda_graphs.py), which falls
+back to this eager forward for any step it does not serve.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from freetoken.distributed.launch import Peers
+from freetoken.engine.cuda_graphs import DecodeGraphs
 from freetoken.engine.scheduler import ScheduledItem
 from freetoken.kv.tensors import KVTensors
 from freetoken.models.config import ModelConfig
@@ -29,6 +32,7 @@ class Runner:
         kv_tensors: KVTensors,
         peers: Peers | None = None,
         alone_max: int = 1,
+        graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model
         self.config = config
@@ -36,6 +40,7 @@ class Runner:
         self.device = kv_tensors.device
         self.peers = peers  # the other tensor-parallel ranks (None: this process is the whole model)
         self.alone_max = alone_max  # chunks attended query by query (EngineConfig.alone_max)
+        self.graphs = graphs  # captured decode steps (CUDA); None: every step eager
 
     @property
     def vocab_size(self) -> int:
@@ -62,6 +67,10 @@ class Runner:
             end += item.n
             logit_rows.extend(range(end - item.logit_rows, end))
         state_slots = slots if self.config.has_linear else None
+        if self.graphs is not None and self.peers is None:
+            out = self.graphs.run(ids, specs, logit_rows)
+            if out is not None:
+                return out.float().cpu()
         batch = build_batch(self.config, self.kv_tensors, specs, logit_rows, self.alone_max, state_slots)
         if self.peers is None:
             return run_model(self.model, self.kv_tensors, ids, batch).float().cpu()
@@ -79,3 +88,5 @@ class Runner:
     def resize_kv(self, kind: str, pages: int) -> None:
         """Reallocate the K/V tensors of pool `kind` ("full" / "swa") to `pages` pages."""
         self.kv_tensors.resize(kind == "swa", pages)
+        if self.graphs is not None:
+            self.graphs.reset()  # the captured graphs read the old tensors

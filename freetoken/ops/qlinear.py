@@ -10,12 +10,14 @@ output. It must not keep a bfloat16 copy of a weight between calls. An 8-bit wei
 Paths (CPU): M < PREFILL_ROWS -> the AVX-512 VNNI kernel when it was built and the CPU has the
 features; otherwise torch's `_weight_int4pack_mm_for_cpu` for 4-bit weights with bfloat16
 activations, or dequantize + F.linear. M >= PREFILL_ROWS -> the kernel as well (it beats
-dequantize-in-tiles + bf16 GEMM at the shapes measured; see docs/engineering/kernels.md). Other devices:
-dequantize + F.linear.
+dequantize-in-tiles + bf16 GEMM at the shapes measured; see docs/engineering/kernels.md). CUDA: the
+Triton kernel (ops/triton_qlinear.py, its own row layout) for every row count where triton imports.
+Other devices: dequantize + F.linear.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from types import ModuleType
@@ -250,11 +252,31 @@ PREFILL_ROWS = 64
 Packed = PackedWeight | PackedSuperBlock | PackedStack
 
 
+@functools.cache
+def _triton_layout() -> type | None:
+    """The Triton kernel's packed weight class (ops/triton_qlinear.py), or None without triton."""
+    try:
+        from freetoken.ops.triton_qlinear import TritonPackedWeight
+    except ImportError:
+        return None
+    return TritonPackedWeight
+
+
+def _wants_triton(device: torch.device) -> bool:
+    """Whether a weight on `device` runs through the Triton kernel: on CUDA, where triton imports."""
+    return device.type == "cuda" and _triton_layout() is not None
+
+
 def pack(w: Quantized) -> Packed:
-    """The packed form `w` runs in: a super-block weight in its own integers where the kernel
-    takes them (CPU), else in the group-32 form; a stack part by part."""
+    """The packed form `w` runs in: on CUDA the Triton kernel's group-32 layout (where triton
+    imports); a super-block weight in its own integers where the kernel takes them (CPU), else in
+    the group-32 form; a stack part by part."""
     if isinstance(w, StackedWeight):
         return PackedStack([pack(p) for p in w.parts])
+    device = w.device if isinstance(w, SuperBlockWeight) else w.q.device
+    if _wants_triton(device):
+        layout = _triton_layout()
+        return layout(w.to_group32() if isinstance(w, SuperBlockWeight) else w)  # type: ignore[misc]
     if isinstance(w, SuperBlockWeight):
         if _SUPERBLOCKS and w.device.type == "cpu":
             return PackedSuperBlock(w, _KERNEL)
@@ -273,6 +295,8 @@ def from_state(state: dict) -> Packed:
         return PackedStack([from_state(p) for p in state["parts"]])
     if form == "superblock" and _SUPERBLOCKS:
         return PackedSuperBlock.from_state(state, _KERNEL)
+    if form == "triton_group32" and _triton_layout() is not None:
+        return _triton_layout().from_state(state)  # type: ignore[union-attr]
     raise ValueError(f"packed form {form!r} cannot run in this build")
 
 

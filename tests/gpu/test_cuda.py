@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 from test_engine_seed import B_PROMPT, SHARED, assert_key_step, balanced_at_idle, run_overlap  # noqa: E402
 from tiny_models import write_tiny_model  # noqa: E402
 
-from freetoken.attention import attention_fn, sdpa_backend, torch_backend  # noqa: E402
+from freetoken.attention import attention_fn, sdpa_backend, torch_backend, triton_fn  # noqa: E402
 from freetoken.attention.metadata import ForwardBatch  # noqa: E402
 from freetoken.config import EngineConfig  # noqa: E402
 from freetoken.engine.build import build_engine_for  # noqa: E402
@@ -85,7 +85,13 @@ SHAPES = [
 @pytest.mark.parametrize("heads", [(4, 2), (8, 1), (4, 4)])
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
 def test_sdpa_on_cuda_matches_reference(page_size: int, window: int | None, heads: tuple[int, int], dtype: torch.dtype, tol: float) -> None:
-    assert attention_fn(torch.device(DEVICE)) is sdpa_backend.paged_attention  # what CUDA runs by default
+    default = attention_fn(torch.device(DEVICE))  # what CUDA runs: the Triton decode backend where triton imports
+    assert default is (triton_fn() or sdpa_backend.paged_attention)
+    for fn in {sdpa_backend.paged_attention, default}:
+        check_backend(fn, page_size, window, heads, dtype, tol)
+
+
+def check_backend(fn, page_size: int, window: int | None, heads: tuple[int, int], dtype: torch.dtype, tol: float) -> None:  # type: ignore[no-untyped-def]
     n_heads, n_kv = heads
     for i, shapes in enumerate(SHAPES):
         q, k, v, specs = paged_case(i, page_size, n_heads, n_kv, window, shapes)
@@ -94,7 +100,7 @@ def test_sdpa_on_cuda_matches_reference(page_size: int, window: int | None, head
         want = torch_backend.paged_attention(q, k, v, ref_table, ref_batch, 0.25, window)
         batch = ForwardBatch.build(specs, page_size, device=DEVICE, sliding_window=window)
         table = batch.swa_table if window is not None else batch.full_table
-        got = sdpa_backend.paged_attention(q.to(DEVICE, dtype), k.to(DEVICE, dtype), v.to(DEVICE, dtype), table, batch, 0.25, window)
+        got = fn(q.to(DEVICE, dtype), k.to(DEVICE, dtype), v.to(DEVICE, dtype), table, batch, 0.25, window)
         assert got.device.type == torch.device(DEVICE).type and got.dtype == dtype
         assert torch.isfinite(got).all(), "a NaN tail or the NULL page reached the output"
         torch.testing.assert_close(got.cpu().double(), want, atol=tol, rtol=tol)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from freetoken.attention import attention_fn, sdpa_backend, torch_backend
+from freetoken.attention import attention_fn, sdpa_backend, torch_backend, triton_fn
 from freetoken.attention.metadata import ForwardBatch
 from freetoken.errors import ConfigError
 
@@ -89,7 +89,9 @@ def test_low_precision_close_to_reference(dtype: torch.dtype) -> None:
 
 def test_backend_choice() -> None:
     assert attention_fn("cpu") is sdpa_backend.paged_attention
-    assert attention_fn(torch.device("cuda", 0)) is sdpa_backend.paged_attention
+    # CUDA: the Triton decode backend where triton imports, SDPA otherwise
+    assert attention_fn(torch.device("cuda", 0)) is (triton_fn() or sdpa_backend.paged_attention)
+    assert attention_fn("cuda", "sdpa") is sdpa_backend.paged_attention
     assert attention_fn("meta") is torch_backend.paged_attention
     assert attention_fn("cpu", "torch") is torch_backend.paged_attention
     assert attention_fn("meta", "sdpa") is sdpa_backend.paged_attention
