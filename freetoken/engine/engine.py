@@ -96,8 +96,7 @@ class Engine:
         self.kv = kv
         self.disk = disk  # the disk tier under the prefix cache (kv/disk_tier.py), None without --kv-disk-dir
         self.grammars = GrammarSet(grammars)  # matchers of requests with `params.grammar`
-        self.scheduler = Scheduler(kv, config)
-        self.scheduler.disk = disk
+        self.scheduler = Scheduler(kv, config, disk)
         self.requests: dict[str, Request] = {}
         self.steps = 0
         self.drafted_tokens = 0  # speculative decoding, since start (the /metrics counters)

@@ -72,8 +72,9 @@ class ScheduledItem:
 
 
 class Scheduler:
-    def __init__(self, kv: KVManager, config: ResolvedConfig) -> None:
+    def __init__(self, kv: KVManager, config: ResolvedConfig, disk: DiskTier | None = None) -> None:
         self.kv = kv
+        self.disk = disk  # the disk tier under the prefix cache (--kv-disk-dir)
         self.config = config
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is preempted first
@@ -85,7 +86,6 @@ class Scheduler:
             else None
         )
         self.hold = TestHold(engine.test_hold) if engine.test_hold else None  # a test hook (hold.py)
-        self.disk: DiskTier | None = None  # the disk tier under the prefix cache (--kv-disk-dir)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
