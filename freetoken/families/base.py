@@ -68,6 +68,9 @@ class GGUFFacts:
     experts_join: str = ROWS  # ROWS or INTERLEAVE
     window: bool = False  # preflight reads `<arch>.attention.sliding_window` (else: no sliding layers)
     uniform_heads: bool = True  # False: head sizes vary per layer, the q/k shape check waits for the load
+    # layer tensors (names after `blk.N.`) the model holds in float32 under a half `--dtype`
+    # (routers): handed over in float32, not rounded to the half type on the way
+    float32: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)

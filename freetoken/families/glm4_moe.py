@@ -96,5 +96,6 @@ FAMILY = Family(
         translate=translate,
         tensors=TENSORS,
         experts_join=ROWS,
+        float32=frozenset({"ffn_gate_inp.weight", "exp_probs_b.bias"}),  # the router, held in float32 by the model
     ),
 )

@@ -50,6 +50,7 @@ FAMILY = Family(
         tensors=TENSORS,
         layout=qwen3_5.layout,
         experts_join=ROWS,
+        float32=frozenset({"ffn_gate_inp.weight"}),  # the router, held in float32 by the model
         uniform_heads=False,
     ),
 )

@@ -53,9 +53,8 @@ class Qwen3MoE(nn.Module):
         c = config
         self.config = config
         # The router is held and multiplied in float32 under a half compute dtype: a bfloat16 1-row
-        # GEMM of this shape took ~3x as long (Qwen3-MoE shape: ~7% of a decode step). The loaders
-        # still round every checkpoint tensor to the model dtype first, so a GGUF's float32 router
-        # reaches it rounded to bfloat16 and widened back (its values are not the file's).
+        # GEMM of this shape took ~3x as long (Qwen3-MoE shape: ~7% of a decode step), and a GGUF
+        # stores it in float32 (its family's `float32` names: the loader hands it over unrounded).
         self.gate = linear(c.hidden_size, c.num_experts, False, router_dtype(dtype), device, quantizable=False)
         self.experts = Experts(c.num_experts, c.hidden_size, c.moe_intermediate_size, silu_gate, False, dtype, device)
 

@@ -164,14 +164,16 @@ def load_gguf(
             if expert is not None and len(t.shape) == 3:
                 assembler.tensors[expert] = expert_stack(data, t.ggml_type, t.shape, t.name)
             elif not (keep_quantized and len(t.shape) == 2 and assembler.can_stay_quantized(t.name)):
-                values = dequantize(data, t.ggml_type, t.shape, t.name, decode_dtype(t, dtype), device)
+                wanted = torch.float32 if assembler.keeps_float32(t.name) else decode_dtype(t, dtype)
+                values = dequantize(data, t.ggml_type, t.shape, t.name, wanted, device)
                 assembler.add(t.name, values)
             elif t.ggml_type in SUPERBLOCK_TYPES:
                 assembler.add_quantized(t.name, superblock_rows(data, t.ggml_type, t.shape, t.name))
             elif t.ggml_type in INTEGER_TYPES:
                 assembler.add_quantized(t.name, to_quantized(data, t.ggml_type, t.shape, t.name))
             else:
-                values = dequantize(data, t.ggml_type, t.shape, t.name, decode_dtype(t, dtype), device)
+                wanted = torch.float32 if assembler.keeps_float32(t.name) else decode_dtype(t, dtype)
+                values = dequantize(data, t.ggml_type, t.shape, t.name, wanted, device)
                 assembler.add(t.name, values)
         except ModelLoadError as err:
             raise ModelLoadError(f"{p}: {err}") from None

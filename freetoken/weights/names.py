@@ -236,10 +236,18 @@ class HFTensorAssembler:
             raise ModelLoadError(f"GGUF file holds {gguf_name} twice")
         self.tensors[target.hf_name] = qw.map_rows(rows)
 
+    def keeps_float32(self, gguf_name: str) -> bool:
+        """Whether the tensor reaches the model in float32 although `dtype` is a half type (the
+        family's `float32`: a router the model holds in float32 gets the file's values, not
+        values rounded to the half type on the way)."""
+        rest = gguf_name.split(".", 2)[2] if gguf_name.startswith("blk.") else gguf_name
+        return self.dtype in (torch.bfloat16, torch.float16) and rest in self.facts.float32
+
     def _put(self, hf_name: str, t: torch.Tensor, gguf_name: str) -> None:
         if hf_name in self.tensors:
             raise ModelLoadError(f"GGUF file holds {gguf_name} twice")
-        self.tensors[hf_name] = t.to(self.dtype).contiguous()
+        dtype = torch.float32 if self.keeps_float32(gguf_name) else self.dtype
+        self.tensors[hf_name] = t.to(dtype).contiguous()
 
     def finish(self) -> dict[str, torch.Tensor | QuantizedWeight]:
         """The HF state dict; raises ModelLoadError when an expert half never arrived."""

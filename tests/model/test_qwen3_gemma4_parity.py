@@ -437,6 +437,23 @@ def test_gguf_gives_the_hf_state_dict_and_config(family: dict[str, Any]) -> None
         assert getattr(built, key) == getattr(cfg, key), key
 
 
+def test_a_gguf_router_reaches_the_model_unrounded(family: dict[str, Any]) -> None:
+    """The routers a model holds in float32 get the file's float32 values under a bfloat16 load,
+    not the values rounded to bfloat16 on the way (the family's `float32` names)."""
+    if family["name"] != "qwen3_moe":
+        pytest.skip("a family whose model holds its router in float32")
+    ck = load_gguf(family["gguf"], dtype=torch.bfloat16)
+    routers = [k for k in ck.tensors if k.endswith("mlp.gate.weight")]
+    assert routers
+    for name in routers:
+        assert ck.tensors[name].dtype == torch.float32 and torch.equal(ck.tensors[name], family["sd"][name]), name
+    assert ck.tensors["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16  # the rest is rounded
+    model = build_model(config_from_hf(ck.hf_config), torch.bfloat16, "cpu")
+    model.load_weights(ck.tensors)
+    gate = dict(model.named_parameters())[routers[0].removeprefix("model.")]
+    assert gate.dtype == torch.float32 and torch.equal(gate, family["sd"][routers[0]])
+
+
 def test_gguf_model_matches_transformers(family: dict[str, Any]) -> None:
     """The model built from the GGUF file's config and tensors gives the reference logits."""
     if family["name"] in ("qwen3_swa", "qwen2_swa"):
