@@ -125,11 +125,6 @@ def refuse_unsupported_hybrid(config: EngineConfig, model_config: ModelConfig, d
         raise ConfigError(f"--deterministic is not supported on {name} models yet")
     if config.tensor_parallel_size > 1:
         raise ConfigError(f"--tensor-parallel-size {config.tensor_parallel_size} is not supported on {name} models")
-    if config.kv_disk_dir is not None:
-        raise ConfigError(
-            f"--kv-disk-dir is not supported on {name} models yet: the disk tier keeps no recurrent-state "
-            "snapshots, and a prefix hit on such a model needs one"
-        )
     if device.type != "cpu":
         raise ConfigError(f"--device {device.type} is not supported on {name} models yet (tested on CPU only)")
 

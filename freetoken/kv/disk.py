@@ -1,8 +1,9 @@
 """The disk tier's store: its directory, its index, its LRU bound and its writer thread.
 
-Owns the files under `--kv-disk-dir` (`DIR/<identity>/<kind>/<xx>/<key>.kvp`, one page each,
-kv/disk_file.py) and the index of them: (kind, key) -> bytes, in least-recently-used order,
-bounded by `--kv-disk-gb` (a write past the bound deletes the oldest files). Disk entries are not
+Owns the files under `--kv-disk-dir` (`DIR/<identity>/<kind>/<xx>/<key>.kvp`, one page each, or
+on a hybrid model one recurrent-state snapshot each for kind `state`, kv/disk_file.py) and the
+index of them: (kind, key) -> bytes, in least-recently-used order, bounded by `--kv-disk-gb` (a
+write past the bound deletes the oldest files). Disk entries are not
 pages: no pool counts them and the pool audit does not see them; `audit` here checks every
 entry's file (it exists and its checksum matches) and drops the ones that fail, and the writer
 thread, whenever it has had nothing to write for `audit_idle_s`, checks the next batch of entries

@@ -6,7 +6,9 @@ the tier's identity (the model, the weight format, the K/V dtype, the page size:
 equal keys mean the same tokens from position 0 on, for the same model and the same bytes per
 page. It is the same chain as the miss reason's prefix hash (kv/miss.py), made stable across
 processes and Python versions (a restart must find its pages) and long enough that a collision is
-not a concern. The file stores the page's own tokens and its parent's key beside the K/V, so the
+not a concern. A hybrid model's recurrent-state snapshot at position n*P is a file of kind
+`state` under the key of page n - 1 (the page that ends there): the same header, tokens (that
+page's) and checksum, its payload the state of every linear layer (float32, `state_bytes`). The file stores the page's own tokens and its parent's key beside the K/V, so the
 token path of every file can be followed back to position 0 and each load checks what it claims.
 
 Layout (little-endian): a fixed header (magic, identity, key, parent key, pool kind, page index,
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 MAGIC = b"FTKVPG01"
-KINDS = ("full", "swa")
+KINDS = ("full", "swa", "state")
 DIGEST = 16  # bytes of a key
 ROOT = bytes(DIGEST)  # the parent key of page 0
 _HEADER = struct.Struct(f"<8s{DIGEST}s{DIGEST}s{DIGEST}sBxxxIIQI")
@@ -65,7 +67,7 @@ class PageHeader:
     key: bytes
     parent: bytes
     kind: str
-    index: int  # the page's position in its token path (page i covers tokens [i*P, (i+1)*P))
+    index: int  # the page's position in its token path (page i covers tokens [i*P, (i+1)*P); a state: after it)
     page_size: int
     payload_len: int
 

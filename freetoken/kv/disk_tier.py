@@ -1,11 +1,17 @@
 """The disk tier under the radix prefix cache: saving committed pages, loading them back.
 
 Owns joining the disk store (kv/disk.py) to the KV manager and the K/V memory (kv/tensors.py,
-used through its `page_bytes` / `load_page` / `page_nbytes`; no torch is imported here):
+used through its `page_bytes` / `load_page` / `page_nbytes` and `state_bytes` / `load_state` /
+`state_nbytes`; no torch is imported here):
 
 - `save` (write-behind, the engine thread, right after a commit): every committed page not yet
   on disk is copied to host memory and handed to the writer thread: its FULL page, and its SWA
-  page where the request holds it live (the window before the commit's end). A SIGKILL then
+  page where the request holds it live (the window before the commit's end), and on a hybrid
+  model the tree's recurrent-state snapshot at the commit's last page boundary, where it has one
+  (a `state` file keyed like the page ending there: kv/disk_file.py). The engine saves after
+  prompt chunks, at a preemption and at finish, not at a decode step's page boundary: the
+  snapshot a finished request's reply leaves (where its conversation's next turn hits) is written
+  at its finish, the ones it passed are not. A SIGKILL then
   loses at most the backlog, and a page the tree later evicts is already on disk. When the
   backlog is full the page is dropped and counted; the engine never waits on the disk.
 - `load` (synchronous, at admission, right after the in-memory match): the hit is extended past
@@ -15,10 +21,15 @@ used through its `page_bytes` / `load_page` / `page_nbytes`; no torch is importe
   are allocated to the request (`KVManager.extend`), read and checked (a page's file must hold
   the prompt's own tokens at that position and the expected parent key, and its checksum must
   match: anything else is a miss that ends the hit there), written into the K/V memory, declared
-  (`KVManager.loaded`) and committed as usual, so the tree holds them like computed pages.
+  (`KVManager.loaded`) and committed as usual, so the tree holds them like computed pages. On a
+  hybrid model a hit needs the state at exactly its end, so the extension goes only to a
+  position with a state file on disk (the hit rule's snapshots); that state is read into the
+  request's own state slot (copy-on-hit, as from a tree snapshot), and the commit then gives the
+  tree its snapshot there. A state file that fails its checks ends the hit at the previous
+  position with one (or at the tree's hit).
 
-Disk entries are not pages: nothing here takes or drops a reference except through the manager's
-request API, and the pool audit is unchanged. It does not schedule or decide who runs.
+Disk entries are not pages (nor state slots): nothing here takes or drops a reference except
+through the manager's request API, and the pool audit is unchanged. It does not schedule or decide who runs.
 """
 
 from __future__ import annotations
@@ -52,6 +63,7 @@ class DiskHit:
 class DiskTierCounters:
     hits: int = 0  # admissions whose hit a load extended
     loaded_pages: int = 0  # pages read into the K/V memory (FULL and SWA)
+    loaded_states: int = 0  # recurrent-state snapshots read into requests' state slots (hybrid models)
     loaded_tokens: int = 0  # prompt tokens those loads let requests skip
     load_seconds: float = 0.0
     declined: int = 0  # admissions where the policy found recomputing cheaper
@@ -71,7 +83,12 @@ class DiskTier:
         self.window = window
         self.policy = policy
         self.counters = DiskTierCounters()
-        self._nbytes = {"full": tensors.page_nbytes(False), "swa": tensors.page_nbytes(True) if window else 0}
+        self._nbytes = {
+            "full": tensors.page_nbytes(False),
+            "swa": tensors.page_nbytes(True) if window else 0,
+            "state": tensors.state_nbytes(),  # 0: not a hybrid model
+        }
+        self.hybrid = self._nbytes["state"] > 0
 
     def keys(self, tokens: Sequence[int], pages: int | None = None) -> list[bytes]:
         return chain_keys(tokens, self.page_size, self.store.identity, pages)
@@ -93,9 +110,14 @@ class DiskTier:
             queued += self._save_page("full", key, keys[i - 1] if i else ROOT, i, tokens, int(full[i]))
             if swa is not None and int(swa[i]):
                 queued += self._save_page("swa", key, keys[i - 1] if i else ROOT, i, tokens, int(swa[i]))
+        if self.hybrid:  # the tree's snapshot at the last page boundary (taken by this commit, or before)
+            slot = kv.snapshot_at(tokens, n * p)
+            queued += self._save_page("state", keys[-1], keys[-2] if n > 1 else ROOT, n - 1, tokens, slot)
         return queued
 
     def _save_page(self, kind: str, key: bytes, parent: bytes, i: int, tokens: Sequence[int], page: int) -> int:
+        """Queue page `page` of pool `kind` (state: the snapshot in slot `page`) as entry i of the
+        path of `tokens`; 1 when queued."""
         if page == 0 or self.store.has(kind, key):
             return 0
         nbytes = self._nbytes[kind]
@@ -104,7 +126,10 @@ class DiskTier:
             return 0
         p = self.page_size
         header = PageHeader(self.store.identity, key, parent, kind, i, p, nbytes)
-        payload = self.tensors.page_bytes(kind == "swa", page).numpy()
+        if kind == "state":
+            payload = self.tensors.state_bytes(page).numpy()
+        else:
+            payload = self.tensors.page_bytes(kind == "swa", page).numpy()
         return int(self.store.submit(header, tokens[i * p : (i + 1) * p], payload, nbytes))
 
     # -- loads ------------------------------------------------------------------------------
@@ -127,13 +152,15 @@ class DiskTier:
         if k == h:
             return DiskHit(hit)
         live = None if self.window is None else [i < h or self.store.on_disk("swa", keys[i]) for i in range(k)]
-        target = hit_length(k, live, len(tokens), p, self.window)
+        # A hybrid model's hit ends where a state is: past the tree's hit, a state file on disk.
+        snaps = [i >= h and self.store.on_disk("state", keys[i]) for i in range(k)] if self.hybrid else None
+        target = hit_length(k, live, len(tokens), p, self.window, snaps)
         if target <= hit:
             return DiskHit(hit)
         want = target // p
         first = 0 if self.window is None else first_window_page(target, self.window, p)  # the window before it
         swa_pages = [] if self.window is None else list(range(max(h, first), want))
-        nbytes = (want - h) * self._nbytes["full"] + len(swa_pages) * self._nbytes["swa"]
+        nbytes = (want - h) * self._nbytes["full"] + len(swa_pages) * self._nbytes["swa"] + self._nbytes["state"]
         if not self.policy.should_load(nbytes, target - hit):
             self.counters.declined += 1
             return DiskHit(hit, left_on_disk=True)
@@ -152,15 +179,24 @@ class DiskTier:
             if i < ok and swa is not None and self._load_page("swa", keys, i, tokens, int(swa[i])):
                 loaded.add(i)
         live_now = None if self.window is None else [i < h or i in loaded for i in range(ok)]
-        length = max(hit, hit_length(ok, live_now, len(tokens), p, self.window))
+        snaps_now = None if snaps is None else snaps[:ok]
+        length = max(hit, hit_length(ok, live_now, len(tokens), p, self.window, snaps_now))
+        states = 0
+        while self.hybrid and length > hit:  # the state at the hit's end, into the request's own slot
+            if self._load_page("state", keys, length // p - 1, tokens, kv.state_slot(rid)):
+                states = 1
+                break
+            snaps_now[length // p - 1] = False  # type: ignore[index]
+            length = max(hit, hit_length(ok, live_now, len(tokens), p, self.window, snaps_now))
         kv.loaded(rid, length)
         if length > hit:
             kv.commit(rid, tokens[:length])
         elapsed = time.perf_counter() - start
-        read = (ok - h) * self._nbytes["full"] + len(loaded) * self._nbytes["swa"]
+        read = (ok - h) * self._nbytes["full"] + len(loaded) * self._nbytes["swa"] + states * self._nbytes["state"]
         self.policy.observe_read(read, elapsed)
         c = self.counters
         c.loaded_pages += (ok - h) + len(loaded)
+        c.loaded_states += states
         c.load_seconds += elapsed
         if length > hit:
             c.hits += 1
@@ -178,8 +214,8 @@ class DiskTier:
         return kv.available("full") >= need and (self.window is None or kv.available("swa") >= swa)
 
     def _load_page(self, kind: str, keys: list[bytes], i: int, tokens: Sequence[int], page: int) -> bool:
-        """Read page i of the prompt's path from disk into `page`; False (a miss) when the file
-        is gone or is not exactly that page."""
+        """Read page i of the prompt's path from disk into `page` (state: the state after it into
+        slot `page`); False (a miss) when the file is gone or is not exactly that page."""
         got = self.store.read(kind, keys[i])
         if got is None:
             return False
@@ -195,7 +231,10 @@ class DiskTier:
         ):
             self.store.drop(kind, keys[i])
             return False
-        self.tensors.load_page(kind == "swa", page, payload)
+        if kind == "state":
+            self.tensors.load_state(page, payload)
+        else:
+            self.tensors.load_page(kind == "swa", page, payload)
         return True
 
     # -- reporting --------------------------------------------------------------------------
@@ -207,6 +246,7 @@ class DiskTier:
             **self.store.status(),
             "hits": c.hits,
             "loaded_pages": c.loaded_pages,
+            "loaded_states": c.loaded_states,
             "loaded_tokens": c.loaded_tokens,
             "load_seconds": round(c.load_seconds, 6),
             "declined": c.declined,

@@ -58,6 +58,7 @@ from freetoken.kv.snapshots import (
     evict_snapshots,
     evictable_snapshots,
     plan_snapshot_points,
+    snapshot_at,
     take_snapshot,
 )
 from freetoken.kv.table import RequestTables
@@ -332,6 +333,13 @@ class KVManager:
     def state_slot(self, rid: str) -> int:
         """The request's state slot (0: the model has no linear layers)."""
         return self._req(rid).state
+
+    def snapshot_at(self, tokens: Sequence[int], end: int) -> int:
+        """The tree's snapshot slot at `end` on the path of `tokens` (0: none, or no state pool):
+        read only (the disk tier copies it to host memory)."""
+        if self.state_pool is None or self.tree is None:
+            return 0
+        return snapshot_at(self.tree, tuple(tokens[:end]), end)
 
     def page_tables(self, rid: str) -> PageTables:
         """int32 [num_pages] FULL table and the SWA table of the same length (0 = NULL)."""

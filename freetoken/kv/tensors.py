@@ -167,6 +167,31 @@ class KVTensors:
             if t is not None:
                 t[dst].copy_(t[src])
 
+    def _state_parts(self, slot: int) -> list[torch.Tensor]:
+        return [t[slot] for t in (*self.conv, *self.recurrent) if t is not None]
+
+    def state_nbytes(self) -> int:
+        """Bytes `state_bytes` gives for one slot (0: the model has no linear layers)."""
+        return sum(t.numel() * t.element_size() for t in self._state_parts(0))
+
+    def state_bytes(self, slot: int) -> torch.Tensor:
+        """A host copy of one state slot of every linear layer, as one uint8 tensor (the disk
+        tier's payload of a snapshot): each layer's conv state, then each one's recurrent state."""
+        return torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in self._state_parts(slot)]).cpu()
+
+    def load_state(self, slot: int, payload: memoryview | bytes) -> None:
+        """Write a payload of `state_bytes` into one state slot (a disk load into a request's slot)."""
+        if not 0 < slot <= self.state_slots:
+            raise ValueError(f"state slot {slot} of {self.state_slots}")
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        if data.numel() != self.state_nbytes():
+            raise ValueError(f"a state payload of {data.numel()} bytes, expected {self.state_nbytes()}")
+        at = 0
+        for dst in self._state_parts(slot):
+            n = dst.numel() * dst.element_size()
+            dst.copy_(data[at : at + n].view(dst.dtype).view(dst.shape))
+            at += n
+
     def clear_states(self, slots: list[int]) -> None:
         """Zero the conv and recurrent states of `slots` in every linear layer (a fresh request)."""
         for t in (*self.conv, *self.recurrent):

@@ -86,9 +86,8 @@ def test_preempted_requests_recompute_from_a_fresh_state(checkpoint: Path, want:
         ({"speculative": "ngram"}, "--speculative ngram"),
         ({"deterministic": True, "page_size": 16, "prefill_weights": "bf16"}, "--deterministic"),
         ({"device": "cuda"}, "--device cuda"),
-        ({"kv_disk_dir": "/nonexistent"}, "--kv-disk-dir"),
     ],
-    ids=["speculative", "deterministic", "cuda", "kv-disk"],
+    ids=["speculative", "deterministic", "cuda"],
 )
 def test_unsupported_flags_are_refused_in_one_line(checkpoint: Path, overrides: dict, flag: str) -> None:
     """What would corrupt or is untested on the recurrent state is refused by name (tensor

@@ -163,3 +163,38 @@ def test_the_writer_audits_while_idle(tmp_path: Path) -> None:
     status = store.status()
     assert status["audit_failures"] == 1 and status["audited"] >= 3, status
     assert not store.on_disk("full", keys[1]) and store.on_disk("full", keys[0])
+
+
+def test_a_state_file_sits_beside_its_page_and_survives_a_reopen(tmp_path: Path) -> None:
+    """A recurrent-state snapshot is a `state` entry under the key of the page ending at it: its
+    own file, read back by kind, checked like a page, kept across a reopen."""
+    store = DiskStore(tmp_path, IDENT, 1 << 20)
+    keys = write_pages(store, 2)
+    header, toks, _ = page(1, keys[1], keys[0], "state")
+    state = np.arange(PAYLOAD, dtype=np.uint8)
+    assert store.submit(header, toks, state, PAYLOAD)
+    assert store.flush(10)
+    assert store.on_disk("state", keys[1]) and not store.on_disk("state", keys[0])
+    store.close(10)
+    store = DiskStore(tmp_path, IDENT, 1 << 20)
+    assert store.entries == 3 and store.audit() == []
+    got = store.read("state", keys[1])
+    assert got is not None and got[0].kind == "state" and bytes(got[2]) == state.tobytes()
+    assert bytes(store.read("full", keys[1])[2]) == bytes([2]) * PAYLOAD  # type: ignore[index]
+
+
+def test_a_state_slot_round_trips_through_its_bytes() -> None:
+    import torch
+
+    from freetoken.kv.tensors import KVLayout, KVTensors
+
+    layout = KVLayout((False, False), 1, 4, linear=(True, False), conv_shape=(3, 2), recurrent_shape=(2, 2, 2))
+    t = KVTensors(layout, 2, 0, P, torch.float32, "cpu", state_slots=3)
+    assert t.state_nbytes() == layout.state_bytes() == 4 * (6 + 8)
+    t.conv[0][2].normal_()
+    t.recurrent[0][2].normal_()
+    payload = t.state_bytes(2).numpy()
+    t.load_state(3, memoryview(payload))
+    assert torch.equal(t.conv[0][3], t.conv[0][2]) and torch.equal(t.recurrent[0][3], t.recurrent[0][2])
+    with pytest.raises(ValueError):
+        t.load_state(3, payload[:-1].tobytes())
