@@ -161,10 +161,9 @@ def test_a_streamed_generation_gives_reasoning_and_a_typed_call(family: tuple[Fa
     assert json.loads("".join(p.call.arguments for p in pieces)) == ARGS
 
 
+@pytest.mark.parametrize("family", [name for name, f in FAMILIES.items() if f.reasoning is not None], indirect=True)
 def test_enable_thinking_reaches_the_template(family: tuple[Family, Tokenizer]) -> None:
     fam, tok = family
-    if fam.reasoning is None:
-        pytest.skip("this family does not reason")
     user = [{"role": "user", "content": "Hi"}]
     on, off = calling(tok, ToolOptions(), thinking=True), calling(tok, ToolOptions(), thinking=False)
     assert off.template_context() == {"enable_thinking": False}
@@ -198,13 +197,12 @@ def test_forced_grammar_accepts_the_format_only(family: tuple[Family, Tokenizer]
         assert f"<[{tok.token_to_id('[TOOL_CALLS]')}]>" in grammar and '"[TOOL_CALLS]"' not in grammar
 
 
+@pytest.mark.parametrize("family", ["mistral"], indirect=True)
 def test_mistral_renders_a_history_with_our_call_ids(family: tuple[Family, Tokenizer]) -> None:
     """Mistral's template refuses ids that are not 9 letters or digits; ours (`call_` + 24 hex) are
     handed to it as 9 hex digits of their hash, the same for the call and its result, so the template
     renders the history itself (not the text fallback)."""
     fam, tok = family
-    if fam.parser != "mistral":
-        pytest.skip("only Mistral's template checks ids")
     call = {"id": "call_0123456789abcdef01234567", "type": "function",
             "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}
     messages = [
