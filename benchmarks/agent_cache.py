@@ -56,8 +56,10 @@ class Turn:
     latency_s: float = 0.0
 
 
-async def chat(http: httpx.AsyncClient, messages: list[dict[str, Any]], reply_tokens: int, turn: Turn) -> str:
-    body = {"model": "default", "messages": messages, "max_tokens": reply_tokens, "temperature": 0.0,
+async def chat(
+    http: httpx.AsyncClient, model: str, messages: list[dict[str, Any]], reply_tokens: int, turn: Turn
+) -> str:
+    body = {"model": model, "messages": messages, "max_tokens": reply_tokens, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     out = serving.Stream(start=time.perf_counter())
     async with http.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -83,6 +85,7 @@ async def workload(base: str, conversations: int, turns: int, reply_tokens: int,
     system = "You are a coding agent. Follow the project notes below.\n" + serving.words_text(7, system_words)
     done: list[Turn] = []
     async with httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(3600.0)) as http:
+        model = (await http.get("/v1/models")).json()["data"][0]["id"]
 
         async def conversation(k: int) -> None:
             rng = random.Random(k)
@@ -90,7 +93,7 @@ async def workload(base: str, conversations: int, turns: int, reply_tokens: int,
             messages = [{"role": "system", "content": system}, {"role": "user", "content": task}]
             for t in range(turns):
                 turn = Turn(k, t + 1)
-                text = await chat(http, messages, reply_tokens, turn)
+                text = await chat(http, model, messages, reply_tokens, turn)
                 done.append(turn)
                 print(f"  conv {k} turn {t + 1}: prompt {turn.prompt_tokens}, cached {cached(turn)}, "
                       f"{turn.latency_s:.1f} s", file=sys.stderr, flush=True)  # fmt: skip
