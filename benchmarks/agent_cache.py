@@ -10,7 +10,9 @@ time; the idle one waits): C conversations at once over one shared ~1,200-word s
 opening with a one-line task; every turn is a streamed chat request of the conversation so far,
 then the reply and a tool result (`freetoken.bench.serving.tool_result`, ~100 words) are appended,
 so each request extends the last. A conversation sends its next turn as soon as its reply is in:
-with more conversations than slots they queue.
+with more conversations than slots they queue. Each conversation count after the first tags its
+conversations' tasks (and their tool results' seeds) so that none repeats a conversation of an
+earlier count, whose turns the servers still hold.
 
 The cached share is what each server reports per request (FreeToken: `usage.prompt_tokens_details.
 cached_tokens`; llama-server: `timings.cache_n`, beside `usage.prompt_tokens`), summed per turn;
@@ -81,15 +83,17 @@ async def chat(
     return out.text
 
 
-async def workload(base: str, conversations: int, turns: int, reply_tokens: int, system_words: int) -> list[Turn]:
+async def workload(
+    base: str, conversations: int, turns: int, reply_tokens: int, system_words: int, tag: str = ""
+) -> list[Turn]:
     system = "You are a coding agent. Follow the project notes below.\n" + serving.words_text(7, system_words)
     done: list[Turn] = []
     async with httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(3600.0)) as http:
         model = (await http.get("/v1/models")).json()["data"][0]["id"]
 
         async def conversation(k: int) -> None:
-            rng = random.Random(k)
-            task = f"Task {k}: find where the {rng.choice(serving.WORDS)} {rng.choice(serving.WORDS)} is handled."
+            rng = random.Random(f"{tag}{k}" if tag else k)
+            task = f"Task {tag}{k}: find where the {rng.choice(serving.WORDS)} {rng.choice(serving.WORDS)} is handled."
             messages = [{"role": "system", "content": system}, {"role": "user", "content": task}]
             for t in range(turns):
                 turn = Turn(k, t + 1)
@@ -174,7 +178,10 @@ def main(argv: list[str]) -> None:
                 load = os.getloadavg()
                 print(f"== {name}: {c} conversations on {a.slots} slots (load {load[0]:.2f})", file=sys.stderr)
                 t0 = time.perf_counter()
-                turns = asyncio.run(workload(procs[name].base_url, c, a.turns, a.reply_tokens, a.system_words))
+                tag = (
+                    f"{c}." if i else ""
+                )  # no conversation repeats an earlier run's (its turns would hit that run's cache)
+                turns = asyncio.run(workload(procs[name].base_url, c, a.turns, a.reply_tokens, a.system_words, tag))
                 out["runs"][c][name] = {"slots": a.slots, "wall_s": time.perf_counter() - t0, "load_at_start": load,
                                         **shares(turns, a.turns), "turns": [dataclasses.asdict(t) for t in turns]}  # fmt: skip
                 (a.out_dir / "agent-cache.json").write_text(json.dumps(out, indent=1))
