@@ -142,7 +142,7 @@ def table(results: dict[int, dict[str, Any]], turns: int) -> str:
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="a .gguf path")
-    p.add_argument("--conversations", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--conversations", type=int, nargs="*", default=[4, 8], help="none: only the paired rounds")
     p.add_argument("--slots", type=int, default=4, help="llama-server -np, ft serve --max-running-requests")
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--reply-tokens", type=int, default=24)
