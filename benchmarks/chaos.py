@@ -21,6 +21,11 @@ SIGKILLs the engine process `--kills` times, spread over the run, waiting for `/
 With `--requests N` there is no clock: the resizes come every `--resize-every-requests`
 completed units and the kills at fixed fractions of N.
 
+`--hybrid`: a model with linear-attention layers (Qwen3.5 / Qwen3.5-MoE), which refuses
+`--speculative` and has no SWA pool: both flags are left out (the `speculative` kind is then a plain
+greedy completion of a repetitive prompt) and the recurrent-state pool (`pools.state`: a slot per
+running request, the rest snapshots) is checked at idle like the page pools.
+
 An error is expected only when its request overlapped a kill (from the SIGKILL until `/health`
 answered 200 again); any other error fails the run. Also failed: an audit violation or a
 quarantined page in any sample (samples are taken every `--interval` seconds, after each unit with
@@ -327,10 +332,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument("--serve-arg", action="append", default=[], metavar="ARG", help="an extra `ft serve` argument (repeatable)")
     p.add_argument("--out", type=Path, default=Path("bench-out/chaos"))
+    p.add_argument("--hybrid", action="store_true",
+                   help="a hybrid model (Qwen3.5): no --speculative (refused), no --swa-pool-tokens (no SWA pool)")
     args = p.parse_args(argv)
     # what soak.Server reads
     args.conversations = args.workers
-    args.serve_arg = ["--speculative", "ngram", "--kv-cache-dtype", "int8", "--swa-pool-tokens", "floor", "--debug-kv", *args.serve_arg]
+    features = ["--kv-cache-dtype", "int8"] if args.hybrid else ["--speculative", "ngram", "--kv-cache-dtype", "int8", "--swa-pool-tokens", "floor"]
+    args.serve_arg = [*features, "--debug-kv", *args.serve_arg]
     return args
 
 
@@ -395,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         "rss_total_mb_first": samples[0]["rss_total_mb"] if samples else None,
         "rss_total_mb_max": max((s["rss_total_mb"] for s in samples), default=None),
         "rss_total_mb_last": samples[-1]["rss_total_mb"] if samples else None,
-        "audits": max((s["audits"] for s in samples), default=0), "samples": len(samples),
+        "audits": max((s["audits"] for s in samples), default=0), "samples": len(samples), "idle_pools": idle["pools"],
         "serve_command": " ".join(server.cmd), "serve_exit_code": code, "passed": not failures, "failures": failures,
     }
     (args.out / "chaos.json").write_text(json.dumps(summary, indent=2))

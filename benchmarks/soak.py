@@ -233,7 +233,7 @@ def sample(server: Server, t0: float, totals: Totals) -> dict[str, Any]:
     row: dict[str, Any] = {"elapsed_s": round(time.monotonic() - t0, 1), "rss_api_mb": round(api_mb, 1),
                            "rss_engine_mb": round(engine_mb, 1), "rss_total_mb": round(api_mb + engine_mb, 1)}
     status = httpx.get(f"{server.base}/v1/cache/status", timeout=60).json()
-    for pool in ("full", "swa"):
+    for pool in ("full", "swa", "state"):  # state: a hybrid model's recurrent-state slots
         counts = status["pools"].get(pool) or {}
         for state in ("capacity", "free", "cached", "in_use", "quarantined"):
             row[f"{pool}_{state}"] = counts.get(state, "")
@@ -311,7 +311,7 @@ def plot(rows: list[dict[str, Any]], path: Path, warmup: float) -> bool:
     ax1.axvline(warmup / 60, color="grey", linestyle=":", label="end of warm-up")
     ax1.set_ylabel("RSS (MiB)")
     ax1.legend(loc="center right")
-    for pool, style in (("full", "-"), ("swa", "--")):
+    for pool, style in (("full", "-"), ("swa", "--"), ("state", ":")):
         if rows and rows[0][f"{pool}_capacity"] != "":
             for state in ("free", "cached", "in_use"):
                 ax2.plot(t, [r[f"{pool}_{state}"] for r in rows], style, label=f"{pool} {state}")

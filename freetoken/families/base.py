@@ -25,6 +25,10 @@ UNPERMUTE_Q_ROWS = "unpermute_q_rows"  # undo llama.cpp's rotary row permutation
 UNPERMUTE_K_ROWS = "unpermute_k_rows"  # the same for k_proj (per kv head)
 NORM_MINUS_ONE = "norm_minus_one"  # an RMSNorm weight stored as w + 1: subtract 1 (and never keep it quantized)
 EXPERTS_TRANSPOSE = "experts_transpose"  # ggml [E, out, in] -> [E, in, out]
+# a one-row matrix ([1, H]: a gate with a single output): llama.cpp's converter writes it [1, H], but
+# a file llama.cpp itself rewrites (llama-quantize) stores only the dimensions up to the last that
+# is not 1, so there it is [H]; either comes back as [1, H]
+ONE_ROW = "one_row"
 # Qwen3.5's linear-attention tensors: llama.cpp's converter tiles the value heads (head j of key
 # group g at j * key_heads + g) where HF groups them (g * value_heads / key_heads + j); the
 # rearrangements below put them back, on what each tensor holds per value head:

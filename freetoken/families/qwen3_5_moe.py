@@ -2,7 +2,8 @@
 `models/qwen3_5.py`).
 
 GGUF (`qwen35moe`): Qwen3.5's layers (`families/qwen3_5.py`) with Qwen3-MoE's routed experts (the
-separate gate / up stacks joined on the rows, gate first) plus a shared expert and its gate. A
+separate gate / up stacks joined on the rows, gate first) plus a shared expert and its gate
+(`ffn_gate_inp_shexp`, [1, H]: [H] in a file llama-quantize wrote, which keeps no trailing 1). A
 multimodal `config.json` (`qwen3_5_moe`) holds the text model in `text_config`.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from freetoken.families import qwen3_5, qwen3_moe
-from freetoken.families.base import ROWS, Family, GGUFFacts, HFFacts
+from freetoken.families.base import ONE_ROW, ROWS, Family, GGUFFacts, HFFacts
 from freetoken.families.gguf_keys import Keys
 
 TENSORS: dict[str, str] = {
@@ -26,6 +27,10 @@ TENSORS: dict[str, str] = {
     "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
     "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
+
+
+def layout(rest: str) -> str | None:
+    return ONE_ROW if rest == "ffn_gate_inp_shexp.weight" else qwen3_5.layout(rest)
 
 
 def translate(k: Keys, cfg: dict[str, object], tensor_names: Collection[str]) -> None:
@@ -48,7 +53,7 @@ FAMILY = Family(
         hf_class="Qwen3_5MoeForCausalLM",
         translate=translate,
         tensors=TENSORS,
-        layout=qwen3_5.layout,
+        layout=layout,
         experts_join=ROWS,
         float32=frozenset({"ffn_gate_inp.weight"}),  # the router, held in float32 by the model
         uniform_heads=False,

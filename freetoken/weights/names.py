@@ -32,6 +32,7 @@ from freetoken.families.base import (
     LINEAR_V_ROWS,
     LINEAR_V_SCALARS,
     NORM_MINUS_ONE,
+    ONE_ROW,
     UNPERMUTE_K_ROWS,
     UNPERMUTE_Q_ROWS,
 )
@@ -137,6 +138,8 @@ def _to_hf_layout(
         return t - 1
     if layout == EXPERTS_TRANSPOSE:
         return t.transpose(-1, -2)  # ggml [E, out, in] -> HF [E, in, out]
+    if layout == ONE_ROW:
+        return t.reshape(1, -1)
     dv = linear[3] if linear is not None else 1
     if layout == LINEAR_QKV_ROWS:
         return _linear_qkv(t, linear)

@@ -3,7 +3,9 @@
 `tiny_models.py`: the file gives the checkpoint's tensors and config back (norms un-shifted,
 A_log from `ssm_a`, the value heads un-tiled), and the engine gives transformers' greedy tokens.
 The converter's BPE pre-tokenizer check does not know the tiny test vocabulary, so it is answered
-`qwen2` (only the tokenizer metadata depends on it). Skipped where the converter is not present."""
+`qwen2` (only the tokenizer metadata depends on it). Skipped where the converter is not present.
+The same file rewritten by llama.cpp's `llama-quantize` (COPY: the tensors as they are, but a
+[1, H] gate stored as [H], as in every quantized Qwen3.5-MoE file) gives the checkpoint back too."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_models import write_tiny_model  # noqa: E402
 
 LLAMA_CPP = Path("/root/.cache/freetoken/llama.cpp/src/llama_cpp_python-0.3.36/vendor/llama.cpp")
+LLAMA_QUANTIZE = Path("/root/.cache/freetoken/llama.cpp/build/bin/llama-quantize")
 CONVERT = """
 import runpy, sys
 root = sys.argv[1]
@@ -78,6 +81,19 @@ def test_gguf_gives_the_checkpoint_back(converted: tuple[Path, Path]) -> None:
                   "linear_conv_kernel_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
                   "shared_expert_intermediate_size", "head_dim", "num_kv_heads", "tie_word_embeddings"):  # fmt: skip
         assert getattr(got, field) == getattr(want, field), field
+
+
+def test_gguf_rewritten_by_llama_quantize_gives_the_checkpoint_back(converted: tuple[Path, Path]) -> None:
+    if not LLAMA_QUANTIZE.exists():
+        pytest.skip("llama.cpp's llama-quantize is not built")
+    directory, path = converted
+    copy = path.with_name("copy.gguf")
+    subprocess.run([str(LLAMA_QUANTIZE), str(path), str(copy), "COPY"], check=True, capture_output=True, timeout=300)
+    ck = load_gguf(copy, dtype=torch.float64)
+    sd = stacked(load_safetensors_dir(directory, dtype=torch.float64))
+    assert set(ck.tensors) == set(sd)
+    for name, want in sd.items():
+        torch.testing.assert_close(ck.tensors[name], want, atol=1e-6, rtol=1e-6, msg=name)
 
 
 def test_gguf_greedy_tokens_equal_transformers(converted: tuple[Path, Path]) -> None:

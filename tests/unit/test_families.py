@@ -25,6 +25,7 @@ from freetoken.families.base import (
     LINEAR_V_ROWS,
     LINEAR_V_SCALARS,
     NORM_MINUS_ONE,
+    ONE_ROW,
     ROWS,
     UNPERMUTE_K_ROWS,
     UNPERMUTE_Q_ROWS,
@@ -111,7 +112,7 @@ def test_the_gguf_architectures_are_the_families() -> None:
 
 
 def test_each_family_names_only_what_the_weights_package_does() -> None:
-    layouts = {None, UNPERMUTE_Q_ROWS, UNPERMUTE_K_ROWS, NORM_MINUS_ONE, EXPERTS_TRANSPOSE}
+    layouts = {None, UNPERMUTE_Q_ROWS, UNPERMUTE_K_ROWS, NORM_MINUS_ONE, EXPERTS_TRANSPOSE, ONE_ROW}
     layouts |= {LINEAR_QKV_ROWS, LINEAR_CONV, LINEAR_V_ROWS, LINEAR_V_SCALARS, LINEAR_A_LOG, LINEAR_V_COLUMNS}
     for fam in all_families():
         if fam.gguf is None:
