@@ -161,20 +161,16 @@ def load_gguf(
         try:
             data = reader.tensor_data(t)
             expert = expert_stack_name(t.name, arch) if keep_quantized and t.ggml_type in EXPERT_TYPES else None
+            rows = keep_quantized and len(t.shape) == 2 and assembler.can_stay_quantized(t.name)
             if expert is not None and len(t.shape) == 3:
                 assembler.tensors[expert] = expert_stack(data, t.ggml_type, t.shape, t.name)
-            elif not (keep_quantized and len(t.shape) == 2 and assembler.can_stay_quantized(t.name)):
-                wanted = torch.float32 if assembler.keeps_float32(t.name) else decode_dtype(t, dtype)
-                values = dequantize(data, t.ggml_type, t.shape, t.name, wanted, device)
-                assembler.add(t.name, values)
-            elif t.ggml_type in SUPERBLOCK_TYPES:
+            elif rows and t.ggml_type in SUPERBLOCK_TYPES:
                 assembler.add_quantized(t.name, superblock_rows(data, t.ggml_type, t.shape, t.name))
-            elif t.ggml_type in INTEGER_TYPES:
+            elif rows and t.ggml_type in INTEGER_TYPES:
                 assembler.add_quantized(t.name, to_quantized(data, t.ggml_type, t.shape, t.name))
             else:
                 wanted = torch.float32 if assembler.keeps_float32(t.name) else decode_dtype(t, dtype)
-                values = dequantize(data, t.ggml_type, t.shape, t.name, wanted, device)
-                assembler.add(t.name, values)
+                assembler.add(t.name, dequantize(data, t.ggml_type, t.shape, t.name, wanted, device))
         except ModelLoadError as err:
             raise ModelLoadError(f"{p}: {err}") from None
         done_bytes += t.n_bytes
