@@ -172,25 +172,18 @@ class KVTensors:
 
     def state_nbytes(self) -> int:
         """Bytes `state_bytes` gives for one slot (0: the model has no linear layers)."""
-        return sum(t.numel() * t.element_size() for t in self._state_parts(0))
+        return _nbytes(self._state_parts(0))
 
     def state_bytes(self, slot: int) -> torch.Tensor:
         """A host copy of one state slot of every linear layer, as one uint8 tensor (the disk
         tier's payload of a snapshot): each layer's conv state, then each one's recurrent state."""
-        return torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in self._state_parts(slot)]).cpu()
+        return _packed(self._state_parts(slot))
 
     def load_state(self, slot: int, payload: memoryview | bytes) -> None:
         """Write a payload of `state_bytes` into one state slot (a disk load into a request's slot)."""
         if not 0 < slot <= self.state_slots:
             raise ValueError(f"state slot {slot} of {self.state_slots}")
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        if data.numel() != self.state_nbytes():
-            raise ValueError(f"a state payload of {data.numel()} bytes, expected {self.state_nbytes()}")
-        at = 0
-        for dst in self._state_parts(slot):
-            n = dst.numel() * dst.element_size()
-            dst.copy_(data[at : at + n].view(dst.dtype).view(dst.shape))
-            at += n
+        _unpack(self._state_parts(slot), payload, "state")
 
     def clear_states(self, slots: list[int]) -> None:
         """Zero the conv and recurrent states of `slots` in every linear layer (a fresh request)."""
@@ -298,26 +291,18 @@ class KVTensors:
 
     def page_nbytes(self, sliding: bool) -> int:
         """Bytes `page_bytes` gives for one page of the SWA (`sliding`) or FULL pool."""
-        return sum(t.numel() * t.element_size() for t in self._page_parts(sliding, 0))
+        return _nbytes(self._page_parts(sliding, 0))
 
     def page_bytes(self, sliding: bool, page: int) -> torch.Tensor:
         """A host copy of one page of every layer of a pool, as one uint8 tensor (the disk tier's
         payload): each layer's K then V, with an 8-bit cache's scales after each."""
-        parts = [t.contiguous().view(-1).view(torch.uint8) for t in self._page_parts(sliding, page)]
-        return torch.cat(parts).cpu()
+        return _packed(self._page_parts(sliding, page))
 
     def load_page(self, sliding: bool, page: int, payload: memoryview | bytes) -> None:
         """Write a payload of `page_bytes` into one page of every layer of a pool (a disk load)."""
         if page < 1:
             raise ValueError("page 0 is the NULL page and is never written")
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        if data.numel() != self.page_nbytes(sliding):
-            raise ValueError(f"a page payload of {data.numel()} bytes, expected {self.page_nbytes(sliding)}")
-        at = 0
-        for dst in self._page_parts(sliding, page):
-            n = dst.numel() * dst.element_size()
-            dst.copy_(data[at : at + n].view(dst.dtype).view(dst.shape))
-            at += n
+        _unpack(self._page_parts(sliding, page), payload, "page")
 
     def null_pages_are_zero(self) -> bool:
         """True while page 0 of every layer is still all zeros (a check for tests and audits)."""
@@ -332,3 +317,24 @@ def dequantize(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     g, d = scale.shape[-1], stored.shape[-1]
     out = stored.to(dtype).view(*stored.shape[:-1], g, d // g) * scale.to(dtype).unsqueeze(-1)
     return out.view(stored.shape)
+
+
+def _nbytes(parts: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in parts)
+
+
+def _packed(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The views `parts`, in order, as one host uint8 tensor (a disk tier payload)."""
+    return torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in parts]).cpu()
+
+
+def _unpack(parts: list[torch.Tensor], payload: memoryview | bytes, what: str) -> None:
+    """Write a `_packed` payload back into the views `parts`; ValueError when its size differs."""
+    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    if data.numel() != _nbytes(parts):
+        raise ValueError(f"a {what} payload of {data.numel()} bytes, expected {_nbytes(parts)}")
+    at = 0
+    for dst in parts:
+        n = dst.numel() * dst.element_size()
+        dst.copy_(data[at : at + n].view(dst.dtype).view(dst.shape))
+        at += n
