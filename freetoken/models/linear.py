@@ -19,9 +19,10 @@ from torch import nn
 from freetoken.config import WEIGHT_POLICIES
 from freetoken.errors import ModelLoadError
 from freetoken.ops.qlinear import PREFILL_ROWS, Packed, pack, qlinear
-from freetoken.ops.superblock import PackedStack, PackedSuperBlock
+from freetoken.ops.superblock import PackedColumns, PackedStack, PackedSuperBlock
 from freetoken.ops.quantized import (
     GROUP,
+    ColumnOrderedWeight,
     Quantized,
     QuantizedWeight,
     StackedWeight,
@@ -57,7 +58,7 @@ def apply_policy(value: Weight, weights: str) -> Weight:
         return value
     if weights == "bf16":
         return dequantize(value, torch.float32) if is_quantized(value) else value
-    if isinstance(value, StackedWeight):
+    if isinstance(value, (StackedWeight, ColumnOrderedWeight)):
         value = dequantize(value, torch.float32)
     if isinstance(value, SuperBlockWeight):
         value = value.to_group32()
@@ -142,6 +143,8 @@ def _kernel_keeps_up(packed: Packed) -> bool:
     group-32 kernel's ~2x. A fused projection keeps up only if every part does."""
     if isinstance(packed, PackedStack):
         return all(_kernel_keeps_up(p) for p in packed.parts)
+    if isinstance(packed, PackedColumns):
+        return _kernel_keeps_up(packed.inner)
     return isinstance(packed, PackedSuperBlock) and packed.kind == "q4_k"
 
 

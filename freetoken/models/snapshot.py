@@ -20,7 +20,8 @@ from freetoken.models.linear import QuantizableWeight
 from freetoken.ops.qlinear import from_state
 
 # Bumped whenever what `capture` writes changes shape: an older snapshot is then a miss.
-SNAPSHOT_VERSION = 4  # 2: experts in super-block form; 3: half last chunks (K % 512 == 256); 4: float32 routers
+SNAPSHOT_VERSION = 5  # 2: experts in super-block form; 3: half last chunks (K % 512 == 256); 4: float32 routers;
+# 5: a matrix whose columns move (Qwen3.5 out_proj in a GGUF) packed as stored (PackedColumns)
 
 
 def _matrix(m: Matrix) -> object:

@@ -26,8 +26,15 @@ import torch
 import torch.nn.functional as F
 
 from freetoken.ops.layout import _chunk_transpose, _pack, _padded, _unpack
-from freetoken.ops.quantized import GROUP, Quantized, QuantizedWeight, StackedWeight, SuperBlockWeight
-from freetoken.ops.superblock import PackedStack, PackedSuperBlock
+from freetoken.ops.quantized import (
+    GROUP,
+    ColumnOrderedWeight,
+    Quantized,
+    QuantizedWeight,
+    StackedWeight,
+    SuperBlockWeight,
+)
+from freetoken.ops.superblock import PackedColumns, PackedStack, PackedSuperBlock
 
 log = logging.getLogger(__name__)
 
@@ -249,7 +256,7 @@ class PackedWeight:
 PREFILL_ROWS = 64
 
 
-Packed = PackedWeight | PackedSuperBlock | PackedStack
+Packed = PackedWeight | PackedSuperBlock | PackedStack | PackedColumns
 
 
 @functools.cache
@@ -270,9 +277,11 @@ def _wants_triton(device: torch.device) -> bool:
 def pack(w: Quantized) -> Packed:
     """The packed form `w` runs in: on CUDA the Triton kernel's group-32 layout (where triton
     imports); a super-block weight in its own integers where the kernel takes them (CPU), else in
-    the group-32 form; a stack part by part."""
+    the group-32 form; a stack part by part; a column-ordered matrix as stored, its inputs gathered."""
     if isinstance(w, StackedWeight):
         return PackedStack([pack(p) for p in w.parts])
+    if isinstance(w, ColumnOrderedWeight):
+        return PackedColumns(pack(w.inner), w.order)
     device = w.device if isinstance(w, SuperBlockWeight) else w.q.device
     if _wants_triton(device):
         layout = _triton_layout()
@@ -293,6 +302,8 @@ def from_state(state: dict) -> Packed:
         return PackedWeight.from_state(state)
     if form == "stack":
         return PackedStack([from_state(p) for p in state["parts"]])
+    if form == "columns":
+        return PackedColumns(from_state(state["inner"]), state["order"])
     if form == "superblock" and _SUPERBLOCKS:
         return PackedSuperBlock.from_state(state, _KERNEL)
     if form == "triton_group32" and _triton_layout() is not None:

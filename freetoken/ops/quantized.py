@@ -14,6 +14,8 @@ format (the GGUF loader converts its block types into these forms).
   decodes the integers on first touch.
 - `StackedWeight`, row blocks of different forms stacked along N (a fused QKV whose V is Q6_K while
   Q and K are Q4_K keeps each part's own form).
+- `ColumnOrderedWeight`, a matrix whose stored columns are the inputs in another order (a GGUF's
+  Qwen3.5 `out_proj`): the kernel reads it as stored and x's columns are gathered to match.
 """
 
 from __future__ import annotations
@@ -232,11 +234,39 @@ class StackedWeight:
         raise ValueError("a stacked weight is made after the checkpoint's rows are arranged")
 
 
-Quantized = QuantizedWeight | SuperBlockWeight | StackedWeight
+@dataclass
+class ColumnOrderedWeight:
+    """A matrix [N, K] stored with its columns in another order than the layer's inputs: stored
+    column c multiplies input `order[c]`. Qwen3.5's `out_proj` in a GGUF is one (value heads tiled
+    across key groups): moving its columns back would cut the super-blocks, so it stays as the
+    file has it and the packed form (superblock.PackedColumns) gathers x's columns instead."""
+
+    inner: QuantizedWeight | SuperBlockWeight
+    order: torch.Tensor  # int64 [K], a permutation of range(K)
+
+    def __post_init__(self) -> None:
+        k = self.inner.shape[1]
+        if self.order.dtype != torch.int64 or tuple(self.order.shape) != (k,):
+            raise ValueError(
+                f"ColumnOrderedWeight: order must be int64 [{k}], got {self.order.dtype} {tuple(self.order.shape)}"
+            )
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.inner.shape
+
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> ColumnOrderedWeight:
+        """Row operations commute with the column order: applied to the stored matrix."""
+        inner = self.inner.map_rows(fn)
+        device = inner.device if isinstance(inner, SuperBlockWeight) else inner.q.device
+        return ColumnOrderedWeight(inner, self.order.to(device))
+
+
+Quantized = QuantizedWeight | SuperBlockWeight | StackedWeight | ColumnOrderedWeight
 
 
 def is_quantized(w: object) -> bool:
-    return isinstance(w, (QuantizedWeight, SuperBlockWeight, StackedWeight))
+    return isinstance(w, (QuantizedWeight, SuperBlockWeight, StackedWeight, ColumnOrderedWeight))
 
 
 def _groups(w: torch.Tensor) -> torch.Tensor:
@@ -274,6 +304,8 @@ def on_device(qw: Quantized, device: torch.device | str) -> Quantized:
     returned as it is (its parts stay where they lie, not joined by a no-op move)."""
     if isinstance(qw, StackedWeight):
         return StackedWeight([on_device(p, device) for p in qw.parts])  # type: ignore[misc]
+    if isinstance(qw, ColumnOrderedWeight):
+        return ColumnOrderedWeight(on_device(qw.inner, device), qw.order.to(device))  # type: ignore[arg-type]
     if isinstance(qw, RawSuperBlocks) and qw._ints is None and qw.device == torch.device(device):
         return qw
     return qw.map_rows(lambda t: t.to(device))
@@ -283,6 +315,11 @@ def dequantize(qw: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tenso
     """The reference: float32 math, then one rounding to `dtype`. [N, K]."""
     if isinstance(qw, StackedWeight):
         return torch.cat([dequantize(p, torch.float32) for p in qw.parts]).to(dtype)
+    if isinstance(qw, ColumnOrderedWeight):
+        stored = dequantize(qw.inner, dtype)
+        w = torch.empty_like(stored)
+        w[:, qw.order] = stored  # stored column c is input order[c]
+        return w
     if isinstance(qw, SuperBlockWeight):
         n, k = qw.shape
         scale, minimum = qw.scales()  # [N, K / group]

@@ -266,3 +266,47 @@ class PackedStack:
     def _large_rows(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = torch.cat([p._large(p, x, None) for p in self.parts], dim=-1)
         return y + bias if bias is not None else y
+
+
+class PackedColumns:
+    """A packed matrix whose stored columns are the inputs in another order (ColumnOrderedWeight):
+    y = x[:, order] @ stored^T. The gather costs one [M, K] copy of the activations; the weight
+    is read as the file stores it."""
+
+    def __init__(self, inner: object, order: torch.Tensor) -> None:
+        self.inner, self.order = inner, order  # order int64 [K]: stored column c is input order[c]
+        self.out_features, self.in_features = inner.out_features, inner.in_features  # type: ignore[attr-defined]
+        self.bits = inner.bits  # type: ignore[attr-defined]
+        self._small, self._large = PackedColumns._small_rows, PackedColumns._large_rows
+
+    def state(self) -> dict:
+        return {"form": "columns", "order": self.order, "inner": self.inner.state()}  # type: ignore[attr-defined]
+
+    @property
+    def nbytes(self) -> int:
+        return self.inner.nbytes + self.order.numel() * self.order.element_size()  # type: ignore[attr-defined]
+
+    @property
+    def format(self) -> str:
+        return self.inner.format  # type: ignore[attr-defined]
+
+    def __repr__(self) -> str:
+        return f"PackedColumns({self.inner!r}, columns reordered)"
+
+    def rows_range(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        stored = self.inner.rows_range(start, stop, dtype)  # type: ignore[attr-defined]
+        w = torch.empty_like(stored)
+        w[:, self.order] = stored
+        return w
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        raise ValueError("a matrix with reordered columns is never an embedding table")
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.rows_range(0, self.out_features, dtype)
+
+    def _small_rows(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.inner._small(self.inner, x.index_select(-1, self.order), bias)  # type: ignore[attr-defined]
+
+    def _large_rows(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.inner._large(self.inner, x.index_select(-1, self.order), bias)  # type: ignore[attr-defined]

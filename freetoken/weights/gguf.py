@@ -161,7 +161,7 @@ def load_gguf(
         try:
             data = reader.tensor_data(t)
             expert = expert_stack_name(t.name, arch) if keep_quantized and t.ggml_type in EXPERT_TYPES else None
-            rows = keep_quantized and len(t.shape) == 2 and assembler.can_stay_quantized(t.name)
+            rows = keep_quantized and len(t.shape) == 2
             if expert is not None and len(t.shape) == 3:
                 assembler.tensors[expert] = expert_stack(data, t.ggml_type, t.shape, t.name)
             elif rows and t.ggml_type in SUPERBLOCK_TYPES:

@@ -11,7 +11,7 @@ rows, gate first, or interleaved on the last axis, gate at even indices).
 
 A file without `output.weight` has tied embeddings: no `lm_head.weight` is produced, and the
 config says `tie_word_embeddings`. Matrices kept quantized (`add_quantized`) get the same row
-rearrangement. This module does not read files or dequantize, and holds no family's knowledge.
+rearrangement; one whose columns move is kept as stored, its column order recorded. This module does not read files or dequantize, and holds no family's knowledge.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from freetoken.families.base import (
     UNPERMUTE_K_ROWS,
     UNPERMUTE_Q_ROWS,
 )
-from freetoken.ops.quantized import QuantizedWeight, SuperBlockWeight
+from freetoken.ops.quantized import ColumnOrderedWeight, Quantized, QuantizedWeight, SuperBlockWeight
 
 _GLOBAL: dict[str, str] = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -101,7 +101,8 @@ def unpermute_rotary_rows(t: torch.Tensor, n_heads: int) -> torch.Tensor:
 # (key heads, value heads, key head dim, value head dim) of a hybrid model's linear-attention layers
 LinearShape = tuple[int, int, int, int]
 
-# the rearrangements that move columns: a matrix needing one cannot stay in integer rows
+# the rearrangements that move columns: a matrix needing one stays in integer rows as stored,
+# its column order recorded (ColumnOrderedWeight)
 _COLUMN_LAYOUTS = frozenset({LINEAR_V_COLUMNS})
 
 
@@ -211,13 +212,6 @@ class HFTensorAssembler:
             joined = _interleave(halves[0], halves[1]) if interleave else torch.cat((halves[0], halves[1]), dim=-2)
             self._put(target.hf_name, joined, gguf_name)
 
-    def can_stay_quantized(self, gguf_name: str) -> bool:
-        """Whether the matrix can be kept in integer rows (`add_quantized`): not when its columns
-        move (Qwen3.5's out_proj where key heads are fewer than value heads); the loader decodes it."""
-        rest = gguf_name.split(".", 2)[2] if gguf_name.startswith("blk.") else gguf_name
-        moves = self.linear is not None and self.linear[0] != self.linear[1]
-        return not (moves and self.facts.layout(rest) in _COLUMN_LAYOUTS)
-
     def add_quantized(self, gguf_name: str, qw: QuantizedWeight | SuperBlockWeight) -> None:
         """A matrix kept in integer form: renamed, and its rows rearranged as `add` would."""
         target = hf_target(self.arch, gguf_name)
@@ -233,11 +227,21 @@ class HFTensorAssembler:
 
         if layout == NORM_MINUS_ONE:
             raise ModelLoadError(f"{gguf_name}: a norm cannot stay quantized")
-        if not self.can_stay_quantized(gguf_name):
-            raise ModelLoadError(f"{gguf_name}: a matrix whose columns move cannot stay quantized")
         if target.hf_name in self.tensors:
             raise ModelLoadError(f"GGUF file holds {gguf_name} twice")
+        if layout in _COLUMN_LAYOUTS:
+            self.tensors[target.hf_name] = self._column_ordered(layout, qw)
+            return
         self.tensors[target.hf_name] = qw.map_rows(rows)
+
+    def _column_ordered(self, layout: str, qw: QuantizedWeight | SuperBlockWeight) -> Quantized:
+        """A matrix whose columns the layout moves, kept as stored with the order of its columns
+        (moving them would cut its blocks): stored column c is HF input order[c]."""
+        k = qw.shape[1]
+        hf_to_stored = _to_hf_layout(layout, torch.arange(k)[None], self.n_heads, self.n_kv_heads, self.linear)[0]
+        if torch.equal(hf_to_stored, torch.arange(k)):
+            return qw  # as many key heads as value heads: nothing moves
+        return ColumnOrderedWeight(qw, torch.argsort(hf_to_stored))
 
     def keeps_float32(self, gguf_name: str) -> bool:
         """Whether the tensor reaches the model in float32 although `dtype` is a half type (the

@@ -1,11 +1,13 @@
 """Qwen3.5's linear-attention tensors as llama.cpp's converter stores them (value heads tiled
-across key groups) come back in HF's order (grouped by key head), and a matrix whose columns move
-is never kept in integer rows (its row blocks would be read in the wrong order)."""
+across key groups) come back in HF's order (grouped by key head); a matrix whose columns move
+stays in integer rows as stored, with its column order recorded."""
 
 from __future__ import annotations
 
 import torch
 
+from freetoken.ops.qlinear import pack, qlinear
+from freetoken.ops.quantized import ColumnOrderedWeight, dequantize, quantize_int8
 from freetoken.weights.names import HFTensorAssembler
 
 HK, HV, DK, DV = 2, 4, 3, 2  # key heads, value heads, key dim, value dim
@@ -33,9 +35,37 @@ def test_value_heads_come_back_grouped() -> None:
     assert torch.allclose(a.tensors["model.layers.0.linear_attn.A_log"], torch.tensor([float(h) for h in heads]))
 
 
-def test_a_matrix_whose_columns_move_is_decoded() -> None:
-    moving = HFTensorAssembler("qwen35", 4, 2, torch.float32, (HK, HV, DK, DV))
-    assert not moving.can_stay_quantized("blk.0.ssm_out.weight")
-    assert moving.can_stay_quantized("blk.0.attn_qkv.weight")  # rows move: integer rows follow them
-    still = HFTensorAssembler("qwen35", 4, 2, torch.float32, (HV, HV, DK, DV))  # as many key heads as value heads
-    assert still.can_stay_quantized("blk.0.ssm_out.weight")
+def test_a_matrix_whose_columns_move_stays_quantized_as_stored() -> None:
+    """ssm_out's columns are value heads in the tiled order: the matrix stays in its integers as
+    the file stores it, and both the packed product and its dequantized form equal the HF-order
+    matrix's (x's columns gathered into the stored order)."""
+    k = 256 * HV  # a value head of 256 columns: one super-block each
+    stored = torch.randn(8, k)
+    moving = HFTensorAssembler("qwen35", 4, 2, torch.float32, (HK, HV, DK, k // HV))
+    moving.add("blk.0.ssm_out.weight", stored.clone())
+    hf = moving.tensors["model.layers.0.linear_attn.out_proj.weight"]  # the float path: columns moved
+    q = quantize_int8(stored)
+    moving.add_quantized("blk.1.ssm_out.weight", q)
+    kept = moving.tensors["model.layers.1.linear_attn.out_proj.weight"]
+    assert isinstance(kept, ColumnOrderedWeight) and kept.inner is q
+    reference = dequantize(q)  # stored order
+    assert torch.equal(dequantize(kept), _hf_order(reference, k // HV))
+    packed = pack(kept)
+    assert torch.equal(packed.dequantize(), dequantize(kept))
+    x = torch.randn(3, k)
+    y = qlinear(x, packed)
+    assert torch.equal(y, qlinear(x[:, kept.order], pack(q)))  # the stored matrix, its inputs gathered
+    exact = x @ dequantize(kept).T
+    assert (y - exact).norm() < 0.02 * exact.norm()  # the kernel's own rounding of activations
+    assert (qlinear(x, pack(q)) - exact).norm() > 0.5 * exact.norm()  # not gathered: another product
+    torch.testing.assert_close(_hf_order(stored, k // HV), hf)
+    still = HFTensorAssembler("qwen35", 4, 2, torch.float32, (HV, HV, DK, k // HV))  # as many key heads as value heads
+    still.add_quantized("blk.0.ssm_out.weight", q)
+    assert still.tensors["model.layers.0.linear_attn.out_proj.weight"] is q
+
+
+def _hf_order(stored: torch.Tensor, dv: int) -> torch.Tensor:
+    """Columns from the tiled order to the grouped one, head by head (the test's own statement)."""
+    heads = stored.split(dv, dim=1)  # in tiled order: position p holds grouped head tiled(range)[p]
+    by_head = dict(zip(tiled(list(range(HV))), heads))
+    return torch.cat([by_head[h] for h in range(HV)], dim=1)
