@@ -1,5 +1,5 @@
 """Build of FreeToken's optional C++ kernels (freetoken.ops._qlinear_cpu, _attention_cpu,
-_layers_cpu, _repack_cpu and _sampling_cpu); everything else is pyproject.toml.
+_layers_cpu, _gated_delta_cpu, _repack_cpu and _sampling_cpu); everything else is pyproject.toml.
 
 The extension is optional: a compiler error is reported and the install goes on without it, and at
 run time freetoken.ops.qlinear falls back to torch's ops. No -march: the AVX-512 code carries
@@ -42,6 +42,12 @@ def _extensions() -> list:
         CppExtension(
             name="freetoken.ops._layers_cpu",
             sources=["freetoken/ops/csrc/layers.cpp"],
+            extra_compile_args=COMPILE_ARGS,
+            extra_link_args=["-fopenmp"],
+        ),
+        CppExtension(
+            name="freetoken.ops._gated_delta_cpu",
+            sources=["freetoken/ops/csrc/gated_delta.cpp"],
             extra_compile_args=COMPILE_ARGS,
             extra_link_args=["-fopenmp"],
         ),

@@ -63,12 +63,7 @@ from freetoken.models.layers import (
 )
 from freetoken.models.linear import Weight
 from freetoken.models.qwen3_moe import Qwen3MoE, take_experts
-from freetoken.ops.gated_delta import (
-    causal_conv1d,
-    causal_conv1d_step,
-    chunk_gated_delta_rule,
-    recurrent_gated_delta_rule,
-)
+from freetoken.ops.gated_delta import causal_conv1d, causal_conv1d_step_, chunk_gated_delta_rule, recurrent_gated_delta_
 
 
 def unit_norm(dim: int, eps: float, dtype: torch.dtype, device: torch.device | str) -> RMSNorm:
@@ -208,25 +203,21 @@ class GatedDeltaNet(nn.Module):
             conv[a:b], conv_state[slot] = causal_conv1d(mixed[a:b], conv_state[slot], weight)
         rows, slots = plan.decode_rows, plan.decode_slots
         if rows.numel():
-            conv[rows], conv_state[slots] = causal_conv1d_step(mixed[rows], conv_state[slots], weight)
+            conv[rows] = causal_conv1d_step_(mixed[rows], conv_state, weight, slots)
         conv = F.silu(conv)
         kd = self.hk * self.dk
-        q = l2norm(conv[:, :kd].view(T, self.hk, self.dk))  # [T, Hk, Dk]
+        q = l2norm(conv[:, :kd].view(T, self.hk, self.dk)) * self.dk**-0.5  # [T, Hk, Dk]
         k = l2norm(conv[:, kd : 2 * kd].view(T, self.hk, self.dk))
         v = conv[:, 2 * kd :].view(T, self.hv, self.dv)  # [T, Hv, Dv]
-        if self.hv != self.hk:  # each key head serves hv / hk consecutive value heads
-            q = q.repeat_interleave(self.hv // self.hk, dim=1)  # [T, Hv, Dk]
-            k = k.repeat_interleave(self.hv // self.hk, dim=1)
-        q = q * self.dk**-0.5
         beta = torch.sigmoid(self.in_proj_b(x).float())  # [T, Hv]
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())  # [T, Hv]
         out = torch.empty(T, self.hv, self.dv, dtype=torch.float32, device=x.device)  # [T, Hv, Dv]
+        per_key = self.hv // self.hk  # each key head serves per_key consecutive value heads
         for a, b, slot in plan.chunks:
-            out[a:b], state[slot] = chunk_gated_delta_rule(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], state[slot])
+            qc, kc = q[a:b].repeat_interleave(per_key, dim=1), k[a:b].repeat_interleave(per_key, dim=1)  # [n, Hv, Dk]
+            out[a:b], state[slot] = chunk_gated_delta_rule(qc, kc, v[a:b], g[a:b], beta[a:b], state[slot])
         if rows.numel():
-            out[rows], state[slots] = recurrent_gated_delta_rule(
-                q[rows], k[rows], v[rows], g[rows], beta[rows], state[slots]
-            )
+            out[rows] = recurrent_gated_delta_(q[rows], k[rows], v[rows], g[rows], beta[rows], state, slots)
         z = self.in_proj_z(x).view(T, self.hv, self.dv)  # [T, Hv, Dv]
         y = self.norm(out.to(x.dtype), z)  # [T, Hv, Dv]
         return self.out_proj(y.reshape(T, self.hv * self.dv))  # [T, hidden]

@@ -11,16 +11,39 @@ returning the new one (the caller stores it):
   chunk of `CHUNK` tokens; `recurrent_gated_delta_rule` runs one token of many requests (decode
   rows) in the recurrent form. Both compute in float32, whatever the inputs' dtype.
 
+Decode rows also have an in-place form, `recurrent_gated_delta_` and `causal_conv1d_step_`: they
+update the requests' rows of the state pool where they lie. On CPU with the extension built
+(csrc/gated_delta.cpp) that is one pass of two over each state and no temporaries; the torch form
+gathers the rows, runs the reference above and scatters them back (same math; the sums' order
+differs, so results agree to float32 rounding, not bit for bit).
+
 It knows no model: query / key normalisation and scaling, the decay's parametrisation and where
-states live are the caller's. Torch only (the CPU fallback is the op).
+states live are the caller's.
 """
 
 from __future__ import annotations
 
+import logging
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 
+log = logging.getLogger(__name__)
+
 CHUNK = 64  # tokens per block of the chunked form
+
+
+def _load() -> ModuleType | None:
+    try:
+        from freetoken.ops import _gated_delta_cpu  # built by `pip install -e .` (setup.py)
+    except ImportError as err:
+        log.info("freetoken.ops: C++ gated delta kernel not built (%s); using torch", err)
+        return None
+    return _gated_delta_cpu
+
+
+_KERNEL: ModuleType | None = _load()  # decided once at import
 
 
 def causal_conv1d(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,3 +117,40 @@ def recurrent_gated_delta_rule(
     delta = (v - predicted) * beta[:, :, None]  # [B, H, Dv]
     s = s + k[:, :, :, None] * delta[:, :, None, :]
     return (s * q[:, :, :, None]).sum(dim=2), s
+
+
+def _native(states: torch.Tensor) -> bool:
+    return _KERNEL is not None and states.is_cpu and states.dtype == torch.float32 and states.is_contiguous()
+
+
+def causal_conv1d_step_(
+    x: torch.Tensor, states: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor
+) -> torch.Tensor:
+    """`causal_conv1d_step` on the pool's rows: x [B, C], states [S, C, K - 1], weight [C, K],
+    slots int64 [B] (distinct) -> out [B, C] in states' dtype; states[slots] advanced in place."""
+    if _native(states):
+        return _KERNEL.causal_conv1d_step_(x.float().contiguous(), states, weight.float().contiguous(), slots)  # type: ignore[union-attr]
+    out, states[slots] = causal_conv1d_step(x, states[slots], weight)
+    return out
+
+
+def recurrent_gated_delta_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """`recurrent_gated_delta_rule` on the pool's rows: q, k [B, Hk, Dk] (key heads: value head h
+    reads key head h / (Hv / Hk)), v [B, Hv, Dv], g, beta [B, Hv], states [S, Hv, Dk, Dv], slots
+    int64 [B] (distinct) -> out [B, Hv, Dv] float32; states[slots] advanced in place."""
+    if _native(states):
+        f32 = [t.float().contiguous() for t in (q, k, v, g, beta)]
+        return _KERNEL.recurrent_gated_delta_(*f32, states, slots)  # type: ignore[union-attr]
+    per_key = v.shape[1] // q.shape[1]
+    if per_key != 1:
+        q, k = q.repeat_interleave(per_key, dim=1), k.repeat_interleave(per_key, dim=1)  # [B, Hv, Dk]
+    out, states[slots] = recurrent_gated_delta_rule(q, k, v, g, beta, states[slots])
+    return out

@@ -1,6 +1,7 @@
 """The gated delta rule and the causal conv1d (ops/gated_delta.py) against transformers' torch
 fallbacks (Qwen3.5's `torch_chunk_gated_delta_rule`, `torch_recurrent_gated_delta_rule`), and the
-chunked form against the recurrent one token by token, with block and chunk boundaries anywhere.
+chunked form against the recurrent one token by token, with block and chunk boundaries anywhere;
+the decode rows' in-place forms against the reference.
 float32 throughout; tolerance 1e-5 (the forms sum in different orders)."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
+from freetoken.ops import gated_delta
 from freetoken.ops.gated_delta import (
     causal_conv1d,
     causal_conv1d_step,
@@ -98,3 +100,39 @@ def test_conv_chunks_and_steps_equal_transformers() -> None:
     c, state = causal_conv1d(x[5:], state[0], weight)
     torch.testing.assert_close(torch.cat([a, b, c]), want, atol=TOL, rtol=TOL)
     torch.testing.assert_close(state, x[-(K - 1) :].t())
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["kernel", "torch"])
+def test_in_place_decode_step_updates_only_its_slots(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode rows' in-place forms (the C++ kernel, and the torch gather / scatter without it)
+    equal the reference on the rows' states, with key heads each serving two value heads (value
+    head h reads key head h // 2), and leave every other slot of the pool untouched."""
+    if native and gated_delta._KERNEL is None:
+        pytest.skip("the gated delta extension is not built on this machine")
+    if not native:
+        monkeypatch.setattr(gated_delta, "_KERNEL", None)
+    gen = torch.Generator().manual_seed(3)
+    B, HK, HV, C, K = 3, 2, 4, 20, 4
+    slots = torch.tensor([5, 0, 2])
+    q = F.normalize(torch.randn(B, HK, DK, generator=gen), dim=-1) * DK**-0.5
+    k = F.normalize(torch.randn(B, HK, DK, generator=gen), dim=-1)
+    v, g, beta = torch.randn(B, HV, DV, generator=gen), -torch.rand(B, HV, generator=gen), torch.rand(B, HV, generator=gen)
+    pool = torch.randn(7, HV, DK, DV, generator=gen)
+    before = pool.clone()
+    out = gated_delta.recurrent_gated_delta_(q, k, v, g, beta, pool, slots)
+    want, new = recurrent_gated_delta_rule(
+        q.repeat_interleave(2, dim=1), k.repeat_interleave(2, dim=1), v, g, beta, before[slots]
+    )
+    torch.testing.assert_close(out, want, atol=TOL, rtol=TOL)
+    torch.testing.assert_close(pool[slots], new, atol=TOL, rtol=TOL)
+    others = [s for s in range(7) if s not in slots.tolist()]
+    assert torch.equal(pool[others], before[others])
+
+    x, weight = torch.randn(B, C, generator=gen).bfloat16(), torch.randn(C, K, generator=gen).bfloat16()
+    conv = torch.randn(7, C, K - 1, generator=gen)
+    conv_before = conv.clone()
+    got = gated_delta.causal_conv1d_step_(x, conv, weight, slots)
+    want_out, want_state = causal_conv1d_step(x, conv_before[slots], weight)
+    torch.testing.assert_close(got, want_out, atol=TOL, rtol=TOL)
+    assert torch.equal(conv[slots], want_state)
+    assert torch.equal(conv[others], conv_before[others])
