@@ -61,10 +61,12 @@ def ready_block(
     seconds: float,
     hostname: Callable[[], str] = socket.gethostname,
     sampling: SamplingDefaults | None = None,
+    note: str | None = None,
 ) -> tuple[str, dict[str, object]]:
     """The ready block's text (its first line and indented lines under it) and its fields (for
     --log-format json). URLs are ones this machine can open; with a wildcard --host, also the
-    machine's hostname for other machines."""
+    machine's hostname for other machines. `note`: a last line about the model (a bundled base
+    model is no chat model)."""
     url = base_url(host, port)
     body = json.dumps({"model": served_name, "messages": [{"role": "user", "content": "Hello!"}]})
     auth = ' -H "Authorization: Bearer $FT_API_KEY"' if api_key else ""
@@ -96,6 +98,9 @@ def ready_block(
         other = f"http://{hostname()}:{port}"
         lines.append(f"network        listening on every interface: from other machines {other}/v1")
         fields["network_base_url"] = other
+    if note is not None:
+        lines.append(f"note           {note}")
+        fields["note"] = note
     return "\n".join(lines), fields
 
 

@@ -39,6 +39,14 @@ def test_the_ready_block_names_the_urls_the_model_a_curl_line_and_the_agents() -
     assert not any(line.startswith("sampling") for line in lines) and "sampling_defaults" not in fields
 
 
+def test_the_ready_block_ends_with_a_note_about_the_model_when_there_is_one() -> None:
+    text, fields = ready_block("m", "127.0.0.1", 1919, architecture="gemma3", context_length=512, api_key=False,
+                               seconds=1.0, note="m is a base model")
+    assert text.splitlines()[-1] == "note           m is a base model" and fields["note"] == "m is a base model"
+    plain, plain_fields = ready_block("m", "127.0.0.1", 1919, architecture="gemma3", context_length=512, api_key=False, seconds=1.0)
+    assert "note" not in plain and "note" not in plain_fields
+
+
 def test_ready_block_names_the_models_sampling_defaults() -> None:
     from freetoken.server.sampling_defaults import SamplingDefaults
 
