@@ -238,6 +238,17 @@ def test_dry_run_writes_and_runs_nothing(agent: str, server: FakeServer, home: P
     out = capsys.readouterr().out
     assert "dry run" in out and SERVED in out and f"command: {agent} x" in out
     assert list(home.iterdir()) == [] and not log.exists()
+    assert "not installed" not in out
+
+
+@pytest.mark.parametrize(("agent", "package"), [("codex", "@openai/codex"), ("claude", "@anthropic-ai/claude-code"),
+                                                 ("opencode", "opencode-ai")])
+def test_a_dry_run_says_when_the_agent_is_not_installed(agent: str, package: str, server: FakeServer, home: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["launch", agent, "--dry-run", "--url", server.url]) == 0
+    out = capsys.readouterr().out
+    assert f"note: {agent} is not installed (not on PATH); install it with: npm install -g {package}" in out
+    assert list(home.iterdir()) == []
 
 
 @pytest.mark.parametrize(("agent", "package"), [("codex", "@openai/codex"), ("claude", "@anthropic-ai/claude-code"),
