@@ -266,8 +266,9 @@ def merge_codex_toml(old: str, top: Mapping[str, Any], table: Mapping[str, Any],
         rest.pop()
     if not placed:
         rest += ([""] if rest else []) + table_lines
-    if "analytics" not in before:
-        rest += ["", "[analytics]", "enabled = false"]
+    analytics = [] if "analytics" in before else ["[analytics]", "enabled = false"]
+    if analytics:
+        rest += ["", *analytics]
     new = "\n\n".join("\n".join(part) for part in (head, rest) if part) + "\n"
     if tomllib is not None:
         expected = {k: v for k, v in before.items() if k not in _TOP_KEYS}
@@ -287,7 +288,7 @@ def merge_codex_toml(old: str, top: Mapping[str, Any], table: Mapping[str, Any],
                 f"model_providers.{PROVIDER} as dotted keys); add these lines yourself:\n"
                 + "\n".join(top_lines + [""] + table_lines)
             )
-    return new, "\n".join(top_lines + [""] + table_lines)
+    return new, "\n".join(top_lines + [""] + table_lines + ([""] + analytics if analytics else []))
 
 
 def codex_plan(served: Served, args: Sequence[str], environ: Mapping[str, str]) -> Plan:
