@@ -35,6 +35,7 @@ from typing import Any, TextIO
 
 from freetoken.errors import FreeTokenError
 from freetoken.utils.ports import free_port
+from freetoken.weights.source import CHAT_MODEL, base_model_note
 
 DEFAULT_URL = "http://127.0.0.1:1919"  # ft serve's default --host and --port
 DIM = "\x1b[2m"
@@ -435,6 +436,14 @@ class ChildServer:
                 os.unlink(self._log_file.name)
 
 
+def greeting(name: str, url: str) -> str:
+    """The lines on stderr before the first prompt: what is served where, how to get help and
+    out; a note first when the model is a bundled base model (it will ramble, not answer)."""
+    note = base_model_note(name)
+    head = f"ft chat: note: {note} (`ft serve {CHAT_MODEL}`, or `ft chat --model {CHAT_MODEL}`)\n" if note else ""
+    return head + f"ft chat: {name} at {url}; /help for commands, /exit or Ctrl-D to quit\n"
+
+
 def _input_with_history() -> Callable[[str], str]:
     """`input`, with line editing and history where readline exists and stdin is a terminal;
     without a terminal (piped input) no prompts are printed."""
@@ -477,7 +486,7 @@ def run_chat(
         transport = HTTPTransport(base_url, api_key=api_key, timeout_s=timeout_s)
         names = transport.models()
         name = names[0] if names else "default"
-        sys.stderr.write(f"ft chat: {name} at {base_url}; /help for commands, /exit or Ctrl-D to quit\n")
+        sys.stderr.write(greeting(name, base_url))
         sys.stderr.flush()
         ChatREPL(transport, model=name, system=system, params=params, tools=tools, input_fn=_input_with_history()).run()
 

@@ -59,7 +59,9 @@ def _add_chat(sub: argparse._SubParsersAction) -> None:
     where.add_argument(
         "--model",
         default=None,
-        help="start `ft serve --model M` on a free local port for this chat instead of using --url; " + MODEL_HELP,
+        help="start `ft serve --model M` on a free local port for this chat instead of using --url: a .gguf "
+        "file, a directory with config.json + safetensors + tokenizer.json, or smollm2-135m-instruct (gemma3-270m, "
+        "the other bundled model, is a base model: it continues text rather than answering)",
     )
     p.add_argument(
         "--api-key",

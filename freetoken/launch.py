@@ -61,8 +61,8 @@ KEY_ENV = "FREETOKEN_API_KEY"  # the variable the agents' configs name for the k
 PROVIDER = "freetoken"
 NO_KEY = "freetoken"  # the Anthropic client insists on a key; a server without --api-key takes any
 INSTALL = {
-    "codex": "npm install -g @openai/codex (docs/agents.md ran 0.171.0)",
-    "claude": "npm install -g @anthropic-ai/claude-code (docs/agents.md ran 2.1.332)",
+    "codex": "npm install -g @openai/codex (tested with 0.171.0)",
+    "claude": "npm install -g @anthropic-ai/claude-code (tested with 2.1.332)",
     "opencode": "npm install -g opencode-ai",
 }
 # The first prompt of each agent, in Gemma tokens (docs/agents.md): a context below this cannot
@@ -266,8 +266,9 @@ def merge_codex_toml(old: str, top: Mapping[str, Any], table: Mapping[str, Any],
         rest.pop()
     if not placed:
         rest += ([""] if rest else []) + table_lines
-    if "analytics" not in before:
-        rest += ["", "[analytics]", "enabled = false"]
+    analytics = [] if "analytics" in before else ["[analytics]", "enabled = false"]
+    if analytics:
+        rest += ["", *analytics]
     new = "\n\n".join("\n".join(part) for part in (head, rest) if part) + "\n"
     if tomllib is not None:
         expected = {k: v for k, v in before.items() if k not in _TOP_KEYS}
@@ -287,7 +288,7 @@ def merge_codex_toml(old: str, top: Mapping[str, Any], table: Mapping[str, Any],
                 f"model_providers.{PROVIDER} as dotted keys); add these lines yourself:\n"
                 + "\n".join(top_lines + [""] + table_lines)
             )
-    return new, "\n".join(top_lines + [""] + table_lines)
+    return new, "\n".join(top_lines + [""] + table_lines + ([""] + analytics if analytics else []))
 
 
 def codex_plan(served: Served, args: Sequence[str], environ: Mapping[str, str]) -> Plan:
@@ -482,8 +483,14 @@ def run_plan(
     """Print the plan; unless `dry_run`, write its files (with backups) and run the agent, returning
     its exit status. A missing agent raises FreeTokenError after the files are written."""
     environ = os.environ if environ is None else environ
+    installed = shutil.which(plan.binary, path=environ.get("PATH")) is not None
     if dry_run:
-        print(describe(plan, served) + "\n(dry run: nothing written, nothing run)", file=out or sys.stdout)
+        missing = (
+            ""
+            if installed
+            else f"\nnote: {plan.binary} is not installed (not on PATH); install it with: {INSTALL[plan.agent]}"
+        )
+        print(describe(plan, served) + missing + "\n(dry run: nothing written, nothing run)", file=out or sys.stdout)
         return 0
     report = out or sys.stderr  # stdout is the agent's
     print(describe(plan, served), file=report)

@@ -133,11 +133,16 @@ def finish_cache_write(loaded: LoadedModel, timeout_s: float) -> bool:
 
 
 def _from_snapshot(
-    source: ModelSource, cache: WeightCache, key: dict, dtype: torch.dtype, device: torch.device
+    source: ModelSource,
+    cache: WeightCache,
+    key: dict,
+    dtype: torch.dtype,
+    device: torch.device,
+    progress: ProgressCallback | None = None,
 ) -> tuple[Checkpoint, ModelConfig, torch.nn.Module] | None:
     """The model built from the cached snapshot under `key`, or None (a miss, or a snapshot
-    that does not fit: logged)."""
-    snapshot = cache.read(key)
+    that does not fit: logged). `progress` as the entry's bytes are checked."""
+    snapshot = cache.read(key, progress)
     if snapshot is None:
         return None
     header = read_header(source)
@@ -176,14 +181,15 @@ def load_model(
     `weights_cache` (`auto`, a directory, or `off` / None) is where what the load made of the
     checkpoint is kept and, on the next load with the same file, code and options, memory-mapped
     instead of read and packed again (weights/weight_cache.py; CPU, one rank, resident experts).
-    `progress` is called after each tensor read from the checkpoint (not from the weight cache)."""
+    `progress` is called after each tensor read from the checkpoint, or, from the weight cache,
+    after each chunk of the entry checked (bytes only: weights/progress.py)."""
     check_policy(weights)
     t0 = time.perf_counter()
     source = resolve_model(spec)
     log.info("loading %s from %s", source.name, source.path)
     cache = _cache_for(weights_cache, device, world, moe_strategy)
     key = _cache_key(source, dtype, weights, prefill_weights) if cache is not None else {}
-    cached = _from_snapshot(source, cache, key, dtype, device) if cache is not None else None
+    cached = _from_snapshot(source, cache, key, dtype, device, progress) if cache is not None else None
     writer = None
     if cached is not None:
         ckpt, config, model = cached

@@ -2,7 +2,8 @@
 
 Owns what comes before any route: the API-key gate (every path under `KEYED_PREFIXES`, so an
 `/admin/...` route added later is covered without code of its own; with `--unprefixed-routes`
-every path but `OPEN_PATHS`), the body-size limit (request_body.py), `x-request-id` on every
+every path but `OPEN_PATHS`), the body-size limit (request_body.py), a log line for every request
+but those to `QUIET_PATHS` (operations/request_log.py), `x-request-id` on every
 response, CORS (`--allowed-origins`), the `x-freetoken-replica` header, and the error dialect of
 answers sent before a route runs (401, 404, 405, 413: Anthropic's body under `/v1/messages`, else
 the server's own). The routes are the routers' of the protocol packages (`openai`, `responses`,
@@ -36,6 +37,7 @@ from freetoken.server.core.endpoint import DEFAULT_DIALECT, Dialect
 from freetoken.server.errors import APIError, http_error, install_error_handlers
 from freetoken.server.middleware import Gate, ResponseHeader
 from freetoken.server.openai.routes import openai_router
+from freetoken.server.operations.request_log import RequestLines
 from freetoken.server.operations.worker_info import PROBE_PATHS, REPLICA_HEADER, replica_name
 from freetoken.server.request_body import BodyLimit
 from freetoken.server.request_hygiene import RequestIdMiddleware, request_id_of
@@ -51,6 +53,9 @@ OPEN_PATHS = (
     *PROBE_PATHS,
 )  # with --unprefixed-routes, every other path needs the key
 KEYED_PREFIXES = ("/v1", "/admin")  # paths that need the API key (when one is set)
+# No request line for these: health checks, metrics scrapes, routers' probes and the dashboard (its
+# page and what it polls every few seconds) would bury the lines of the API's requests
+QUIET_PATHS = ("/health", "/metrics", "/v1/cache/status", "/admin/activity", DASHBOARD_PATH, *PROBE_PATHS)
 
 
 def dialect_of(path: str) -> Dialect:
@@ -104,10 +109,12 @@ def engine_lifespan(ctx: ServingContext, manage_client: bool) -> Callable[[FastA
 
 def add_middleware(app: FastAPI, ctx: ServingContext) -> None:
     """Innermost first: the body limit inside the key check (only an authorized client learns the
-    limit; a 413 is sent before the body is read), then the gate, request ids, CORS (preflights
-    answered before the key check) and, outermost, the replica header."""
+    limit; a 413 is sent before the body is read), then the gate, the request lines (so a 401 or
+    413 is logged too), request ids (which the lines name), CORS (preflights answered before the
+    key check) and, outermost, the replica header."""
     app.add_middleware(BodyLimit, max_bytes=ctx.config.max_request_bytes, render=in_dialect)
     app.add_middleware(Gate, check=api_key_check(ctx))  # pure ASGI: streamed chunks pass untouched
+    app.add_middleware(RequestLines, quiet=QUIET_PATHS)  # one log line per request
     app.add_middleware(RequestIdMiddleware)  # every response carries x-request-id
     if ctx.config.allowed_origins:
         app.add_middleware(

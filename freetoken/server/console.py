@@ -61,10 +61,12 @@ def ready_block(
     seconds: float,
     hostname: Callable[[], str] = socket.gethostname,
     sampling: SamplingDefaults | None = None,
+    note: str | None = None,
 ) -> tuple[str, dict[str, object]]:
     """The ready block's text (its first line and indented lines under it) and its fields (for
     --log-format json). URLs are ones this machine can open; with a wildcard --host, also the
-    machine's hostname for other machines."""
+    machine's hostname for other machines. `note`: a last line about the model (a bundled base
+    model is no chat model)."""
     url = base_url(host, port)
     body = json.dumps({"model": served_name, "messages": [{"role": "user", "content": "Hello!"}]})
     auth = ' -H "Authorization: Bearer $FT_API_KEY"' if api_key else ""
@@ -96,13 +98,18 @@ def ready_block(
         other = f"http://{hostname()}:{port}"
         lines.append(f"network        listening on every interface: from other machines {other}/v1")
         fields["network_base_url"] = other
+    if note is not None:
+        lines.append(f"note           {note}")
+        fields["note"] = note
     return "\n".join(lines), fields
 
 
 class LoadBar:
     """`loading NAME [#####...]  42%  120/236 tensors  0.21/0.50 GB  3 s`, redrawn in place on
-    `stream` as `update` is called; nothing at all when `stream` is not a terminal (`tty`
-    overrides the check, for tests). `clear` erases it (before the ready block, at exit)."""
+    `stream` as `update` is called (a start from the weight cache, which counts bytes only:
+    `loading NAME [#####...]  42%  0.21/0.50 GB from the weight cache  3 s`); nothing at all when
+    `stream` is not a terminal (`tty` overrides the check, for tests). `clear` erases it (before
+    the ready block, at exit)."""
 
     def __init__(
         self, stream: IO[str], label: str, *, tty: bool | None = None, clock: Callable[[], float] = time.monotonic
@@ -120,12 +127,16 @@ class LoadBar:
         filled = int(share * BAR_WIDTH)
         bar = "#" * filled + "." * (BAR_WIDTH - filled)
         size = f"  {done_bytes / GB:.2f}/{total_bytes / GB:.2f} GB" if total_bytes else ""
-        then = "; preparing the engine" if tensors >= tensors_total else ""  # weights packed, KV memory allocated
-        return f"loading {self.label} [{bar}] {share * 100:3.0f}%  {tensors}/{tensors_total} tensors{size}  {seconds:.0f} s{then}"
+        if tensors_total > 0:
+            count, done = f"  {tensors}/{tensors_total} tensors{size}", tensors >= tensors_total
+        else:  # the weight cache: its entry's bytes checked
+            count, done = f"{size} from the weight cache", done_bytes >= total_bytes
+        then = "; preparing the engine" if done else ""  # weights packed, KV memory allocated
+        return f"loading {self.label} [{bar}] {share * 100:3.0f}%{count}  {seconds:.0f} s{then}"
 
     def update(self, tensors: int, tensors_total: int, done_bytes: int, total_bytes: int) -> None:
         """The engine's latest count (a heartbeat's); a count with no total yet draws nothing."""
-        if not self.enabled or tensors_total <= 0:
+        if not self.enabled or (tensors_total <= 0 and total_bytes <= 0):
             return
         now = self.clock()
         if self.started is None:

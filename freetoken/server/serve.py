@@ -40,6 +40,7 @@ from freetoken.server.sampling_defaults import SamplingDefaults, read_sampling_d
 from freetoken.server.settings import ServerConfig
 from freetoken.server.startup import Started, start
 from freetoken.tokenizer import Tokenizer
+from freetoken.weights.source import base_model_note
 
 log = logging.getLogger("freetoken.server")
 
@@ -137,6 +138,7 @@ class _Console:
             api_key=self.config.api_key is not None,
             seconds=time.monotonic() - self.started.began,
             sampling=self.sampling,
+            note=base_model_note(self.started.source.name),
         )
         log.info(text, extra=fields)
 

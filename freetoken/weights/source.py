@@ -17,6 +17,18 @@ from freetoken.errors import ModelLoadError
 
 DEFAULT_MODEL = "gemma3-270m"
 SHORT_NAMES = ("gemma3-270m", "smollm2-135m-instruct")
+# Bundled models that are pretrained only (no instruction tuning): they continue text rather than
+# answer, fine for smoke tests; CHAT_MODEL is the bundled one to chat with.
+BASE_MODELS = ("gemma3-270m",)
+CHAT_MODEL = "smollm2-135m-instruct"
+
+
+def base_model_note(name: str) -> str | None:
+    """What to tell a person about to chat with `name` (a short name or served name), when it
+    is a bundled base model; None otherwise."""
+    if name not in BASE_MODELS:
+        return None
+    return f"{name} is a base model: it continues text rather than answering; to chat, use {CHAT_MODEL}"
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,8 @@ from pathlib import Path
 import torch
 import xxhash
 
+from freetoken.weights.progress import ProgressCallback
+
 log = logging.getLogger("freetoken.weights")
 
 CHUNK = 64 << 20  # bytes per digest
@@ -71,14 +73,17 @@ def _digest(key: dict) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def _checksums(path: Path, size: int) -> list[int]:
+def _checksums(path: Path, size: int, progress: ProgressCallback | None = None) -> list[int]:
     """XXH3-64 of each CHUNK bytes of the file, read through a read-only map on two plain threads
     (xxhash frees the GIL; plain threads, not an executor, so a write still running while the
-    interpreter exits can finish)."""
+    interpreter exits can finish). `progress(0, 0, bytes checked, size)` after each chunk: this
+    pass is what reads the entry from the disk, so it is a cached load's loading bar."""
     if size == 0:
         return []
     starts = list(range(0, size, CHUNK))
     out = [0] * len(starts)
+    checked = [0]  # bytes, summed over both threads under `lock`
+    lock = threading.Lock()
     with path.open("rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as mm:
         view = memoryview(mm)
 
@@ -89,6 +94,10 @@ def _checksums(path: Path, size: int) -> list[int]:
                 # out of this process's page tables again (the page cache keeps them): a GB-sized
                 # entry read once must not count as resident memory of the engine (VmHWM)
                 mm.madvise(mmap.MADV_DONTNEED, starts[i], length)
+                if progress is not None:
+                    with lock:  # one count at a time, so the bytes reported never go down
+                        checked[0] += length
+                        progress(0, 0, checked[0], size)
 
         workers = [threading.Thread(target=digest, args=(range(t, len(starts), 2),)) for t in (0, 1)]
         for w in workers:
@@ -121,9 +130,10 @@ class WeightCache:
         digest = _digest(key)
         return self.directory / f"{digest}.pt", self.directory / f"{digest}.json"
 
-    def read(self, key: dict) -> dict | None:
+    def read(self, key: dict, progress: ProgressCallback | None = None) -> dict | None:
         """The value stored under `key`, memory-mapped, or None (a miss: absent, or stale or
-        corrupt, which is logged and deleted)."""
+        corrupt, which is logged and deleted). `progress` as the entry's bytes are checked
+        (no tensor count: `progress(0, 0, bytes checked, bytes)`, weights/progress.py)."""
         data, manifest = self.paths(key)
         if not manifest.exists() or not data.exists():
             return None
@@ -134,7 +144,7 @@ class WeightCache:
             size = data.stat().st_size
             if size != meta["size"]:
                 raise ValueError(f"{size} bytes, its manifest says {meta['size']}")
-            if _checksums(data, size) != meta[DIGEST]:
+            if _checksums(data, size, progress) != meta[DIGEST]:
                 raise ValueError("a checksum does not match")
             return torch.load(data, mmap=True, weights_only=True, map_location="cpu")
         except (OSError, ValueError, KeyError, RuntimeError, TypeError, EOFError, pickle.UnpicklingError) as err:

@@ -74,6 +74,30 @@ def test_a_second_load_maps_the_first_and_computes_the_same(
     assert not other.from_cache and len(entries(tmp_path)) == 2  # other options: another entry beside
 
 
+def test_a_load_from_the_cache_counts_the_bytes_it_checks(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ft serve's loading bar on a second start: the cached entry's bytes checked, rising to its
+    size (no tensor count: the cache reads no tensor by itself); the first start counts tensors."""
+    from freetoken.weights import weight_cache
+
+    directory = tmp_path_factory.mktemp("llama")
+    write_tiny_model("llama", directory)
+    monkeypatch.setattr(weight_cache, "CHUNK", 4096)  # several chunks over both threads (written so too)
+    first: list[tuple[int, int, int, int]] = []
+    load_model(str(directory), torch.float32, torch.device("cpu"), "int8", weights_cache=str(tmp_path),
+               progress=lambda *n: first.append(n)).cache_writer.join()
+    assert first and first[-1][0] == first[-1][1] > 0  # from the checkpoint: every tensor
+    [entry] = entries(tmp_path)
+    second: list[tuple[int, int, int, int]] = []
+    loaded = load_model(str(directory), torch.float32, torch.device("cpu"), "int8", weights_cache=str(tmp_path),
+                        progress=lambda *n: second.append(n))
+    size = entry.stat().st_size
+    assert loaded.from_cache and len(second) == -(-size // 4096)
+    assert all(c[:2] == (0, 0) and c[3] == size for c in second)
+    assert [c[2] for c in second] == sorted(c[2] for c in second) and second[-1][2] == size
+
+
 def _corrupt(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF

@@ -1,7 +1,7 @@
 """The real coding-agent CLIs against `ft serve` on the bundled Gemma 3 270M, non-interactively:
-`codex exec` (Codex 0.171.0, a custom model provider with `wire_api = "responses"`) and `claude -p`
-(Claude Code 2.1.332, `ANTHROPIC_BASE_URL`), each asked for one short answer; a turn is done when
-the CLI exits 0 having printed the model's text. Slow (minutes on 2 busy cores: ~6k and ~12k prompt
+`codex exec` (Codex 0.171.0) and `claude -p` (Claude Code 2.1.332), each started by `ft launch`
+as a user starts it (Codex's config.toml and Claude Code's environment are ft launch's) and asked
+for one short answer; a turn is done when the CLI exits 0 having printed the model's text. Slow (minutes on 2 busy cores: ~6k and ~12k prompt
 tokens, and a 270M model may write a long answer), so it runs only with `-m agent_cli`, and each
 CLI is skipped unless installed: on PATH, or named by FT_CODEX_BIN / FT_CLAUDE_BIN, e.g.
 
@@ -10,13 +10,15 @@ CLI is skipped unless installed: on PATH, or named by FT_CODEX_BIN / FT_CLAUDE_B
     FT_CLAUDE_BIN=/tmp/agentcli/node_modules/@anthropic-ai/claude-code-linux-x64/claude \\
     python -m pytest -q -m agent_cli tests/server/test_clients_agent_cli.py
 
-The recipe is docs/agents.md's ("Codex" and "Claude Code")."""
+The recipe is docs/agents.md's ("ft launch")."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import subprocess
+import sys
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -55,32 +57,32 @@ def run(cmd: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedP
                           timeout=RUN_DEADLINE_S, check=False)
 
 
+def launch(agent: str, binary: str, server: ServeProcess, args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """`ft launch AGENT --url ... -- ARGS`, the command a user runs, with the installed CLI's
+    directory first on PATH (ft launch finds the agent there)."""
+    path = f"{Path(binary).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    cmd = [sys.executable, "-m", "freetoken.cli", "launch", agent, "--url", server.base, "--", *args]
+    return run(cmd, {**env, "PATH": path}, cwd)
+
+
 def test_codex_exec_completes_a_turn(real_server: ServeProcess, tmp_path: Path) -> None:
     codex = cli("FT_CODEX_BIN", "codex")
     home = tmp_path / "codex_home"
-    home.mkdir()
-    (home / "config.toml").write_text(
-        'model = "default"\nmodel_provider = "freetoken"\n'
-        f"model_context_window = {CONTEXT}\ncheck_for_update_on_startup = false\n\n"
-        '[model_providers.freetoken]\nname = "FreeToken"\n'
-        f'base_url = "{real_server.base}/v1"\nwire_api = "responses"\nrequest_max_retries = 0\nstream_max_retries = 0\n\n'
-        "[analytics]\nenabled = false\n"
-    )
-    out = run([codex, "exec", "--skip-git-repo-check", "Reply with exactly one word: hello"], {"CODEX_HOME": str(home)}, tmp_path)
+    out = launch("codex", codex, real_server, ["exec", "--skip-git-repo-check", "Reply with exactly one word: hello"],
+                 {"CODEX_HOME": str(home)}, tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.strip(), out.stderr  # the model's final message
+    config = tomllib.loads((home / "config.toml").read_text())  # what ft launch wrote, and Codex read
+    assert config["model_provider"] == "freetoken" and config["model_context_window"] == CONTEXT
+    assert config["model_providers"]["freetoken"]["base_url"] == f"{real_server.base}/v1"
     real_server.assert_balanced_idle()
 
 
 def test_claude_print_completes_a_turn(real_server: ServeProcess, tmp_path: Path) -> None:
     claude = cli("FT_CLAUDE_BIN", "claude")
-    env = {
-        "ANTHROPIC_BASE_URL": real_server.base, "ANTHROPIC_API_KEY": "unused", "ANTHROPIC_MODEL": "default",
-        "ANTHROPIC_DEFAULT_HAIKU_MODEL": "default", "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "4096",
-        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1", "DISABLE_TELEMETRY": "1",
-        "DISABLE_ERROR_REPORTING": "1", "CLAUDE_CONFIG_DIR": str(tmp_path / "claude_home"), "API_TIMEOUT_MS": "3000000",
-    }
-    out = run([claude, "-p", "Reply with exactly one word: hello", "--max-turns", "2"], env, tmp_path)
+    env = {"CLAUDE_CONFIG_DIR": str(tmp_path / "claude_home")}  # the rest is ft launch's environment
+    out = launch("claude", claude, real_server, ["-p", "Reply with exactly one word: hello", "--max-turns", "2"], env, tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.strip(), out.stderr
+    assert f"ANTHROPIC_BASE_URL={real_server.base}" in out.stderr  # the plan ft launch printed
     real_server.assert_balanced_idle()

@@ -23,6 +23,7 @@ def test_root_serves_the_page_without_a_key(server: ServeProcess) -> None:
     assert "<title>FreeToken</title>" in r.text and 'id="chat-input"' in r.text
     assert "default-src 'self'" in r.headers["content-security-policy"]
     assert not re.search(r"""(src|href)=["']?(https?:)?//""", r.text)  # no CDN, no external fonts
+    assert '<link rel="icon" href="data:,">' in r.text  # the browser asks for no /favicon.ico (a 404 line in the log)
     for path in ("/admin/activity", "/v1/cache/status", "/v1/chat/completions"):
         assert path in r.text  # what the page reads
     missing = httpx.get(f"{server.base}/no-such-page", timeout=30)

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import psutil
+import pytest
 from serving import free_port, pid_alive
 
 from freetoken.config import EngineConfig
@@ -102,7 +103,9 @@ class HungLoads:
         return process
 
 
-def supervised(ready_incarnations: set[int], policy: RestartPolicy) -> tuple[Supervisor, HungLoads, list[ExitReport]]:
+def supervised(
+    ready_incarnations: set[int], policy: RestartPolicy, model: str | None = "hung-model"
+) -> tuple[Supervisor, HungLoads, list[ExitReport]]:
     """A supervisor over HungLoads whose incarnations in `ready_incarnations` say Ready at once."""
     reports: list[ExitReport] = []
     holder: list[Supervisor] = []
@@ -116,7 +119,7 @@ def supervised(ready_incarnations: set[int], policy: RestartPolicy) -> tuple[Sup
         reports.append(report)
 
     loads = HungLoads()  # the fault injection: loads that never finish
-    sup = Supervisor(EngineConfig(model="hung-model"), served_name="x", on_spawn=on_spawn, on_exit=on_exit,
+    sup = Supervisor(EngineConfig(model=model), served_name="x", on_spawn=on_spawn, on_exit=on_exit,
                      policy=policy, load_timeout_s=1.0, start_process=loads.start)
     holder.append(sup)
     return sup, loads, reports
@@ -129,15 +132,19 @@ async def wait_for(check: Callable[[], bool]) -> None:
         await asyncio.sleep(0.02)
 
 
-def test_supervisor_gives_up_when_no_engine_ever_loaded_in_time() -> None:
+@pytest.mark.parametrize(("model", "named"), [("hung-model", "hung-model"), (None, "gemma3-270m")])
+def test_supervisor_gives_up_when_no_engine_ever_loaded_in_time(model: str | None, named: str) -> None:
+    """The message names the model; `ft serve` with no model loads the default, and says so
+    (it used to say "did not load None")."""
+
     async def scenario() -> None:
-        sup, loads, reports = supervised(set(), RestartPolicy(first_delay_s=0.01))
+        sup, loads, reports = supervised(set(), RestartPolicy(first_delay_s=0.01), model)
         sup.start()
         await wait_for(lambda: not sup.watching)
         assert len(reports) == 1 and len(loads.started) == 1, reports
         report = reports[0]
         assert report.restart_in is None and report.how == "was killed by SIGKILL", report
-        assert report.cause is not None and re.search(r"did not load hung-model within --load-timeout 1 s", report.cause), report
+        assert report.cause is not None and re.search(rf"did not load {named} within --load-timeout 1 s", report.cause), report
         assert report.why_not is not None and "--load-timeout" in report.why_not, report
         assert not loads.started[0].is_alive()
 

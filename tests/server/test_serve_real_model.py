@@ -1,5 +1,6 @@
 """`ft serve` with no --model: the bundled Gemma 3 270M over HTTP (chat through the built-in
-Gemma 3 template, a stream ending at the length limit), pools balanced at idle."""
+Gemma 3 template, a stream ending at the length limit), pools balanced at idle; its ready block
+notes that it is a base model."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ def default_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServePr
 def test_default_model_chat_over_http(default_server: ServeProcess) -> None:
     client = openai.OpenAI(base_url=f"{default_server.base}/v1", api_key="unused", max_retries=0, timeout=300)
     assert [m.id for m in client.models.list().data] == ["gemma3-270m"]
+    # the ready block (logged before /health said 200) tells a person this is no chat model
+    assert "  note           gemma3-270m is a base model: it continues text rather than answering; to chat, use smollm2-135m-instruct" \
+        in default_server.log_path.read_text()
     messages: list = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital of France?"}]
     out = client.chat.completions.create(model="default", messages=messages, max_tokens=12, temperature=0)
     assert out.usage is not None and out.usage.completion_tokens >= 1 and out.choices[0].message.content

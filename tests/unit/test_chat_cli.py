@@ -273,3 +273,16 @@ def test_http_transport_reads_events_and_reports_errors_as_turn_errors(sse_serve
     assert [m["content"] for m in r.messages] == ["ok", "Hi there", "ok", "Hi there"]  # failed turns not kept
     assert all(s["auth"] == "Bearer k" for s in _Handler.seen)
     assert _Handler.seen[0]["body"]["stream"] is True
+
+
+def test_the_greeting_warns_that_a_bundled_base_model_does_not_chat() -> None:
+    from freetoken.chat_cli import greeting
+
+    base = greeting("gemma3-270m", "http://127.0.0.1:1919")
+    assert base.splitlines()[0] == (
+        "ft chat: note: gemma3-270m is a base model: it continues text rather than answering; to chat, use "
+        "smollm2-135m-instruct (`ft serve smollm2-135m-instruct`, or `ft chat --model smollm2-135m-instruct`)"
+    )
+    assert base.splitlines()[1].startswith("ft chat: gemma3-270m at http://127.0.0.1:1919;")
+    chat = greeting("smollm2-135m-instruct", "http://h:1")
+    assert chat == "ft chat: smollm2-135m-instruct at http://h:1; /help for commands, /exit or Ctrl-D to quit\n"

@@ -39,6 +39,14 @@ def test_the_ready_block_names_the_urls_the_model_a_curl_line_and_the_agents() -
     assert not any(line.startswith("sampling") for line in lines) and "sampling_defaults" not in fields
 
 
+def test_the_ready_block_ends_with_a_note_about_the_model_when_there_is_one() -> None:
+    text, fields = ready_block("m", "127.0.0.1", 1919, architecture="gemma3", context_length=512, api_key=False,
+                               seconds=1.0, note="m is a base model")
+    assert text.splitlines()[-1] == "note           m is a base model" and fields["note"] == "m is a base model"
+    plain, plain_fields = ready_block("m", "127.0.0.1", 1919, architecture="gemma3", context_length=512, api_key=False, seconds=1.0)
+    assert "note" not in plain and "note" not in plain_fields
+
+
 def test_ready_block_names_the_models_sampling_defaults() -> None:
     from freetoken.server.sampling_defaults import SamplingDefaults
 
@@ -95,6 +103,17 @@ def test_the_bar_counts_tensors_when_no_byte_total_is_known() -> None:
     assert out.getvalue() == CLEAR_LINE + "loading m [######..................]  25%  1/4 tensors  0 s"
 
 
+def test_a_start_from_the_weight_cache_draws_the_bytes_it_checks() -> None:
+    out, now = FakeTTY(), [0.0]
+    bar = LoadBar(out, "big", clock=lambda: now[0])
+    bar.update(0, 0, 1_000_000_000, 4_000_000_000)
+    now[0] = 3.0
+    bar.update(0, 0, 4_000_000_000, 4_000_000_000)
+    draws = out.getvalue().split(CLEAR_LINE)[1:]
+    assert draws[0] == "loading big [######..................]  25%  1.00/4.00 GB from the weight cache  0 s"
+    assert draws[1] == "loading big [########################] 100%  4.00/4.00 GB from the weight cache  3 s; preparing the engine"
+
+
 def test_the_client_feeds_loading_beats_to_the_bar_and_the_503_reason_and_calls_on_ready(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """No engine process: the client's dispatch is handed encoded messages as the receiver would."""
     import asyncio
@@ -111,8 +130,12 @@ def test_the_client_feeds_loading_beats_to_the_bar_and_the_503_reason_and_calls_
         c = client_module.EngineClient(EngineConfig(), served_name="m", on_load_progress=lambda *n: counts.append(n),
                                        on_ready=readies.append)
         c._set_loading("the engine is loading the model")
-        c._dispatch(encode(Heartbeat(pid=7, phase="loading", steps=0)))  # no count yet (imports, or the weight cache)
+        c._dispatch(encode(Heartbeat(pid=7, phase="loading", steps=0)))  # no count yet (imports)
         assert c.reason == "the engine is loading the model" and counts == []
+        c._dispatch(encode(Heartbeat(pid=7, phase="loading", steps=0, load_bytes=500_000_000, load_bytes_total=1_000_000_000)))
+        assert counts == [(0, 0, 500_000_000, 1_000_000_000)]  # the weight cache: bytes checked, no tensors
+        assert c.reason == "the engine is loading the model (0.50/1.00 GB of the weight cache read)"
+        counts.clear()
         c._dispatch(encode(Heartbeat(pid=7, phase="loading", steps=0, load_tensors=5, load_tensors_total=10,
                                      load_bytes=250_000_000, load_bytes_total=1_000_000_000)))
         assert counts == [(5, 10, 250_000_000, 1_000_000_000)]

@@ -176,7 +176,18 @@ def test_codex_new_file_under_codex_home_with_a_key(server: FakeServer, home: Pa
     run = json.loads(log.read_text())
     assert run["env"]["FREETOKEN_API_KEY"] == "sk-local-123" and run["env"]["CODEX_HOME"] == str(codex_home)
     assert server.auth[0] == "Bearer sk-local-123"
-    assert "sk-local-123" not in capsys.readouterr().err  # the printed plan hides it
+    err = capsys.readouterr().err
+    assert "sk-local-123" not in err  # the printed plan hides it
+    assert "    [analytics]\n    enabled = false\n" in err  # every line it added is shown, this table too
+
+
+def test_the_printed_plan_leaves_out_an_analytics_table_the_file_has(server: FakeServer, home: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    config = home / ".codex" / "config.toml"
+    config.parent.mkdir()
+    config.write_text("[analytics]\nenabled = true\n")
+    assert main(["launch", "codex", "--dry-run", "--url", server.url]) == 0
+    assert "[analytics]" not in capsys.readouterr().out  # the user's own setting, kept and not FreeToken's
 
 
 def test_claude_gets_its_environment_and_no_file(server: FakeServer, home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -238,6 +249,17 @@ def test_dry_run_writes_and_runs_nothing(agent: str, server: FakeServer, home: P
     out = capsys.readouterr().out
     assert "dry run" in out and SERVED in out and f"command: {agent} x" in out
     assert list(home.iterdir()) == [] and not log.exists()
+    assert "not installed" not in out
+
+
+@pytest.mark.parametrize(("agent", "package"), [("codex", "@openai/codex"), ("claude", "@anthropic-ai/claude-code"),
+                                                 ("opencode", "opencode-ai")])
+def test_a_dry_run_says_when_the_agent_is_not_installed(agent: str, package: str, server: FakeServer, home: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["launch", agent, "--dry-run", "--url", server.url]) == 0
+    out = capsys.readouterr().out
+    assert f"note: {agent} is not installed (not on PATH); install it with: npm install -g {package}" in out
+    assert list(home.iterdir()) == []
 
 
 @pytest.mark.parametrize(("agent", "package"), [("codex", "@openai/codex"), ("claude", "@anthropic-ai/claude-code"),

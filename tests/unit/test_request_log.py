@@ -1,13 +1,16 @@
-"""The per-request log line (server/operations/request_log.py) and the engine's periodic
-throughput line (server/process/throughput.py), driven by a fake clock: nothing is timed."""
+"""The per-request log line (server/operations/request_log.py: its wording, and the middleware
+that gives every request not on a quiet path one line) and the engine's periodic throughput line
+(server/process/throughput.py), driven by a fake clock: nothing is timed."""
 
 from __future__ import annotations
 
 import logging
 
 import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
-from freetoken.server.operations.request_log import RequestEnd, log_refused, log_request
+from freetoken.server.operations.request_log import RequestEnd, RequestLines, log_refused, log_request, request_line
 from freetoken.server.process.throughput import ThroughputLog, Totals
 
 
@@ -79,3 +82,96 @@ def test_throughput_line_every_period_while_busy_and_none_when_idle() -> None:
 def test_throughput_period_must_be_positive() -> None:
     with pytest.raises(ValueError, match="period must be positive"):
         ThroughputLog(period_s=0)
+
+
+# -- the middleware: one line for every request whose route writes none -----------------------
+
+
+def _scope(method: str, path: str, request_id: str) -> dict:
+    return {"type": "http", "method": method, "path": path, "headers": [], "query_string": b"", "state": {"request_id": request_id}}
+
+
+def _call(app, scope: dict) -> list[dict]:  # type: ignore[no-untyped-def]
+    """Drive an ASGI app through one request (an empty body); the messages it sent."""
+    import asyncio
+
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    return sent
+
+
+def _routes():  # type: ignore[no-untyped-def]
+    """A small FastAPI app with RequestLines around it, and the routes of each kind."""
+    app = FastAPI()
+
+    @app.get("/v1/things/{thing_id}")
+    async def thing(thing_id: str) -> dict:
+        return {"id": thing_id}
+
+    @app.post("/v1/count")
+    async def count(request: Request) -> dict:
+        line = request_line(request.scope)
+        line.route, line.prompt_tokens = "count", 12
+        return {"count": 12}
+
+    @app.post("/v1/generate")
+    async def generate(request: Request) -> dict:
+        request_line(request.scope).written = True  # as the generation recipe does
+        return {}
+
+    @app.post("/v1/refused")
+    async def refused() -> JSONResponse:
+        return JSONResponse({"type": "error", "error": {"type": "x", "message": "no \"such\" thing"}}, status_code=400)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {}
+
+    @app.get("/v1/broken")
+    async def broken() -> dict:
+        raise RuntimeError("boom")
+
+    return RequestLines(app, quiet=("/health",))
+
+
+def test_every_request_not_quiet_gets_one_line_unless_its_route_wrote_it(caplog: pytest.LogCaptureFixture) -> None:
+    app = _routes()
+    with caplog.at_level(logging.INFO, logger="freetoken.requests"):
+        _call(app, _scope("GET", "/v1/things/abc", "r1"))
+        _call(app, _scope("POST", "/v1/count", "r2"))
+        _call(app, _scope("POST", "/v1/generate", "r3"))
+        _call(app, _scope("POST", "/v1/refused", "r4"))
+        _call(app, _scope("GET", "/health", "r5"))
+        _call(app, _scope("GET", "/nowhere/" + "x" * 300, "r6"))
+        with pytest.raises(RuntimeError):
+            _call(app, _scope("GET", "/v1/broken", "r7"))
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "GET /v1/things/{thing_id} 200 id=r1",  # the route's path, not the id in it
+        "count 200 id=r2 prompt=12",  # the route named itself and counted
+        "POST /v1/refused 400 id=r4 error='no \"such\" thing'",  # the message read from the error body
+        "GET /nowhere/" + "x" * 191 + " 404 id=r6",  # unrouted: the path as sent, cut short
+        "GET /v1/broken 500 id=r7",  # raised: nothing was answered yet
+    ]  # r3 wrote its own line, r5 is quiet
+    counted = caplog.records[1]
+    assert counted.route == "count" and counted.prompt_tokens == 12 and counted.request_id == "r2"  # type: ignore[attr-defined]
+    assert caplog.records[2].error == 'no "such" thing' and caplog.records[2].status == 400  # type: ignore[attr-defined]
+
+
+def test_a_streamed_response_passes_through_untouched() -> None:
+    chunks = [b"data: 1\n\n", b"data: 2\n\n", b""]
+
+    async def stream(scope, receive, send) -> None:  # type: ignore[no-untyped-def]
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for i, body in enumerate(chunks):
+            await send({"type": "http.response.body", "body": body, "more_body": i < len(chunks) - 1})
+
+    sent = _call(RequestLines(stream, quiet=()), _scope("POST", "/v1/chat/completions", "r"))
+    assert [m.get("body") for m in sent[1:]] == chunks and sent[0]["status"] == 200

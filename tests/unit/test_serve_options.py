@@ -111,3 +111,21 @@ def test_the_flag_table_in_server_md_matches_serve_help() -> None:
     parser_flags = {s for a in _serve_parser()._actions for s in a.option_strings} - {"-h", "--help"}
     assert parser_flags - documented == set(), "in --help, not in docs/server.md"
     assert documented - parser_flags == set(), "in docs/server.md, not in --help"
+
+
+def test_every_choice_of_a_serve_flag_is_in_its_server_md_row() -> None:
+    """A flag's row in docs/server.md names every value `--help` offers (the row of
+    `--reasoning-parser` once lacked `gemma4`)."""
+    import re
+
+    table = (ROOT / "docs" / "server.md").read_text().split("## Flags", 1)[1].split("\n\n", 2)[1]
+    rows = {flag: row for row in table.splitlines() for flag in re.findall(r"`(-{1,2}[a-z][a-z0-9-]*)", row.split(" | ")[0])}
+    missing = {}
+    for action in _serve_parser()._actions:
+        if not action.choices:
+            continue
+        row = rows[action.option_strings[0]]
+        absent = [str(c) for c in action.choices if not re.search(rf"(?<![\w-]){re.escape(str(c))}(?![\w-])", row)]
+        if absent:
+            missing[action.option_strings[0]] = absent
+    assert missing == {}, "values in --help, not in docs/server.md's row"

@@ -37,6 +37,7 @@ from freetoken.server.core.run import start
 from freetoken.server.core.streaming import Tally, sse_response
 from freetoken.server.core.tool_calling import ToolCalling, ToolOptions, with_tools
 from freetoken.server.errors import APIError, bad_request
+from freetoken.server.operations.request_log import log_plain
 from freetoken.server.sampling_defaults import left_out
 from freetoken.tokenizer.tool_parsers import StreamDelta
 from freetoken.tokenizer.tool_parsers.base import merge_deltas
@@ -93,6 +94,7 @@ async def count_message_tokens(ctx: ServingContext, req: CountTokensRequest, req
         return with_tools(ctx, tools, messages, thinking=thinking)[1]
 
     prompt = await anyio.to_thread.run_sync(render)  # template + tokenizer: off the event loop
+    log_plain("count_tokens", 200, request_id, prompt_tokens=len(prompt.ids))  # its line: nothing generates
     return JSONResponse({"input_tokens": len(prompt.ids)})
 
 

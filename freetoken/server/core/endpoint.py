@@ -7,7 +7,7 @@ and Responses routes use) and `run_endpoint`: the drain gate (503 while shutting
 parsed into the route's model off the event loop (request_body.py; the model's own checks run
 there), the model name checked (404 `model_not_found`), the route's handler run
 under `--request-timeout` and cancelled when its client disconnects, a failure counted in the
-metrics and answered in the route's dialect, and a started stream bounded by the deadline.
+metrics, logged (the request's one line) and answered in the route's dialect, and a started stream bounded by the deadline.
 
 It builds no bodies of its own and knows no protocol's shapes: a protocol's router passes its
 request model, its handler and its dialect.
@@ -27,7 +27,7 @@ from pydantic import BaseModel
 from freetoken.errors import FreeTokenError
 from freetoken.server.context import ServingContext
 from freetoken.server.errors import APIError
-from freetoken.server.operations.request_log import log_refused
+from freetoken.server.operations.request_log import log_refused, request_line
 from freetoken.server.core.generation import sse
 from freetoken.server.request_body import parse_body
 from freetoken.server.request_hygiene import CLIENT_CLOSED, Deadline, cancel_on_disconnect, request_id_of
@@ -70,8 +70,12 @@ async def run_endpoint(
     handler: Handler[M],
     dialect: Dialect = DEFAULT_DIALECT,
 ) -> Response:
-    """Parse, run under --request-timeout, and answer failures in the route's dialect."""
+    """Parse, run under --request-timeout, and answer failures in the route's dialect. The
+    request's log line is written here (a failure) or by the generation as it ends (core/streaming.py's
+    `record`); a handler that generates nothing writes its own (operations/request_log.py)."""
     request_id = request_id_of(request)
+    line = request_line(request.scope)
+    line.route, line.written = endpoint, True
     deadline = Deadline.after(ctx.config.request_timeout_s)
     try:
         with ctx.drain.admitted():
@@ -89,10 +93,13 @@ async def run_endpoint(
         return dialect.response(err, request_id)
     except Exception as exc:
         if not dialect.answers_unexpected:
+            line.written = False  # the app's handler answers it; the middleware writes the line
             raise
         log.exception("unhandled error in %s request %s", endpoint, request_id)
         ctx.metrics.record_request(endpoint, 500)
-        return dialect.response(APIError(500, f"internal server error: {type(exc).__name__}: {exc}"), request_id)
+        err = APIError(500, f"internal server error: {type(exc).__name__}: {exc}")
+        log_refused(endpoint, 500, request_id, err.message)
+        return dialect.response(err, request_id)
     if response.status_code == CLIENT_CLOSED:
         ctx.metrics.record_request(endpoint, CLIENT_CLOSED)
         log_refused(endpoint, CLIENT_CLOSED, request_id, "the client disconnected; the request was aborted")

@@ -23,6 +23,7 @@ from freetoken.server.openai.chat import create_chat_completion
 from freetoken.server.openai.completions import create_completion
 from freetoken.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from freetoken.server.openai.render import render_chat_request, render_completion_request
+from freetoken.server.operations.request_log import request_line
 from freetoken.server.openai.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from freetoken.server.request_body import parse_body
 
@@ -57,7 +58,9 @@ def openai_router(ctx: ServingContext) -> APIRouter:
 
     @router.post("/v1/tokenize")
     async def tokenize_route(request: Request) -> Response:
-        return await tokenize(ctx, await parse_body(request, TokenizeRequest))
+        line = request_line(request.scope)
+        line.route = "tokenize"
+        return await tokenize(ctx, await parse_body(request, TokenizeRequest), line)
 
     @router.post("/v1/chat/completions/render")
     async def chat_render(request: Request) -> Response:
@@ -75,6 +78,7 @@ def openai_router(ctx: ServingContext) -> APIRouter:
 
     @router.post("/v1/detokenize")
     async def detokenize_route(request: Request) -> Response:
+        request_line(request.scope).route = "detokenize"
         return await detokenize(ctx, await parse_body(request, DetokenizeRequest))
 
     @router.get("/v1/models")

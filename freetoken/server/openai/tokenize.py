@@ -21,6 +21,7 @@ from freetoken.server.core.chat_prompt import render_chat
 from freetoken.server.core.tool_calling import ToolCalling, openai_tool_options
 from freetoken.server.errors import bad_request
 from freetoken.server.openai.protocol import ChatMessage
+from freetoken.server.operations.request_log import RequestLine
 from freetoken.tokenizer import ChatTemplateError, NoChatTemplate
 
 MAX_DETOKENIZE_IDS = 1_000_000
@@ -62,7 +63,8 @@ def _chat_ids(
     return ctx.tokenizer.encode(text, add_special_tokens=False)
 
 
-async def tokenize(ctx: ServingContext, req: TokenizeRequest) -> Response:
+async def tokenize(ctx: ServingContext, req: TokenizeRequest, line: RequestLine | None = None) -> Response:
+    """The prompt's ids and their count (also the request's log line's, in `line`)."""
     if req.model is not None:
         ctx.check_model(req.model)
     if (req.prompt is None) == (req.messages is None):
@@ -87,6 +89,8 @@ async def tokenize(ctx: ServingContext, req: TokenizeRequest) -> Response:
         ids = await anyio.to_thread.run_sync(
             _chat_ids, ctx, [m.for_template() for m in req.messages], req.tools, add_generation
         )
+    if line is not None:
+        line.prompt_tokens = len(ids)
     info = ctx.client.info
     body = {"tokens": ids, "count": len(ids), "max_model_len": None if info is None else info.context_length}
     return await anyio.to_thread.run_sync(JSONResponse, body)  # millions of ids take a while to write

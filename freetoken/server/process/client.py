@@ -265,12 +265,16 @@ class EngineClient:
 
     def _loading_beat(self, beat: Heartbeat) -> None:
         """A beat of a loading engine: its count goes into the 503's reason and to the bar."""
-        if self.state != "loading" or beat.load_tensors_total <= 0:
+        if self.state != "loading" or (beat.load_tensors_total <= 0 and beat.load_bytes_total <= 0):
             return
-        count = f"{beat.load_tensors}/{beat.load_tensors_total} tensors"
-        if beat.load_bytes_total:
-            count += f", {beat.load_bytes / 1e9:.2f}/{beat.load_bytes_total / 1e9:.2f} GB"
-        self.reason = f"{self._loading_reason} ({count} read)"
+        size = f"{beat.load_bytes / 1e9:.2f}/{beat.load_bytes_total / 1e9:.2f} GB"
+        if beat.load_tensors_total <= 0:  # a start from the weight cache: its entry's bytes checked
+            self.reason = f"{self._loading_reason} ({size} of the weight cache read)"
+        else:
+            count = f"{beat.load_tensors}/{beat.load_tensors_total} tensors"
+            if beat.load_bytes_total:
+                count += f", {size}"
+            self.reason = f"{self._loading_reason} ({count} read)"
         if self._on_load_progress is not None:
             self._on_load_progress(beat.load_tensors, beat.load_tensors_total, beat.load_bytes, beat.load_bytes_total)
 

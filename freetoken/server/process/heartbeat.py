@@ -49,7 +49,8 @@ class Progress:
     load: tuple[int, int, int, int] = (0, 0, 0, 0)
 
     def loaded(self, tensors: int, tensors_total: int, done_bytes: int, total_bytes: int) -> None:
-        """The weight loader's progress callback (weights/gguf.py, weights/safetensors.py)."""
+        """The weight loader's progress callback (weights/gguf.py, weights/safetensors.py, and
+        weights/weight_cache.py for a start from the weight cache)."""
         self.load = (tensors, tensors_total, done_bytes, total_bytes)
 
     def beat(self, pid: int) -> Heartbeat:

@@ -141,7 +141,8 @@ class Heartbeat:
     steps: int  # engine steps completed
     step_running_s: float = 0.0  # how long the step now running has run (0 between steps)
     # while loading from the checkpoint: tensors read / in the checkpoint, bytes read / of tensor
-    # data (0 / 0: no count yet, or a load that does not read tensor by tensor: the weight cache)
+    # data; from the weight cache: 0 / 0 tensors (it reads none by itself), the entry's bytes
+    # checked / in all (weights/progress.py); all 0: no count yet
     load_tensors: int = 0
     load_tensors_total: int = 0
     load_bytes: int = 0

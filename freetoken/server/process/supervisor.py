@@ -30,6 +30,7 @@ from typing import Protocol
 from freetoken.config import EngineConfig
 from freetoken.errors import EXIT_STARTUP, FreeTokenError
 from freetoken.utils import logs
+from freetoken.weights.source import DEFAULT_MODEL  # the model of a config that names none
 
 log = logging.getLogger("freetoken.server")
 
@@ -264,7 +265,7 @@ class Supervisor:
                 load_timed_out = not await self._loaded_in_time(process)
                 if load_timed_out:
                     self.kill(
-                        f"the engine process {process.pid} did not load {self._config.model} "
+                        f"the engine process {process.pid} did not load {self._config.model or DEFAULT_MODEL} "
                         f"within --load-timeout {self.load_timeout_s:g} s"
                     )
                 await _sentinel_ready(process, None)
