@@ -55,9 +55,12 @@ from freetoken.kv.pins import pin_path, pinned_pages, pinned_swa_pages, release_
 from freetoken.kv.pool import PagePool
 from freetoken.kv.snapshots import (
     drop_passing_snapshot,
+    end_consumed,
     evict_snapshots,
     evictable_snapshots,
     plan_snapshot_points,
+    request_ends,
+    set_ends,
     snapshot_at,
     take_snapshot,
 )
@@ -135,6 +138,8 @@ class KVManager:
         self.pins_released = 0  # times every pin was ended so that a request could be admitted
         self.bytes_per_token: dict[str, int] = {}  # per pool, set by whoever allocates the K/V (status only)
         self._requests: dict[str, RequestTables] = {}
+        self._serials = 0  # hybrid models: one per request, naming its ends (kv/snapshots.py)
+        self._waiting: dict[str, int] = {}  # hybrid models: a waiting request's serial (`expect`)
         self.audits = 0
         self.violations = 0
         self.last_error: str | None = None
@@ -181,11 +186,15 @@ class KVManager:
         takes the request's own state slot, a copy of the snapshot at the hit (no slot to be
         had: no hit), and the request's snapshot points are planned (`chunk_end`): the marked
         `boundaries`, the resend cap of its `prompt_len` (default: all of `tokens`), where the
-        tree's path of it ends and every `snapshot_interval` tokens.
+        tree's path of it ends and every `snapshot_interval` tokens. A hit on another request's
+        end (kv/snapshots.py) ends that request's ends; each commit then names this one's.
         """
         if rid in self._requests:
             raise ValueError(f"request {rid!r} is already admitted")
         req = RequestTables(rid, swa=[] if self.swa_pool is not None else None)
+        req.serial = self._waiting.pop(rid, 0) or self._serial()
+        if self.tree is not None:
+            self.tree.waiting.discard(req.serial)
         if use_cache and self.tree is not None and len(tokens) > 1:
             hit = self.tree.match(tuple(tokens))
             if self.state_pool is not None and hit.length:
@@ -195,6 +204,10 @@ class KVManager:
                     return 0
                 if self.copy_state is not None:
                     self.copy_state(hit.state, req.state)
+                # The conversation went on from this snapshot: the ends of the request that left
+                # it are ends no more; until this one commits further, the hit is its own end.
+                end_consumed(self.tree, hit.state)
+                set_ends(self.tree, req.serial, [hit.state])
             self.full_pool.incref(hit.full)
             if self.swa_pool is not None and hit.swa is not None:
                 self.swa_pool.incref([p for p in hit.swa if p])
@@ -202,12 +215,32 @@ class KVManager:
             req.full = list(hit.full)
             req.cached_len = req.next_pos = hit.length
         self._requests[rid] = req
-        if self.state_pool is not None and self.tree is not None and use_cache:
+        if self.state_pool is not None and self.tree is not None:
             n = len(tokens) if prompt_len is None else prompt_len
-            req.stops = plan_snapshot_points(
-                self.tree, tuple(tokens), req.cached_len, boundaries, n, self.snapshot_interval
-            )
+            req.cap = floor_to_page(n - 1, self.page_size) if n > 1 else 0
+            if use_cache:
+                req.stops = plan_snapshot_points(
+                    self.tree, tuple(tokens), req.cached_len, boundaries, n, self.snapshot_interval
+                )
         return req.cached_len
+
+    def _serial(self) -> int:
+        self._serials += 1
+        return self._serials
+
+    def expect(self, rid: str, tokens: Sequence[int]) -> None:
+        """A request joined the waiting queue (hybrid models): the snapshot it would hit now is
+        its end from now on, and the ends of the request that left it are ends no more (the
+        conversation went on from there; kv/snapshots.py), so that while it waits that snapshot
+        is kept before the other ends. Changes no reference; a no-op on other models."""
+        if self.state_pool is None or self.tree is None or rid in self._requests:
+            return
+        serial = self._waiting[rid] = self._waiting.get(rid) or self._serial()
+        self.tree.waiting.add(serial)
+        slot = self.tree.peek(tuple(tokens))
+        if slot:
+            end_consumed(self.tree, slot)
+            set_ends(self.tree, serial, [slot])
 
     def chunk_end(self, rid: str, start: int, end: int) -> int:
         """Where a chunk computing tokens [start, end) should end: before `end` at the first
@@ -369,6 +402,8 @@ class KVManager:
         req.committed = committed
         if self.state_pool is not None and req.state and len(tokens) == n:
             self._snapshot(req, committed, n)
+        if self.state_pool is not None and req.cap:
+            set_ends(self.tree, req.serial, request_ends(self.tree, committed, req.cap))
 
     def _snapshot(self, req: RequestTables, committed: tuple[int, ...], n: int) -> None:
         """Copy-on-commit: the request's state is after token n - 1 now, and only now. A snapshot
@@ -404,12 +439,19 @@ class KVManager:
 
     def release(self, rid: str, *, preempted: bool = False) -> None:
         """Drop every reference the request holds (finish, abort, preempt, or a lease that did
-        not fit). Commit first what is worth keeping. A second call is a no-op."""
+        not fit; an aborted waiting request holds none). Commit first what is worth keeping. A
+        second call is a no-op."""
+        serial = self._waiting.pop(rid, None)
+        if serial is not None and self.tree is not None:
+            self.tree.waiting.discard(serial)
         req = self._requests.pop(rid, None)
         if req is None:
             return
         if preempted and self.tree is not None and req.committed:
             self.tree.touch(req.committed)
+        if preempted and self.state_pool is not None and self.tree is not None:
+            self._waiting[rid] = req.serial  # back in the queue: its ends are where it resumes
+            self.tree.waiting.add(req.serial)
         full, swa, state = req.held("full"), req.held("swa"), req.held("state")
         req.full = []
         req.swa = [] if req.swa is not None else None
