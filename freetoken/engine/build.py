@@ -25,6 +25,7 @@ from freetoken.engine.deterministic import prepare_deterministic
 from freetoken.engine.engine import Engine
 from freetoken.engine.grammar import GrammarCompiler
 from freetoken.engine.memory_check import check_fits, report_memory
+from freetoken.engine.resize import STATE_SLOTS_SPARE, state_floor
 from freetoken.engine.runner import Runner
 from freetoken.errors import ConfigError
 from freetoken.kv.disk import GIB as DISK_GIB
@@ -88,7 +89,6 @@ def resolve_for_model(
     )
 
 
-STATE_SLOTS_SPARE = 2  # state slots beyond --max-running-requests: a quarantined slot costs no concurrency
 SNAPSHOTS_PER_RUNNING = 4  # default snapshot slots per running request, at most ...
 SNAPSHOT_MEMORY_SHARE = 0.1  # ... and within this share of the available memory ...
 MIN_SNAPSHOTS = 4  # ... but never fewer (a shared system prompt and a few conversations' last turns)
@@ -107,7 +107,7 @@ def snapshot_slots(config: EngineConfig, slot_bytes: int, available: int) -> int
 def state_pool_slots(config: EngineConfig, slot_bytes: int, available: int) -> int:
     """Slots of a hybrid model's state pool: one per running request, STATE_SLOTS_SPARE, and
     the snapshots' (`snapshot_slots`)."""
-    return config.max_running_requests + STATE_SLOTS_SPARE + snapshot_slots(config, slot_bytes, available)
+    return state_floor(config.max_running_requests) + snapshot_slots(config, slot_bytes, available)
 
 
 def refuse_unsupported_hybrid(config: EngineConfig, model_config: ModelConfig, device: torch.device) -> None:

@@ -57,6 +57,7 @@ from freetoken.kv.snapshots import (
     drop_passing_snapshot,
     end_consumed,
     evict_snapshots,
+    fit_snapshots,
     evictable_snapshots,
     plan_snapshot_points,
     request_ends,
@@ -522,13 +523,15 @@ class KVManager:
         return len({p for r in self._requests.values() for p in r.held(kind)})
 
     def resize(self, kind: str, pages: int) -> int:
-        """Grow or shrink pool `kind` to `pages`; returns the pages still held above the new
-        size (0: done). Shrinking first drops the tree's references to every page above it
-        (FULL: with the subtree beneath, useless without it; SWA: tombstones), so tree-only
-        pages there are freed at once and retire; pages a request holds retire when it
-        releases them (`finish_shrinks` completes it). The caller grows the K/V tensors before
-        a grow and shrinks them after `finish_shrinks`. Raises ValueError while a shrink of
-        this pool is in progress or below the pages requests hold."""
+        """Grow or shrink pool `kind` to `pages` (state: slots); returns the pages still held
+        above the new size (0: done). Shrinking first drops the tree's references to every page
+        above it (FULL: with the subtree beneath, useless without it; SWA: tombstones), so
+        tree-only pages there are freed at once and retire; the state pool instead keeps the
+        snapshots that fit below the new size, evicting the others in eviction order, and moves
+        them there (`fit_snapshots`). Pages (slots) a request holds retire when it releases them
+        (`finish_shrinks` completes it). The caller grows the tensors before a grow and shrinks
+        them after `finish_shrinks`. Raises ValueError while a shrink of this pool is in
+        progress or below the pages requests hold."""
         pool = self._pool(kind)
         if pool.target != pool.capacity:
             raise ValueError(
@@ -543,18 +546,23 @@ class KVManager:
             raise ValueError(f"running requests hold {held} pages of the {kind} pool, more than {pages}")
         if pages == pool.capacity:
             return 0
+        if kind == "state" and self.tree is not None:
+            return fit_snapshots(self.tree, pages, self.copy_state)
         if self.tree is not None:
             above = self.tree.pages_above(kind, pages)
             self.tree.drop(kind, above)
         return pool.shrink(pages)
 
+    def _pools(self) -> list[PagePool]:
+        return [p for p in (self.full_pool, self.swa_pool, self.state_pool) if p is not None]
+
     def finish_shrinks(self) -> list[str]:
         """Complete every shrink whose pages above the target are all released; returns the
-        pools whose capacity changed (their K/V tensors can shrink now)."""
-        return [pool.kind for pool in (self.full_pool, self.swa_pool) if pool is not None and pool.finish_shrink()]
+        pools whose capacity changed (their tensors can shrink now)."""
+        return [pool.kind for pool in self._pools() if pool.finish_shrink()]
 
     def shrinking(self) -> bool:
-        return any(p is not None and p.target != p.capacity for p in (self.full_pool, self.swa_pool))
+        return any(p.target != p.capacity for p in self._pools())
 
     # -- integrity --------------------------------------------------------------------------
 

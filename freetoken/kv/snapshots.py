@@ -19,12 +19,14 @@ kv/manager.py):
   its path (the last page boundary of its reply, when the next request repeats the reply
   token for token). One of the two is wasted, and which one is not known until the next request
   comes: that request's hit on either ends both (`end_consumed`);
-- `evict_snapshots`: dropped alone, by tier (`snapshot_tiers`), oldest first within a tier.
+- `evict_snapshots`: dropped alone, by tier (`snapshot_tiers`), oldest first within a tier;
+- `fit_snapshots`: before the state pool shrinks, the snapshots that fit below its new size are
+  kept (the others evicted in that order) and moved there.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from freetoken.kv.tree import Node, RadixTree, Tokens
 from freetoken.kv.window import floor_to_page
@@ -157,14 +159,13 @@ def snapshot_tiers(tree: RadixTree) -> dict[tuple[Node, int], int]:
     return tiers
 
 
-def evict_snapshots(tree: RadixTree, need: int, keep: int = 0, pinned_too: bool = False) -> int:
-    """Drop up to `need` snapshots alone (their entries and pages stay): by tier, then least
-    recently used, then earliest position; snapshots of pinned nodes only with `pinned_too` (a
-    request needs the slot: a pin never starves one); never the slot `keep`. Returns the slots
-    freed. Slots are few (a few per conversation), so the tier comes before age."""
+def eviction_order(tree: RadixTree, keep: int = 0, pinned_too: bool = False) -> list[int]:
+    """The snapshot slots `evict_snapshots` may drop, first to go first: by tier, then least
+    recently used, then earliest position; snapshots of pinned nodes only with `pinned_too`;
+    never the slot `keep`. Slots are few (a few per conversation), so the tier comes before age."""
     pool = tree.state_pool
-    if pool is None or need <= 0:
-        return 0
+    if pool is None:
+        return []
     now = tree.clock()
     tiers = snapshot_tiers(tree)
     cands = []
@@ -173,7 +174,16 @@ def evict_snapshots(tree: RadixTree, need: int, keep: int = 0, pinned_too: bool 
             j = n.state.index(s)
             cands.append(((tiers[(n, j)], n.last_access, n.start + j * tree.page_size, n.uid), s))
     cands.sort()
-    victims = [s for _, s in cands[:need]]
+    return [s for _, s in cands]
+
+
+def evict_snapshots(tree: RadixTree, need: int, keep: int = 0, pinned_too: bool = False) -> int:
+    """Drop up to `need` snapshots alone (their entries and pages stay) in `eviction_order`
+    (pinned ones only with `pinned_too`: a request needs the slot, and a pin never starves one).
+    Returns the slots freed."""
+    if tree.state_pool is None or need <= 0:
+        return 0
+    victims = eviction_order(tree, keep, pinned_too)[:need]
     tree.drop("state", victims)
     return len(victims)
 
@@ -182,3 +192,27 @@ def evictable_snapshots(tree: RadixTree) -> int:
     """Snapshot slots `evict_snapshots(..., pinned_too=True)` could free now."""
     pool = tree.state_pool
     return 0 if pool is None else sum(1 for s in tree.owned("state") if pool.rc[s] == 1)
+
+
+def fit_snapshots(tree: RadixTree, target: int, copy: Callable[[int, int], None] | None) -> int:
+    """Before the state pool shrinks to `target` slots: evict snapshots in eviction order until
+    those left fit in the slots 1..target that no request holds, then shrink the pool and move
+    each snapshot above the target into a free slot below it (`copy(src, dst)` copies the state;
+    None: no tensors). Returns the slots above the target still held (by requests: they retire
+    when released)."""
+    pool = tree.state_pool
+    assert pool is not None
+    owned = tree.owned("state")
+    room = sum(1 for s in pool.free_pages() if s <= target) + sum(1 for s in owned if s <= target)
+    if len(owned) > room:
+        evict_snapshots(tree, len(owned) - room, pinned_too=True)
+    pool.shrink(target)
+    for old in sorted(s for s in owned if s > target):
+        got = pool.alloc(1)
+        if not got:  # unreachable after the eviction above; the snapshot goes rather than stays
+            tree.drop("state", [old])
+            continue
+        if copy is not None:
+            copy(old, got[0])
+        tree.move_snapshot(old, got[0])
+    return pool.pending_release()

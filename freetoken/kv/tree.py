@@ -489,6 +489,21 @@ class RadixTree:
         node.state[j] = slot
         self._state_at[slot] = node
 
+    def move_snapshot(self, old: int, new: int) -> None:
+        """The snapshot in `old` now lives in `new` (just allocated for the tree, the state copied
+        there by the caller): the entry holds `new` and the tree releases `old` (a state pool
+        shrink moves the snapshots it keeps below its target)."""
+        assert self.state_pool is not None
+        node = self._state_at.get(old)
+        if node is None or new in self._state_at:
+            raise self.state_pool.integrity_error("tree", old, f"move of a snapshot the tree does not hold to {new}")
+        del self._state_at[old]
+        node.state[node.state.index(old)] = new
+        self._state_at[new] = node
+        if old in self.ends:
+            self.ends[new] = self.ends.pop(old)
+        self.state_pool.decref([old])
+
     def _drop_snapshots(self, slots: Sequence[int]) -> None:
         for slot in slots:
             node = self._state_at.pop(slot)
