@@ -97,7 +97,10 @@ MIN_SNAPSHOTS = 4  # ... but never fewer (a shared system prompt and a few conve
 def snapshot_slots(config: EngineConfig, slot_bytes: int, available: int) -> int:
     """State slots the prefix cache may keep as snapshots: `--state-snapshots`, or by default
     SNAPSHOTS_PER_RUNNING per running request within SNAPSHOT_MEMORY_SHARE of `available` (a
-    Qwen3.5-35B-A3B slot is ~63 MB), at least MIN_SNAPSHOTS."""
+    Qwen3.5-35B-A3B slot is ~63 MB), at least MIN_SNAPSHOTS. With R running requests the default
+    keeps, beside their own ends (2 each: kv/snapshots.py), the hit of each waiting request and
+    both ends of a conversation between requests: ~3R conversations whose next requests queue at
+    once, 2R whose next requests come later."""
     if config.state_snapshots is not None:
         return config.state_snapshots
     by_memory = int(SNAPSHOT_MEMORY_SHARE * available) // max(slot_bytes, 1)
