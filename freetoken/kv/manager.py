@@ -10,7 +10,9 @@ boundary (`len(tokens)` page-aligned) has the tree take a slot of its own there 
 request's state into it; copy-on-hit, a hit (which on such a model needs a snapshot at exactly
 its end) takes the request's own slot at admission and copies the snapshot into it. The copies
 are `copy_state`, a callback into the physical tensors (kv/tensors.py) that whoever allocates
-them sets; this module decides who holds which slot. `chunk_end` tells the scheduler where a
+them sets; this module decides who holds which slot, and tells the snapshot policy each
+request's ends (kv/snapshots.py: at each commit, at a hit, and at `expect` when it joins the
+waiting queue). `chunk_end` tells the scheduler where a
 prompt chunk must end so that the request's state is at a wanted snapshot point after some step
 (marked boundaries, the resend cap, the tree's branch point, every `snapshot_interval` tokens).
 It must not decide scheduling (who runs, who is preempted) and must not touch the physical K/V
@@ -18,6 +20,7 @@ tensors itself.
 
 Every step of a request, in the order the engine calls it:
 
+    kv.expect(rid, prompt)                    # joins the waiting queue (hybrids: its hit is kept)
     cached = kv.admit(rid, prompt)            # hit rule; takes the request's lease at once
     if not kv.extend(rid, cached + chunk):    # grow both tables; evicts as needed; all-or-nothing
         kv.release(rid)                       # does not fit: lease released in the same step

@@ -90,3 +90,12 @@ def test_a_waiting_requests_hit_outlasts_the_other_ends() -> None:
     assert kv.admit("a3", a + [5, 5]) == 8
     kv.release("a3")
     assert kv.audit(idle=True).ok
+
+
+def test_the_audit_catches_an_end_on_a_slot_the_tree_does_not_hold() -> None:
+    kv = manager()
+    turn(kv, "a", list(range(1, 10)), [], ())
+    assert kv.audit(idle=True).ok
+    kv.tree.ends[7] = 99  # a record the tree's removals did not clear
+    report = kv.audit(idle=True)
+    assert any(v.check == "A3" and v.pool == "state" and v.page == 7 for v in report.violations)
