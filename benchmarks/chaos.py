@@ -15,7 +15,7 @@ threads, each cycling through the traffic kinds:
 - `stream_drop`: a stream read for a few events and closed (a client disconnect mid-stream);
 - `request_drop`: a long non-streamed request whose client gives up (a disconnect before any byte).
 
-Meanwhile a chaos thread resizes the FULL and SWA pools down and back up every `--resize-every`
+Meanwhile a chaos thread resizes the FULL and SWA pools (a hybrid's state pool too) down and back up every `--resize-every`
 seconds (a 409, refused because running requests hold the pages, is an answer, not an error) and
 SIGKILLs the engine process `--kills` times, spread over the run, waiting for `/health` after each.
 With `--requests N` there is no clock: the resizes come every `--resize-every-requests`
@@ -231,6 +231,9 @@ class Chaos:
                 if name == "swa" and self.small:
                     pages = self.pools[name] + max(1, self.pools[name] // 4)  # the SWA pool sits at its floor: grow it instead
                 body[key] = pages * self.page
+        if "state" in self.pools:  # a hybrid's state pool: a quarter of it (snapshots) goes and comes back
+            slots = self.pools["state"]
+            body["state_slots"] = slots - slots // 4 if self.small else slots
         r = httpx.post(f"{self.server.base}/admin/cache/resize", json=body, timeout=120)
         with self.ledger.lock:
             if r.status_code == 200:

@@ -9,7 +9,10 @@ with an 80-token user message, then 4 requests per conversation, each the previo
 150-token reply + a 200-token tool result, message ends marked as a chat request marks them;
 every round sends one request per conversation at once. Pages of 16, 4 running requests,
 prefill chunks of 1024, 16 snapshot slots (4 + 2 + 16 state slots). Prints, for 4 and 8
-conversations, the share of prompt tokens of turns 2-4 read from the cache.
+conversations, the share of prompt tokens of turns 2-4 read from the cache: with each reply
+repeated token for token in the next prompt, and re-rendered (other tokens of the same length,
+as a template that drops a reply's reasoning renders it: the next turn leaves the path right
+after the previous prompt).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ class ShadowOnly(CheckedKV):
     audit_each_call = False
 
 
-def run(conversations: int, seed: int = 0) -> float:
+def run(conversations: int, seed: int = 0, rerendered: bool = False) -> float:
     rng = random.Random(seed)
     setup = Setup(PAGE, None, 6000, max_running=RUNNING, chunk=1024, state_slots=RUNNING + 2 + SNAPSHOTS)
     engine = make_engine(setup, ShadowOnly)
@@ -49,11 +52,15 @@ def run(conversations: int, seed: int = 0) -> float:
                 cached += req.report.cached_tokens
             prompt, bounds = convs[c]
             reply_end = len(prompt) + len(req.output_ids)
-            nxt = prompt + req.output_ids + [rng.randrange(128) for _ in range(TOOL)]
+            reply = [rng.randrange(128) for _ in req.output_ids] if rerendered else req.output_ids
+            nxt = prompt + reply + [rng.randrange(128) for _ in range(TOOL)]
             convs[c] = (nxt, (*bounds, reply_end, len(nxt)))
     return cached / prompt_tokens
 
 
 if __name__ == "__main__":
-    for n in (4, 8):
-        print(f"{n} conversations on {RUNNING} running slots: turns 2-{TURNS} read {100 * run(n):.1f}% from the cache")
+    for rerendered in (False, True):
+        how = "re-rendered" if rerendered else "repeated"
+        for n in (4, 8):
+            share = 100 * run(n, rerendered=rerendered)
+            print(f"{n} conversations on {RUNNING} running slots, replies {how}: turns 2-{TURNS} read {share:.1f}% from the cache")

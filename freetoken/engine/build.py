@@ -25,6 +25,7 @@ from freetoken.engine.deterministic import prepare_deterministic
 from freetoken.engine.engine import Engine
 from freetoken.engine.grammar import GrammarCompiler
 from freetoken.engine.memory_check import check_fits, report_memory
+from freetoken.engine.resize import STATE_SLOTS_SPARE, state_floor
 from freetoken.engine.runner import Runner
 from freetoken.errors import ConfigError
 from freetoken.kv.disk import GIB as DISK_GIB
@@ -88,7 +89,6 @@ def resolve_for_model(
     )
 
 
-STATE_SLOTS_SPARE = 2  # state slots beyond --max-running-requests: a quarantined slot costs no concurrency
 SNAPSHOTS_PER_RUNNING = 4  # default snapshot slots per running request, at most ...
 SNAPSHOT_MEMORY_SHARE = 0.1  # ... and within this share of the available memory ...
 MIN_SNAPSHOTS = 4  # ... but never fewer (a shared system prompt and a few conversations' last turns)
@@ -97,7 +97,10 @@ MIN_SNAPSHOTS = 4  # ... but never fewer (a shared system prompt and a few conve
 def snapshot_slots(config: EngineConfig, slot_bytes: int, available: int) -> int:
     """State slots the prefix cache may keep as snapshots: `--state-snapshots`, or by default
     SNAPSHOTS_PER_RUNNING per running request within SNAPSHOT_MEMORY_SHARE of `available` (a
-    Qwen3.5-35B-A3B slot is ~63 MB), at least MIN_SNAPSHOTS."""
+    Qwen3.5-35B-A3B slot is ~63 MB), at least MIN_SNAPSHOTS. With R running requests the default
+    keeps, beside their own ends (2 each: kv/snapshots.py), the hit of each waiting request and
+    both ends of a conversation between requests: ~3R conversations whose next requests queue at
+    once, 2R whose next requests come later."""
     if config.state_snapshots is not None:
         return config.state_snapshots
     by_memory = int(SNAPSHOT_MEMORY_SHARE * available) // max(slot_bytes, 1)
@@ -107,7 +110,7 @@ def snapshot_slots(config: EngineConfig, slot_bytes: int, available: int) -> int
 def state_pool_slots(config: EngineConfig, slot_bytes: int, available: int) -> int:
     """Slots of a hybrid model's state pool: one per running request, STATE_SLOTS_SPARE, and
     the snapshots' (`snapshot_slots`)."""
-    return config.max_running_requests + STATE_SLOTS_SPARE + snapshot_slots(config, slot_bytes, available)
+    return state_floor(config.max_running_requests) + snapshot_slots(config, slot_bytes, available)
 
 
 def refuse_unsupported_hybrid(config: EngineConfig, model_config: ModelConfig, device: torch.device) -> None:

@@ -30,7 +30,7 @@ import torch
 
 from freetoken.config import ResolvedConfig
 from freetoken.engine.grammar import GrammarCompiler, GrammarError, GrammarSet
-from freetoken.engine.resize import ResizeRefused, resize_memory, settle
+from freetoken.engine.resize import ResizeRefused, resize_memory, settle, state_floor
 from freetoken.engine.runner import Runner
 from freetoken.engine.sample_step import Kept, sample_step
 from freetoken.engine.sampler import prompt_logprobs
@@ -409,9 +409,14 @@ class Engine:
                 updates[rid] = RequestUpdate(rid, finished=True, finish_reason=FinishReason.ERROR, error=message)
 
     def resize(
-        self, full_tokens: int | None = None, swa_tokens: int | None = None, expert_cache_gb: float | None = None
+        self,
+        full_tokens: int | None = None,
+        swa_tokens: int | None = None,
+        expert_cache_gb: float | None = None,
+        state_slots: int | None = None,
     ) -> dict[str, dict[str, int]]:
-        """Resize the KV pools and/or the expert cache now (engine/resize.py); raises ResizeRefused."""
+        """Resize the KV pools (a hybrid model's state pool too) and/or the expert cache now
+        (engine/resize.py); raises ResizeRefused."""
         if not self.runner.resizable:
             raise ResizeRefused("resizing the KV pools is not supported with tensor parallelism", "full_tokens")
         return resize_memory(
@@ -424,6 +429,8 @@ class Engine:
             expert_cache_gb=expert_cache_gb,
             page_size=self.config.engine.page_size,
             swa_floor=self.config.swa_floor,
+            state_slots=state_slots,
+            state_floor=state_floor(self.config.engine.max_running_requests),
         )
 
     def close(self, timeout_s: float | None = None) -> bool:

@@ -1,14 +1,16 @@
 """Resizing the KV pools at run time: the policy over `KVManager.resize` (DESIGN.md §3).
 
-Owns what a resize may do: sizes in tokens -> pages; the floors (FULL: twice the pages of the
-largest request in flight -- alone it must still fit, and a request that does not read the
-cache, prompt logprobs, may commit its own pages beneath a tree prefix it duplicates, which then
-cannot be evicted while it runs -- so that preemption always ends and no request waits forever;
-SWA: the concurrency floor of `--max-running-requests` and `--max-prefill-length`); never below
-the pages running requests hold; one shrink of a pool at a time; both pools checked before
-either changes. The K/V tensors follow the pools: grown before a grow, shrunk once a shrink has
-completed (`settle`). Ownership is never changed here: the manager drops the tree's references
-above a shrink target and retires pages as their holders release them.
+Owns what a resize may do: sizes in tokens -> pages (a hybrid model's state pool: in slots); the
+floors (FULL: twice the pages of the largest request in flight -- alone it must still fit, and a
+request that does not read the cache, prompt logprobs, may commit its own pages beneath a tree
+prefix it duplicates, which then cannot be evicted while it runs -- so that preemption always
+ends and no request waits forever; SWA: the concurrency floor of `--max-running-requests` and
+`--max-prefill-length`; state: one slot per running request and STATE_SLOTS_SPARE, what start-up
+gives it with no snapshot slot); never below the pages running requests hold; one shrink of a
+pool at a time; every pool checked before any changes. The tensors follow the pools: grown
+before a grow, shrunk once a shrink has completed (`settle`). Ownership is never changed here:
+the manager drops the tree's references above a shrink target (the state pool's snapshots that
+fit below it move there, kv/snapshots.py) and retires pages as their holders release them.
 
 The expert cache of `--moe-strategy offload` shares the budget (`resize_memory`): in one call the
 bytes can move between it and the KV pools: the pools are checked and resized first (a refusal
@@ -26,7 +28,13 @@ from freetoken.kv.manager import KVManager
 from freetoken.models.experts_cache import GIB, ExpertCache
 from freetoken.request import Request
 
-ResizeTensors = Callable[[str, int], None]  # (pool kind, pages): reallocate that pool's K/V
+ResizeTensors = Callable[[str, int], None]  # (pool kind, pages): reallocate that pool's tensors
+STATE_SLOTS_SPARE = 2  # state slots beyond --max-running-requests: a quarantined slot costs no concurrency
+
+
+def state_floor(max_running_requests: int) -> int:
+    """The smallest state pool: a slot per running request and the spare ones."""
+    return max_running_requests + STATE_SLOTS_SPARE
 
 
 class ResizeRefused(FreeTokenError):
@@ -39,13 +47,19 @@ class ResizeRefused(FreeTokenError):
         self.conflict = conflict
 
 
-def _targets(kv: KVManager, full_tokens: int | None, swa_tokens: int | None, page_size: int) -> dict[str, int]:
+def _key(kind: str) -> str:
+    return "state_slots" if kind == "state" else f"{kind}_tokens"
+
+
+def _targets(
+    kv: KVManager, full_tokens: int | None, swa_tokens: int | None, state_slots: int | None, page_size: int
+) -> dict[str, int]:
     wanted = {"full": full_tokens, "swa": swa_tokens}
     out: dict[str, int] = {}
     for kind, tokens in wanted.items():
         if tokens is None:
             continue
-        key = f"{kind}_tokens"
+        key = _key(kind)
         if kind == "swa" and kv.swa_pool is None:
             raise ResizeRefused(
                 "this model has no sliding-window layers, so no SWA pool to resize", key, conflict=False
@@ -55,9 +69,23 @@ def _targets(kv: KVManager, full_tokens: int | None, swa_tokens: int | None, pag
                 f"{key} must be at least one page ({page_size} tokens), got {tokens}", key, conflict=False
             )
         out[kind] = tokens // page_size
+    if state_slots is not None:
+        if kv.state_pool is None:
+            raise ResizeRefused(
+                "this model has no linear-attention layers, so no recurrent-state pool to resize",
+                "state_slots",
+                conflict=False,
+            )
+        if state_slots < 1:
+            raise ResizeRefused(f"state_slots must be at least 1, got {state_slots}", "state_slots", conflict=False)
+        out["state"] = state_slots
     if not out:
-        raise ResizeRefused("give full_tokens, swa_tokens or both", "full_tokens", conflict=False)
+        raise ResizeRefused("give full_tokens, swa_tokens, state_slots or several", "full_tokens", conflict=False)
     return out
+
+
+def _sizes(kind: str, n: int, page_size: int) -> str:
+    return f"{n} slots" if kind == "state" else f"{n} pages ({n * page_size} tokens)"
 
 
 def resize_pools(
@@ -69,38 +97,42 @@ def resize_pools(
     swa_tokens: int | None,
     page_size: int,
     swa_floor: int | None,
+    state_slots: int | None = None,
+    state_floor: int | None = None,
 ) -> dict[str, dict[str, int]]:
-    """Resize one or both pools; returns per pool resized its new size in pages and tokens and
-    the pages still held above it. Raises ResizeRefused (nothing changed) naming what blocks it."""
-    targets = _targets(kv, full_tokens, swa_tokens, page_size)
+    """Resize one or more pools; returns per pool resized its new size (`capacity`: pages, with
+    `tokens`; the state pool: slots) and the pages still held above it (`pending_release`).
+    Raises ResizeRefused (nothing changed) naming what blocks it."""
+    targets = _targets(kv, full_tokens, swa_tokens, state_slots, page_size)
     needs = [math.ceil((len(r.prompt_ids) + r.params.max_tokens) / page_size) for r in requests]
-    floors = {"full": 2 * max(needs, default=1) if needs else 1, "swa": swa_floor or 1}
+    floors = {"full": 2 * max(needs, default=1) if needs else 1, "swa": swa_floor or 1, "state": state_floor or 1}
+    why = {
+        "full": "twice the pages the largest request in flight needs",
+        "swa": "the concurrency floor of --max-running-requests and --max-prefill-length",
+        "state": f"a slot per running request (--max-running-requests) and {STATE_SLOTS_SPARE} spare",
+    }
     for kind, pages in targets.items():
-        key = f"{kind}_tokens"
-        pool = kv.full_pool if kind == "full" else kv.swa_pool
+        key = _key(kind)
+        pool = kv.full_pool if kind == "full" else kv.swa_pool if kind == "swa" else kv.state_pool
         assert pool is not None  # checked in _targets
         if pool.target != pool.capacity:
+            unit = "slots" if kind == "state" else "pages"
             raise ResizeRefused(
-                f"the {kind} pool is still shrinking to {pool.target} pages: running requests hold "
-                f"{pool.pending_release()} pages above it; retry when /v1/cache/status shows pending_release 0",
+                f"the {kind} pool is still shrinking to {pool.target} {unit}: running requests hold "
+                f"{pool.pending_release()} {unit} above it; retry when /v1/cache/status shows pending_release 0",
                 key,
             )
+        given = pages if kind == "state" else pages * page_size
         if pages < floors[kind]:
-            why = (
-                "twice the pages the largest request in flight needs"
-                if kind == "full"
-                else "the concurrency floor of --max-running-requests and --max-prefill-length"
-            )
             raise ResizeRefused(
-                f"{key} {pages * page_size} is below the {kind} pool's floor of {floors[kind]} pages "
-                f"({floors[kind] * page_size} tokens): {why}",
+                f"{key} {given} is below the {kind} pool's floor of {_sizes(kind, floors[kind], page_size)}: "
+                f"{why[kind]}",
                 key,
             )
         held = kv.held_pages(kind)
         if pages < held:
             raise ResizeRefused(
-                f"{key} {pages * page_size} is below the {held} pages ({held * page_size} tokens) "
-                f"running requests hold in the {kind} pool",
+                f"{key} {given} is below the {_sizes(kind, held, page_size)} running requests hold in the {kind} pool",
                 key,
             )
     out: dict[str, dict[str, int]] = {}
@@ -108,7 +140,8 @@ def resize_pools(
         if pages > kv.capacity(kind):
             resize_tensors(kind, pages)
         pending = kv.resize(kind, pages)
-        out[kind] = {"capacity": pages, "tokens": pages * page_size, "pending_release": pending}
+        tokens = {} if kind == "state" else {"tokens": pages * page_size}
+        out[kind] = {"capacity": pages, **tokens, "pending_release": pending}
     settle(kv, resize_tensors)
     return out
 
@@ -131,10 +164,13 @@ def resize_memory(
     expert_cache_gb: float | None,
     page_size: int,
     swa_floor: int | None,
+    state_slots: int | None = None,
+    state_floor: int | None = None,
 ) -> dict[str, dict[str, int]]:
     """`resize_pools` for the pools given, and the expert cache to `expert_cache_gb` GiB when
     given (as `experts`: capacity_bytes, bytes held, freed_bytes). Checked before anything changes;
     raises ResizeRefused."""
+    pools = {"full_tokens": full_tokens, "swa_tokens": swa_tokens, "state_slots": state_slots}
     if expert_cache_gb is None:
         return resize_pools(
             kv,
@@ -144,6 +180,8 @@ def resize_memory(
             swa_tokens=swa_tokens,
             page_size=page_size,
             swa_floor=swa_floor,
+            state_slots=state_slots,
+            state_floor=state_floor,
         )
     if cache is None:
         raise ResizeRefused(
@@ -154,7 +192,7 @@ def resize_memory(
             f"expert_cache_gb must be at least 0, got {expert_cache_gb}", "expert_cache_gb", conflict=False
         )
     out: dict[str, dict[str, int]] = {}
-    if full_tokens is not None or swa_tokens is not None:  # refused before anything changes
+    if any(v is not None for v in pools.values()):  # refused before anything changes
         out = resize_pools(
             kv,
             resize_tensors,
@@ -163,6 +201,8 @@ def resize_memory(
             swa_tokens=swa_tokens,
             page_size=page_size,
             swa_floor=swa_floor,
+            state_slots=state_slots,
+            state_floor=state_floor,
         )
     freed = cache.resize(int(expert_cache_gb * GIB))
     out["experts"] = {"capacity_bytes": cache.capacity_bytes, "bytes": cache.bytes, "freed_bytes": freed}

@@ -86,7 +86,11 @@ class Runner:
         return self.peers is None
 
     def resize_kv(self, kind: str, pages: int) -> None:
-        """Reallocate the K/V tensors of pool `kind` ("full" / "swa") to `pages` pages."""
-        self.kv_tensors.resize(kind == "swa", pages)
+        """Reallocate the tensors of pool `kind` to `pages` pages ("full" / "swa": K/V; "state":
+        a hybrid model's state slots)."""
+        if kind == "state":
+            self.kv_tensors.resize_states(pages)
+        else:
+            self.kv_tensors.resize(kind == "swa", pages)
         if self.graphs is not None:
             self.graphs.reset()  # the captured graphs read the old tensors

@@ -89,6 +89,8 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
+        if req.params.prompt_logprobs is None:  # hybrid models: its hit is kept while it waits
+            self.kv.expect(req.rid, req.all_ids)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

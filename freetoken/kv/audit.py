@@ -7,7 +7,8 @@ reference count and every holder, so the report alone says where a page went.
 - A1 rc == tree references + request references, per pool, per page;
 - A2 the free list is exactly {p >= 1 : rc[p] == 0}, no duplicates, NULL never in it;
 - A3 tree structure: no page in two tree entries, no NULL full entry, page-aligned nodes, no
-  empty node, no snapshot slot a request also holds;
+  empty node, no snapshot slot a request also holds, no recorded end (kv/snapshots.py) on a slot
+  the tree does not hold;
 - A4 each running request: no hole in its FULL table, in-window SWA entries live, SWA entries
   out of the window NULL;
 - A5 at idle: free + tree pages == capacity (less quarantined and retired pages) per pool;
@@ -179,6 +180,14 @@ def _audit_tree(tree: RadixTree, report: AuditReport) -> None:
             bad = "live SWA count is stale"
         if bad:
             report.violations.append(IntegrityReport("A3", "full", 0, 0, (where,), bad))
+    held = tree.owned("state")
+    for slot, request in tree.ends.items():  # the snapshot policy's record follows the tree's slots
+        if slot not in held:
+            report.violations.append(
+                IntegrityReport(
+                    "A3", "state", slot, 0, (f"ends of request #{request}",), "an end the tree does not hold"
+                )
+            )
 
 
 def _audit_request(req: RequestTables, page_size: int, window: int | None, report: AuditReport) -> None:

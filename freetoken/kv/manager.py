@@ -10,7 +10,9 @@ boundary (`len(tokens)` page-aligned) has the tree take a slot of its own there 
 request's state into it; copy-on-hit, a hit (which on such a model needs a snapshot at exactly
 its end) takes the request's own slot at admission and copies the snapshot into it. The copies
 are `copy_state`, a callback into the physical tensors (kv/tensors.py) that whoever allocates
-them sets; this module decides who holds which slot. `chunk_end` tells the scheduler where a
+them sets; this module decides who holds which slot, and tells the snapshot policy each
+request's ends (kv/snapshots.py: at each commit, at a hit, and at `expect` when it joins the
+waiting queue). `chunk_end` tells the scheduler where a
 prompt chunk must end so that the request's state is at a wanted snapshot point after some step
 (marked boundaries, the resend cap, the tree's branch point, every `snapshot_interval` tokens).
 It must not decide scheduling (who runs, who is preempted) and must not touch the physical K/V
@@ -18,6 +20,7 @@ tensors itself.
 
 Every step of a request, in the order the engine calls it:
 
+    kv.expect(rid, prompt)                    # joins the waiting queue (hybrids: its hit is kept)
     cached = kv.admit(rid, prompt)            # hit rule; takes the request's lease at once
     if not kv.extend(rid, cached + chunk):    # grow both tables; evicts as needed; all-or-nothing
         kv.release(rid)                       # does not fit: lease released in the same step
@@ -55,9 +58,13 @@ from freetoken.kv.pins import pin_path, pinned_pages, pinned_swa_pages, release_
 from freetoken.kv.pool import PagePool
 from freetoken.kv.snapshots import (
     drop_passing_snapshot,
+    end_consumed,
     evict_snapshots,
+    fit_snapshots,
     evictable_snapshots,
     plan_snapshot_points,
+    request_ends,
+    set_ends,
     snapshot_at,
     take_snapshot,
 )
@@ -135,6 +142,8 @@ class KVManager:
         self.pins_released = 0  # times every pin was ended so that a request could be admitted
         self.bytes_per_token: dict[str, int] = {}  # per pool, set by whoever allocates the K/V (status only)
         self._requests: dict[str, RequestTables] = {}
+        self._serials = 0  # hybrid models: one per request, naming its ends (kv/snapshots.py)
+        self._waiting: dict[str, int] = {}  # hybrid models: a waiting request's serial (`expect`)
         self.audits = 0
         self.violations = 0
         self.last_error: str | None = None
@@ -181,11 +190,15 @@ class KVManager:
         takes the request's own state slot, a copy of the snapshot at the hit (no slot to be
         had: no hit), and the request's snapshot points are planned (`chunk_end`): the marked
         `boundaries`, the resend cap of its `prompt_len` (default: all of `tokens`), where the
-        tree's path of it ends and every `snapshot_interval` tokens.
+        tree's path of it ends and every `snapshot_interval` tokens. A hit on another request's
+        end (kv/snapshots.py) ends that request's ends; each commit then names this one's.
         """
         if rid in self._requests:
             raise ValueError(f"request {rid!r} is already admitted")
         req = RequestTables(rid, swa=[] if self.swa_pool is not None else None)
+        req.serial = self._waiting.pop(rid, 0) or self._serial()
+        if self.tree is not None:
+            self.tree.waiting.discard(req.serial)
         if use_cache and self.tree is not None and len(tokens) > 1:
             hit = self.tree.match(tuple(tokens))
             if self.state_pool is not None and hit.length:
@@ -195,6 +208,10 @@ class KVManager:
                     return 0
                 if self.copy_state is not None:
                     self.copy_state(hit.state, req.state)
+                # The conversation went on from this snapshot: the ends of the request that left
+                # it are ends no more; until this one commits further, the hit is its own end.
+                end_consumed(self.tree, hit.state)
+                set_ends(self.tree, req.serial, [hit.state])
             self.full_pool.incref(hit.full)
             if self.swa_pool is not None and hit.swa is not None:
                 self.swa_pool.incref([p for p in hit.swa if p])
@@ -202,12 +219,32 @@ class KVManager:
             req.full = list(hit.full)
             req.cached_len = req.next_pos = hit.length
         self._requests[rid] = req
-        if self.state_pool is not None and self.tree is not None and use_cache:
+        if self.state_pool is not None and self.tree is not None:
             n = len(tokens) if prompt_len is None else prompt_len
-            req.stops = plan_snapshot_points(
-                self.tree, tuple(tokens), req.cached_len, boundaries, n, self.snapshot_interval
-            )
+            req.cap = floor_to_page(n - 1, self.page_size) if n > 1 else 0
+            if use_cache:
+                req.stops = plan_snapshot_points(
+                    self.tree, tuple(tokens), req.cached_len, boundaries, n, self.snapshot_interval
+                )
         return req.cached_len
+
+    def _serial(self) -> int:
+        self._serials += 1
+        return self._serials
+
+    def expect(self, rid: str, tokens: Sequence[int]) -> None:
+        """A request joined the waiting queue (hybrid models): the snapshot it would hit now is
+        its end from now on, and the ends of the request that left it are ends no more (the
+        conversation went on from there; kv/snapshots.py), so that while it waits that snapshot
+        is kept before the other ends. Changes no reference; a no-op on other models."""
+        if self.state_pool is None or self.tree is None or rid in self._requests:
+            return
+        serial = self._waiting[rid] = self._waiting.get(rid) or self._serial()
+        self.tree.waiting.add(serial)
+        slot = self.tree.peek(tuple(tokens))
+        if slot:
+            end_consumed(self.tree, slot)
+            set_ends(self.tree, serial, [slot])
 
     def chunk_end(self, rid: str, start: int, end: int) -> int:
         """Where a chunk computing tokens [start, end) should end: before `end` at the first
@@ -369,6 +406,8 @@ class KVManager:
         req.committed = committed
         if self.state_pool is not None and req.state and len(tokens) == n:
             self._snapshot(req, committed, n)
+        if self.state_pool is not None and req.cap:
+            set_ends(self.tree, req.serial, request_ends(self.tree, committed, req.cap))
 
     def _snapshot(self, req: RequestTables, committed: tuple[int, ...], n: int) -> None:
         """Copy-on-commit: the request's state is after token n - 1 now, and only now. A snapshot
@@ -404,12 +443,19 @@ class KVManager:
 
     def release(self, rid: str, *, preempted: bool = False) -> None:
         """Drop every reference the request holds (finish, abort, preempt, or a lease that did
-        not fit). Commit first what is worth keeping. A second call is a no-op."""
+        not fit; an aborted waiting request holds none). Commit first what is worth keeping. A
+        second call is a no-op."""
+        serial = self._waiting.pop(rid, None)
+        if serial is not None and self.tree is not None:
+            self.tree.waiting.discard(serial)
         req = self._requests.pop(rid, None)
         if req is None:
             return
         if preempted and self.tree is not None and req.committed:
             self.tree.touch(req.committed)
+        if preempted and self.state_pool is not None and self.tree is not None:
+            self._waiting[rid] = req.serial  # back in the queue: its ends are where it resumes
+            self.tree.waiting.add(req.serial)
         full, swa, state = req.held("full"), req.held("swa"), req.held("state")
         req.full = []
         req.swa = [] if req.swa is not None else None
@@ -480,13 +526,15 @@ class KVManager:
         return len({p for r in self._requests.values() for p in r.held(kind)})
 
     def resize(self, kind: str, pages: int) -> int:
-        """Grow or shrink pool `kind` to `pages`; returns the pages still held above the new
-        size (0: done). Shrinking first drops the tree's references to every page above it
-        (FULL: with the subtree beneath, useless without it; SWA: tombstones), so tree-only
-        pages there are freed at once and retire; pages a request holds retire when it
-        releases them (`finish_shrinks` completes it). The caller grows the K/V tensors before
-        a grow and shrinks them after `finish_shrinks`. Raises ValueError while a shrink of
-        this pool is in progress or below the pages requests hold."""
+        """Grow or shrink pool `kind` to `pages` (state: slots); returns the pages still held
+        above the new size (0: done). Shrinking first drops the tree's references to every page
+        above it (FULL: with the subtree beneath, useless without it; SWA: tombstones), so
+        tree-only pages there are freed at once and retire; the state pool instead keeps the
+        snapshots that fit below the new size, evicting the others in eviction order, and moves
+        them there (`fit_snapshots`). Pages (slots) a request holds retire when it releases them
+        (`finish_shrinks` completes it). The caller grows the tensors before a grow and shrinks
+        them after `finish_shrinks`. Raises ValueError while a shrink of this pool is in
+        progress or below the pages requests hold."""
         pool = self._pool(kind)
         if pool.target != pool.capacity:
             raise ValueError(
@@ -501,18 +549,23 @@ class KVManager:
             raise ValueError(f"running requests hold {held} pages of the {kind} pool, more than {pages}")
         if pages == pool.capacity:
             return 0
+        if kind == "state" and self.tree is not None:
+            return fit_snapshots(self.tree, pages, self.copy_state)
         if self.tree is not None:
             above = self.tree.pages_above(kind, pages)
             self.tree.drop(kind, above)
         return pool.shrink(pages)
 
+    def _pools(self) -> list[PagePool]:
+        return [p for p in (self.full_pool, self.swa_pool, self.state_pool) if p is not None]
+
     def finish_shrinks(self) -> list[str]:
         """Complete every shrink whose pages above the target are all released; returns the
-        pools whose capacity changed (their K/V tensors can shrink now)."""
-        return [pool.kind for pool in (self.full_pool, self.swa_pool) if pool is not None and pool.finish_shrink()]
+        pools whose capacity changed (their tensors can shrink now)."""
+        return [pool.kind for pool in self._pools() if pool.finish_shrink()]
 
     def shrinking(self) -> bool:
-        return any(p is not None and p.target != p.capacity for p in (self.full_pool, self.swa_pool))
+        return any(p.target != p.capacity for p in self._pools())
 
     # -- integrity --------------------------------------------------------------------------
 

@@ -4,20 +4,29 @@ kept, which go first.
 A hybrid model's request state summarises every token so far, so a prefix hit needs the state at
 exactly the hit's end: a *snapshot*, one state slot held by the tree entry ending there (the
 tree holds the reference: `Node.state`, `RadixTree.owned("state")`; kv/tree.py). This module
-owns the policy over them and changes nothing but snapshots: no page, no request table, no
-tensor (the manager copies states, kv/manager.py):
+owns the policy over them and changes nothing but snapshots and their record of ends
+(`RadixTree.ends`): no page, no request table, no tensor (the manager copies states,
+kv/manager.py):
 
 - `plan_snapshot_points`: where a request's prompt chunks should end so that its state is there
   at the end of a step (a snapshot can only be taken of where the state *is*);
 - `take_snapshot`: the tree's slot for a snapshot at a committed position (allocated here,
   evicting others when none is free; none to be had: no snapshot, never a failed request);
 - `drop_passing_snapshot`: a request keeps only its latest snapshot at no planned point;
-- `evict_snapshots`: dropped alone, by tier (`snapshot_tiers`), oldest first within a tier.
+- `set_ends` / `end_consumed`: a request's *ends*, the snapshots where the next request of its
+  conversation hits: at its resend cap (the end of its prompt: a chat template that renders the
+  reply differently, e.g. without its reasoning, leaves the path there) and the deepest one on
+  its path (the last page boundary of its reply, when the next request repeats the reply
+  token for token). One of the two is wasted, and which one is not known until the next request
+  comes: that request's hit on either ends both (`end_consumed`);
+- `evict_snapshots`: dropped alone, by tier (`snapshot_tiers`), oldest first within a tier;
+- `fit_snapshots`: before the state pool shrinks, the snapshots that fit below its new size are
+  kept (the others evicted in that order) and moved there.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from freetoken.kv.tree import Node, RadixTree, Tokens
 from freetoken.kv.window import floor_to_page
@@ -90,36 +99,73 @@ def drop_passing_snapshot(tree: RadixTree, tokens: Tokens, end: int, slot: int) 
     return True
 
 
+def request_ends(tree: RadixTree, tokens: Tokens, cap: int) -> list[int]:
+    """A request's ends on the path of `tokens` (its committed tokens, or its hit): the
+    snapshot at its resend `cap` and the deepest snapshot on the path (one slot when they are
+    the same)."""
+    entries = tree._walk(tokens, len(tokens) // tree.page_size)
+    ends: list[int] = []
+    for k in range(len(entries), 0, -1):
+        node, j = entries[k - 1]
+        if node.state[j]:
+            ends.append(node.state[j])
+            break
+    at_cap = snapshot_at(tree, tokens, cap) if 0 < cap <= len(tokens) else 0
+    if at_cap and at_cap not in ends:
+        ends.append(at_cap)
+    return ends
+
+
+def set_ends(tree: RadixTree, request: int, slots: Sequence[int]) -> None:
+    """The ends of `request` (a serial, never reused) are `slots` now, and no other slot."""
+    for slot in [s for s, r in tree.ends.items() if r == request and s not in slots]:
+        del tree.ends[slot]
+    for slot in slots:
+        tree.ends[slot] = request
+
+
+def end_consumed(tree: RadixTree, slot: int) -> None:
+    """A new request hit the snapshot `slot`: if it is a request's end, that request's other end
+    will not be hit by its conversation (the next request went the other way), so none of its
+    ends is one any more; the new request's own ends replace them."""
+    request = tree.ends.get(slot)
+    if request is not None:
+        set_ends(tree, request, ())
+
+
 def snapshot_tiers(tree: RadixTree) -> dict[tuple[Node, int], int]:
-    """Eviction tier of every snapshot, lowest evicted first: 0 a snapshot with another one
-    further down its path (a continuation hits there instead), 1 such a snapshot at a marked
-    boundary (a fork there, an edited message, still hits it), 2 the last snapshot of its path
-    (where the next request of a conversation hits), 3 a branch point (every fork hits it)."""
-    below: dict[Node, bool] = {}  # a snapshot somewhere under the node's end
+    """Eviction tier of every snapshot, lowest evicted first: 0 the rest (one with a snapshot
+    further down its path, an end whose conversation went on past it or the other way, a fork
+    with at most one live side); 1 a marked boundary (a fork there, an edited message, still hits
+    it); 2 a request's end (where the next request of its conversation may hit); 3 the end of a
+    request still waiting (where it will hit) and a shared branch point: at least two of its
+    children lead to ends (a new conversation hits it)."""
+    ends, waiting = tree.ends, tree.waiting
+    live: dict[Node, bool] = {}  # an end somewhere in the node's subtree (its own entries too)
     for node in reversed(list(tree.nodes())):  # children before parents
-        below[node] = any(below[c] or any(c.state) for c in node.children.values())
+        live[node] = any(s in ends for s in node.state if s) or any(live[c] for c in node.children.values())
     tiers: dict[tuple[Node, int], int] = {}
     for node in dict.fromkeys(tree.owned("state").values()):
+        last = node.npages - 1
         for j, slot in enumerate(node.state):
             if not slot:
                 continue
-            if j == node.npages - 1 and len(node.children) >= 2:
+            if ends.get(slot) in waiting or (j == last and sum(1 for c in node.children.values() if live[c]) >= 2):
                 tiers[(node, j)] = 3
-            elif not (any(node.state[j + 1 :]) or below[node]):
+            elif slot in ends:
                 tiers[(node, j)] = 2
             else:
-                tiers[(node, j)] = 1 if kept_point(node, j) else 0
+                tiers[(node, j)] = 1 if j == last and node.marked else 0
     return tiers
 
 
-def evict_snapshots(tree: RadixTree, need: int, keep: int = 0, pinned_too: bool = False) -> int:
-    """Drop up to `need` snapshots alone (their entries and pages stay): by tier, then least
-    recently used, then earliest position; snapshots of pinned nodes only with `pinned_too` (a
-    request needs the slot: a pin never starves one); never the slot `keep`. Returns the slots
-    freed. Slots are few (a few per conversation), so the tier comes before age."""
+def eviction_order(tree: RadixTree, keep: int = 0, pinned_too: bool = False) -> list[int]:
+    """The snapshot slots `evict_snapshots` may drop, first to go first: by tier, then least
+    recently used, then earliest position; snapshots of pinned nodes only with `pinned_too`;
+    never the slot `keep`. Slots are few (a few per conversation), so the tier comes before age."""
     pool = tree.state_pool
-    if pool is None or need <= 0:
-        return 0
+    if pool is None:
+        return []
     now = tree.clock()
     tiers = snapshot_tiers(tree)
     cands = []
@@ -128,7 +174,16 @@ def evict_snapshots(tree: RadixTree, need: int, keep: int = 0, pinned_too: bool 
             j = n.state.index(s)
             cands.append(((tiers[(n, j)], n.last_access, n.start + j * tree.page_size, n.uid), s))
     cands.sort()
-    victims = [s for _, s in cands[:need]]
+    return [s for _, s in cands]
+
+
+def evict_snapshots(tree: RadixTree, need: int, keep: int = 0, pinned_too: bool = False) -> int:
+    """Drop up to `need` snapshots alone (their entries and pages stay) in `eviction_order`
+    (pinned ones only with `pinned_too`: a request needs the slot, and a pin never starves one).
+    Returns the slots freed."""
+    if tree.state_pool is None or need <= 0:
+        return 0
+    victims = eviction_order(tree, keep, pinned_too)[:need]
     tree.drop("state", victims)
     return len(victims)
 
@@ -137,3 +192,27 @@ def evictable_snapshots(tree: RadixTree) -> int:
     """Snapshot slots `evict_snapshots(..., pinned_too=True)` could free now."""
     pool = tree.state_pool
     return 0 if pool is None else sum(1 for s in tree.owned("state") if pool.rc[s] == 1)
+
+
+def fit_snapshots(tree: RadixTree, target: int, copy: Callable[[int, int], None] | None) -> int:
+    """Before the state pool shrinks to `target` slots: evict snapshots in eviction order until
+    those left fit in the slots 1..target that no request holds, then shrink the pool and move
+    each snapshot above the target into a free slot below it (`copy(src, dst)` copies the state;
+    None: no tensors). Returns the slots above the target still held (by requests: they retire
+    when released)."""
+    pool = tree.state_pool
+    assert pool is not None
+    owned = tree.owned("state")
+    room = sum(1 for s in pool.free_pages() if s <= target) + sum(1 for s in owned if s <= target)
+    if len(owned) > room:
+        evict_snapshots(tree, len(owned) - room, pinned_too=True)
+    pool.shrink(target)
+    for old in sorted(s for s in owned if s > target):
+        got = pool.alloc(1)
+        if not got:  # unreachable after the eviction above; the snapshot goes rather than stays
+            tree.drop("state", [old])
+            continue
+        if copy is not None:
+            copy(old, got[0])
+        tree.move_snapshot(old, got[0])
+    return pool.pending_release()

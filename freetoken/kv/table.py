@@ -25,6 +25,8 @@ class RequestTables:
     committed: tuple[int, ...] = ()  # the tokens of its last commit (page-aligned)
     stops: tuple[int, ...] = ()  # hybrid models: positions where a prompt chunk ends for a snapshot
     rolling: tuple[int, int] = (0, 0)  # its last snapshot at no planned point: (position, slot)
+    serial: int = 0  # hybrid models: names the request in the tree's record of ends (never reused)
+    cap: int = 0  # hybrid models: its resend cap, floor_to_page(prompt length - 1): one of its ends
     # Speculative decoding (engine/speculative.py): the tables were grown for a verified chunk
     # not yet resolved by `KVManager.accept`; `drafted` stays set once the request has drafted.
     draft_pending: bool = False

@@ -277,6 +277,23 @@ class KVTensors:
         else:
             self.num_full_pages = pages
 
+    def resize_states(self, slots: int) -> None:
+        """Give every linear layer `slots` state slots: slots 1..min(old, new) keep their states,
+        new ones are zero. Run between steps only (a run-time resize of the state pool)."""
+        if not self.state_slots:
+            raise ValueError("this model has no linear-attention layers, so no state slots")
+        if slots < 1:
+            raise ValueError(f"a state pool needs at least one slot, got {slots}")
+        for states in (self.conv, self.recurrent):
+            for i, old in enumerate(states):
+                if old is None:
+                    continue
+                new = torch.zeros((slots + 1, *old.shape[1:]), dtype=old.dtype, device=old.device)
+                keep = min(slots + 1, old.shape[0])
+                new[:keep] = old[:keep]
+                states[i] = new  # the old memory is freed with `old`
+        self.state_slots = slots
+
     def _page_parts(self, sliding: bool, page: int) -> list[torch.Tensor]:
         """Views of one page of every layer of a pool: K, V (and their scales) per layer, in order."""
         parts: list[torch.Tensor] = []

@@ -18,7 +18,8 @@ position): an entry may also hold a *snapshot*, one state slot with the state af
 token of that entry's page, the tree's own reference, never written after it is taken; a hit on
 such a model needs a snapshot at exactly its end. Removing an entry releases its snapshot, and
 `drop("state", ...)` drops snapshots alone (the entry and its pages stay). Which snapshots are
-taken, kept and evicted first is kv/snapshots.py.
+taken, kept and evicted first is kv/snapshots.py (`ends` and `waiting` are its records of which
+snapshots are a request's ends; the tree only forgets a slot there when the slot leaves it).
 
 Nodes are split at page boundaries only, so every node holds whole pages.
 """
@@ -102,6 +103,11 @@ class RadixTree:
         self._full_at: dict[int, Node] = {}
         self._swa_at: dict[int, Node] = {}
         self._state_at: dict[int, Node] = {}  # snapshot slot -> its node
+        # Snapshot slot -> the request (a serial) whose end it is: where that request's successor
+        # hits, and the serials of requests still waiting (kv/snapshots.py's records; a slot
+        # leaving the tree leaves `ends` too).
+        self.ends: dict[int, int] = {}
+        self.waiting: set[int] = set()
         self.evicted = EvictedPaths(4 * full_pool.capacity)  # for the cache report's miss reason
         self.clock: Callable[[], float] = time.monotonic  # the pins' clock (tests give a fake one)
         self.swa_pinned: dict[int, float] = {}  # SWA page -> pin deadline (the window before a pin's end)
@@ -184,8 +190,9 @@ class RadixTree:
             node = child
         return out
 
-    def match(self, tokens: Tokens) -> TreeMatch:
-        """The hit for a new prompt (cap first, then the largest L whose window is live)."""
+    def _hit(self, tokens: Tokens) -> tuple[list[tuple[Node, int]], int, int]:
+        """The entries of a new prompt's path under its cap, the hit's length (cap first, then
+        the largest L whose window is live) and the snapshot at its end (0: none)."""
         p = self.page_size
         cap = floor_to_page(len(tokens) - 1, p) // p if len(tokens) > 1 else 0
         entries = self._walk(tokens, cap)
@@ -194,6 +201,18 @@ class RadixTree:
         length = hit_length(len(entries), live, len(tokens), p, self.window, snaps)
         k = length // p
         state = entries[k - 1][0].state[entries[k - 1][1]] if snaps is not None and k else 0
+        return entries, length, state
+
+    def peek(self, tokens: Tokens) -> int:
+        """The snapshot a `match` of `tokens` would start from now (0: none); changes nothing
+        (no stamp, no pin renewed)."""
+        return self._hit(tokens)[2]
+
+    def match(self, tokens: Tokens) -> TreeMatch:
+        """The hit for a new prompt (cap first, then the largest L whose window is live)."""
+        p = self.page_size
+        entries, length, state = self._hit(tokens)
+        k = length // p
         stamp = self._tick()
         now = self.clock()
         for node, _ in entries[:k]:
@@ -389,6 +408,7 @@ class RadixTree:
             self.swa_pinned.pop(page, None)
         for slot in state:
             del self._state_at[slot]
+            self.ends.pop(slot, None)
         if k == node.npages and node.parent is not None:
             del node.parent.children[node.key[: self.page_size]]
             self._refresh(node.parent)
@@ -469,10 +489,26 @@ class RadixTree:
         node.state[j] = slot
         self._state_at[slot] = node
 
+    def move_snapshot(self, old: int, new: int) -> None:
+        """The snapshot in `old` now lives in `new` (just allocated for the tree, the state copied
+        there by the caller): the entry holds `new` and the tree releases `old` (a state pool
+        shrink moves the snapshots it keeps below its target)."""
+        assert self.state_pool is not None
+        node = self._state_at.get(old)
+        if node is None or new in self._state_at:
+            raise self.state_pool.integrity_error("tree", old, f"move of a snapshot the tree does not hold to {new}")
+        del self._state_at[old]
+        node.state[node.state.index(old)] = new
+        self._state_at[new] = node
+        if old in self.ends:
+            self.ends[new] = self.ends.pop(old)
+        self.state_pool.decref([old])
+
     def _drop_snapshots(self, slots: Sequence[int]) -> None:
         for slot in slots:
             node = self._state_at.pop(slot)
             node.state[node.state.index(slot)] = 0
+            self.ends.pop(slot, None)
 
     def evictable_full(self) -> int:
         """FULL pages repeated full passes could free now: tree-only pages with no

@@ -9,7 +9,8 @@ control shows it does), with the audit after every step (`--debug-kv`):
 - two conversations over one system prompt hit at its end; a prefix seen forked once (no mark)
   hits at the fork;
 - with few state slots, snapshots are evicted (LRU) and an evicted one is a `state_missing` miss;
-  the pool balances at idle (free + the tree's snapshots == capacity).
+  the pool balances at idle (free + the tree's snapshots == capacity);
+- a run-time resize of the state pool keeps the snapshots that fit, with their states.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import torch
 import transformers
 
 from freetoken.config import EngineConfig
-from freetoken.kv.snapshots import snapshot_at
+from freetoken.kv.miss import path_tokens
+from freetoken.kv.snapshots import eviction_order, snapshot_at
 from freetoken.llm import LLM
 from freetoken.request import Request, SamplingParams
 
@@ -237,4 +239,45 @@ def test_chat_conversations_rendered_by_the_template_hit_at_the_system_message(c
     assert bounds[0] == first_bounds[0]  # where the system message ends
     assert second.report.cached_tokens == bounds[0] - bounds[0] % 4
     assert second.output_ids == oracle(ids)
+    assert balanced(llm)
+
+
+def test_a_state_pool_resize_keeps_the_snapshots_it_can_with_their_states(checkpoint: Path, oracle) -> None:  # noqa: ANN001
+    """A shrink of the state pool (`Engine.resize(state_slots=...)`) keeps the snapshots that fit
+    below its new size (the last ones in the eviction order), each moved there with its state
+    (tensor for tensor), the tensors shrink to it, and a resend hits a moved snapshot with
+    transformers' tokens; a grow adds zero slots."""
+    llm = engine(checkpoint, max_running_requests=1, state_snapshots=6)
+    kv, tensors = llm.engine.kv, llm.engine.runner.kv_tensors
+    assert kv.state_pool.capacity == 9
+    prompts = [[k + 1] + list(range(100 + 20 * k, 117 + 20 * k)) for k in range(6)]  # snapshots at 16 and 20
+    for k, p in enumerate(prompts):
+        run(llm, f"p{k}", p)
+
+    def states() -> dict[tuple[int, ...], list[torch.Tensor]]:
+        """The path of each snapshot -> its states, layer by layer."""
+        out = {}
+        for slot, node in kv.tree.owned("state").items():
+            end = node.start + (node.state.index(slot) + 1) * 4
+            key = tuple(path_tokens(node)[:end])
+            out[key] = [t[slot].clone() for t in (*tensors.conv, *tensors.recurrent) if t is not None]
+        return out
+
+    before = states()
+    assert len(before) > 4 and max(kv.tree.owned("state")) > 4
+    order = eviction_order(kv.tree, pinned_too=True)
+    owned = kv.tree.owned("state")
+    kept = {tuple(path_tokens(owned[s])[: owned[s].start + (owned[s].state.index(s) + 1) * 4]) for s in order[-4:]}
+    assert llm.engine.resize(state_slots=4) == {"state": {"capacity": 4, "pending_release": 0}}
+    assert kv.state_pool.capacity == tensors.state_slots == 4 and tensors.conv[0].shape[0] == 5
+    after = states()
+    assert set(after) == kept and tuple(prompts[-1][:16]) in after  # the newest go last
+    for key, got in after.items():
+        for g, w in zip(got, before[key]):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+    again = run(llm, "again", prompts[-1])
+    assert (again.report.cached_tokens, again.output_ids) == (16, oracle(prompts[-1]))
+    assert llm.engine.resize(state_slots=8)["state"]["capacity"] == 8
+    assert tensors.state_slots == 8 and all(bool((t[5:] == 0).all()) for t in tensors.recurrent if t is not None)
+    run(llm, "more", prompts[0] + [5, 6])
     assert balanced(llm)

@@ -2,8 +2,9 @@
 pages of 4, --enable-cache-report, --debug-kv): the cache report's miss reason and its metric,
 and `POST /admin/cache/resize` (on a small server of its own, so that page numbers are known;
 the requests a shrink must wait for are held in the engine by its test hold, `--test-hold`, so
-they certainly hold their pages when it comes). Every test ends with the pools balanced and no
-violation or engine restart during it."""
+they certainly hold their pages when it comes); on the tiny Qwen3.5 the resize of its
+recurrent-state pool (`state_slots`). Every test ends with the pools balanced and no violation
+or engine restart during it."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import httpx
 import pytest
 from conftest import API_KEY
 from hold import EngineHold
-from serving import ServeProcess, assert_pools_balanced, serving
+from serving import ServeProcess, serving
 
 MODEL = "tiny-gemma"
 _heads = itertools.count()
@@ -105,7 +106,8 @@ def balanced(server: ServeProcess) -> dict[str, Any]:
 def test_resize_checks_its_body_then_grows_and_shrinks_under_load(small_server: ServeProcess, small_hold: EngineHold) -> None:
     assert resize(small_server, {"full_tokens": 256}, key=None).status_code == 401
     for body, param in [({"full_tokens": "256"}, "full_tokens"), ({"swa_tokens": 0}, "swa_tokens"),
-                        ({"bogus": 1}, "bogus"), ({}, "full_tokens"), ({"full_tokens": 2}, "full_tokens")]:
+                        ({"bogus": 1}, "bogus"), ({}, "full_tokens"), ({"full_tokens": 2}, "full_tokens"),
+                        ({"state_slots": 8}, "state_slots")]:  # no linear-attention layers: no state pool
         r = resize(small_server, body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
     floor = small_server.cache_status()["floor"]
@@ -162,6 +164,81 @@ def test_a_shrink_drops_the_tree_path_above_it_and_the_miss_says_evicted(small_s
                          json={"model": MODEL, "prompt": fresh_prompt(50), "max_tokens": 4})
     assert too_big.status_code == 400, too_big.text  # new admissions see the 13-page pool
     small_server.assert_balanced_idle()
+
+
+HYBRID_FLAGS = [*SMALL_FLAGS, "--state-snapshots", "6"]  # 2 running + 2 spare + 6 snapshot slots
+
+
+@pytest.fixture
+def hybrid_server(tmp_path: Path, small_hold: EngineHold) -> Iterator[ServeProcess]:
+    """A fresh server on the tiny Qwen3.5 (Gated DeltaNet layers: a state pool of 10 slots)."""
+    from tiny_models import write_tiny_model
+
+    model = write_tiny_model("qwen3_5", tmp_path / "tiny-qwen3_5")
+    with serving(str(model), [*HYBRID_FLAGS, *small_hold.flags], tmp_path / "hybrid.log", api_key=API_KEY) as proc:
+        proc.begin_test()
+        yield proc
+
+
+def test_the_state_pool_resizes_over_http(hybrid_server: ServeProcess, small_hold: EngineHold) -> None:
+    server = hybrid_server
+    model = server.cache_status()
+    assert model["pools"]["state"]["capacity"] == 10, model["pools"]
+    for body in ({"state_slots": 0}, {"state_slots": "8"}, {"state_slots": 2.5}):
+        r = resize(server, body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "state_slots", (body, r.text)
+    r = resize(server, {"state_slots": 3})
+    assert r.status_code == 409 and r.json()["error"]["param"] == "state_slots", r.text
+    assert "floor of 4 slots" in r.json()["error"]["message"]
+    r = resize(server, {"state_slots": 14})
+    assert r.status_code == 200 and r.json()["pools"] == {"state": {"capacity": 14, "pending_release": 0}}, r.text
+    state = balanced(server)["pools"]["state"]
+    assert state["capacity"] == state["target"] == 14 and state["free"] == 14
+    with server.http() as c:
+        name = c.get("/v1/models").json()["data"][0]["id"]
+
+    def complete_on(prompt: list[int], max_tokens: int = 2) -> dict[str, Any]:
+        with server.http() as c:
+            r = c.post("/v1/completions", json={"model": name, "prompt": prompt, "max_tokens": max_tokens,
+                                                "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]
+
+    for _ in range(3):  # 8 pages each of the 32-page FULL pool
+        complete_on(fresh_prompt(30), 4)  # snapshots at 28 (the cap) and 32 (in the reply)
+    assert balanced(server)["pools"]["state"]["cached"] == 6
+    done: list[dict[str, Any]] = []
+    prompts = [fresh_prompt(30), fresh_prompt(30)]
+    runners = [threading.Thread(target=lambda p=p: done.append(complete_on(p, 12))) for p in prompts]
+    start = server.cache_status()["engine"]["tokens_generated"]
+    small_hold.decode_after(6)  # both runners hold their state slots until the release
+    try:
+        for t in runners:
+            t.start()
+        end = time.monotonic() + 300  # a hang guard
+        held = server.cache_status()
+        while held["engine"]["tokens_generated"] - start < 12 and time.monotonic() < end:
+            time.sleep(0.05)
+            held = server.cache_status()
+        assert held["engine"]["in_flight"] == 2 and held["pools"]["state"]["in_use"] == 2, held
+        r = resize(server, {"state_slots": 4})  # the floor: what the 2 runners hold + 2 spare
+        assert r.status_code == 200, r.text
+        pending = r.json()["pools"]["state"]["pending_release"]
+        during = balanced(server)["pools"]["state"]
+    finally:
+        small_hold.release()
+    assert during["target"] == 4 and during["pending_release"] == pending and during["capacity"] == 4 + pending, during
+    assert during["cached"] <= 2  # the snapshots that fit beside the runners' slots
+    for t in runners:
+        t.join(timeout=300)
+    assert len(done) == 2
+    state = server.wait_idle()["pools"]["state"]
+    assert state["capacity"] == state["target"] == 4 and state["pending_release"] == 0, state
+    last = fresh_prompt(30)
+    complete_on(last)
+    again = complete_on(last)  # snapshots in the 4 slots left, hits from them
+    assert again["cached_tokens"] == 28, again
+    server.assert_balanced_idle()
 
 
 PINNED_FLAGS = [*SMALL_FLAGS, "--max-pinned-tokens", "64", "--kv-cache-dtype", "int8"]

@@ -350,10 +350,15 @@ class EngineClient:
         return await self._query(StatusQuery)
 
     async def resize_cache(
-        self, full_tokens: int | None, swa_tokens: int | None, expert_cache_gb: float | None = None
+        self,
+        full_tokens: int | None,
+        swa_tokens: int | None,
+        expert_cache_gb: float | None = None,
+        state_slots: int | None = None,
     ) -> dict[str, object]:
-        """Resize the engine's KV pools and expert cache: `{"ok": true, "pools"}` or `{"ok": false, "error", "param", "conflict"}`."""
-        return await self._query(lambda qid: ResizeCache(qid, full_tokens, swa_tokens, expert_cache_gb))
+        """Resize the engine's KV pools (a hybrid model's state pool too) and expert cache:
+        `{"ok": true, "pools"}` or `{"ok": false, "error", "param", "conflict"}`."""
+        return await self._query(lambda qid: ResizeCache(qid, full_tokens, swa_tokens, expert_cache_gb, state_slots))
 
     async def _query(self, make: Callable[[int], object]) -> dict[str, object]:
         """Send the query `make(query_id)` and wait for its StatusReply."""

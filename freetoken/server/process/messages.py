@@ -54,14 +54,15 @@ class StatusQuery:
 
 @dataclass
 class ResizeCache:
-    """Resize the KV pools (tokens; None: leave that pool) and the expert cache (GiB); answered by
-    a `StatusReply` whose status is `{"ok": true, "pools": ...}` or `{"ok": false, "error",
-    "param", "conflict"}`."""
+    """Resize the KV pools (tokens; a hybrid model's state pool: slots; None: leave that pool)
+    and the expert cache (GiB); answered by a `StatusReply` whose status is `{"ok": true,
+    "pools": ...}` or `{"ok": false, "error", "param", "conflict"}`."""
 
     query_id: int
     full_tokens: int | None = None
     swa_tokens: int | None = None
     expert_cache_gb: float | None = None
+    state_slots: int | None = None
 
 
 @dataclass

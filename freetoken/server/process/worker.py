@@ -163,7 +163,7 @@ class WorkerLoop:
 
     def _resize(self, msg: ResizeCache) -> dict[str, object]:
         try:
-            pools = self.engine.resize(msg.full_tokens, msg.swa_tokens, msg.expert_cache_gb)
+            pools = self.engine.resize(msg.full_tokens, msg.swa_tokens, msg.expert_cache_gb, msg.state_slots)
         except ResizeRefused as err:
             return {"ok": False, "error": str(err), "param": err.param, "conflict": err.conflict}
         return {"ok": True, "pools": pools}

@@ -10,7 +10,8 @@ does) and conversations can be continued from the tree.
 
 `random_program(seed)` is a seeded generator of traffic over shared prefixes (long prompts of
 several windows, short prompts sharing their first tokens, follow-ups of finished
-conversations, prompt-logprob requests, aborts, forced eviction passes) on small pools, and
+conversations, prompt-logprob requests, aborts, forced eviction passes; on hybrid setups also
+state pool resizes) on small pools, and
 `run_program` plays it; a failure names the seed.
 """
 
@@ -25,6 +26,7 @@ import torch
 
 from freetoken.config import EngineConfig
 from freetoken.engine.engine import Engine
+from freetoken.engine.resize import ResizeRefused
 from freetoken.engine.scheduler import ScheduledItem
 from freetoken.request import Request, SamplingParams
 from shadow import CheckedKV, ShadowViolation
@@ -44,7 +46,7 @@ class NullRunner:
 
     def resize_kv(self, kind: str, pages: int) -> None:
         """No tensors to reallocate; the pool must already allow what the tensors would hold."""
-        self.kv.tensor_pages[kind] = pages
+        self.kv.resized_tensors(kind, pages)
 
     def forward(self, items: list[ScheduledItem]) -> torch.Tensor:
         rows: list[int] = []
@@ -196,6 +198,12 @@ def random_program(seed: int, setups: list[Setup] = SETUPS) -> tuple[Setup, Call
             elif act < 0.93 and live:
                 engine.abort(rng.choice(sorted(live)))
                 step(engine)
+            elif engine.kv.state_pool is not None and rng.random() < 0.5:  # hybrids: a state pool resize
+                slots = engine.kv.state_pool.capacity
+                try:
+                    engine.resize(state_slots=rng.randint(setup.max_running + 2, slots + 4))
+                except ResizeRefused:
+                    engine.kv.counts["state resize refused"] += 1  # type: ignore[attr-defined]
             elif engine.kv.tree is not None:
                 kind = "swa" if engine.kv.swa_pool is not None and rng.random() < 0.6 else "full"
                 engine.kv.evict(kind, rng.randint(1, 30))

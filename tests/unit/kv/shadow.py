@@ -233,9 +233,10 @@ class CheckedKV(KVManager):
         self.seeded: dict[str, tuple[str, int]] = {}  # B -> (holder A, decodes since the commit)
         # Pages the (null) runner's K/V tensors hold per pool: a table entry past them would
         # index memory that does not exist.
-        self.tensor_pages = {"full": self.full_pool.capacity, "swa": self.swa_pool.capacity if self.swa_pool else 0}
+        self.tensor_pages = {"full": self.full_pool.capacity, "swa": self.swa_pool.capacity if self.swa_pool else 0,
+                             "state": self.state_pool.capacity if self.state_pool else 0}
         if self.state_pool is not None:
-            self.copy_state = self.shadow.copy_state
+            self.copy_state = self._copy_state
         if self.tree is not None:
             for kind in ("full", "swa"):
                 name = f"evict_{kind}"
@@ -365,9 +366,25 @@ class CheckedKV(KVManager):
 
     # -- what the runner reports ----------------------------------------------------------
 
+    def _copy_state(self, src: int, dst: int) -> None:
+        """The state copy the tensors would do: both slots must exist in them."""
+        if not (0 < src <= self.tensor_pages["state"] and 0 < dst <= self.tensor_pages["state"]) or src == dst:
+            raise ShadowViolation(f"state copy {src} -> {dst} past the {self.tensor_pages['state']} slots the tensors hold")
+        self.shadow.copy_state(src, dst)
+
+    def resized_tensors(self, kind: str, pages: int) -> None:
+        """The runner reallocated a pool's tensors: a state slot past them lost its state."""
+        self.tensor_pages[kind] = pages
+        if kind == "state":
+            for slot in [s for s in self.shadow.state if s > pages]:
+                del self.shadow.state[slot]
+
     def forward(self, rid: str, tokens: Sequence[int], start: int, n: int, state_slot: int = 0) -> None:
         """The forward of one item: shadow writes and read checks (and its state, hybrid models)."""
         full, swa = self.page_tables(rid)
+        if state_slot > self.tensor_pages["state"]:
+            raise ShadowViolation(f"{rid}'s state slot {state_slot} is past the {self.tensor_pages['state']} slots "
+                                  f"the tensors hold")
         for kind, table in (("full", full), ("swa", swa)):
             if table is not None and len(table) and int(table.max()) > self.tensor_pages[kind]:
                 raise ShadowViolation(f"{rid}'s {kind} table names page {int(table.max())}, past the "

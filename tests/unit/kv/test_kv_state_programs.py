@@ -2,7 +2,8 @@
 a null model (engine_sim.random_program over HYBRID_SETUPS): every KV call is audited, state
 slots included, and the shadow checks state contents too: a chunk starts from the state of its
 own prefix (zero at position 0), every request's slot holds the state of its written tokens,
-and every tree snapshot the state of its own path at its end. The negative controls break one
+and every tree snapshot the state of its own path at its end, through state pool resizes too
+(a shrink moves the snapshots it keeps). The negative controls break one
 copy each and the shadow must catch it."""
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ def test_hybrid_programs_hit_through_snapshots_and_stay_consistent(kv_events: Co
         assert kv.state_pool.num_free + kv.tree.num_pages("state") == kv.state_pool.capacity
     kv_events.update({f"hybrid seeds: {k}": v for k, v in seen.items()})
     assert seen["hit"] > 0 and seen["preemption"] > 0, dict(seen)
+    assert seen["state grow"] > 0 and seen["state shrink"] > 0 and seen["shrink waits for running requests"] > 0, dict(seen)
 
 
 class NoCopyOnHit(CheckedKV):
