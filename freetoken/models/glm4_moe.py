@@ -42,12 +42,12 @@ from freetoken.models.layers import (
     SelfAttention,
     load_named,
     paged_self_attention,
+    rotate_partial_,
     split_qkv,
     take_all,
 )
 from freetoken.models.linear import Weight
 from freetoken.models.llama import LlamaBlock, LlamaForCausalLM
-from freetoken.models.qwen3_5 import rotate_partial_
 from freetoken.models.qwen3_moe import router_dtype, silu_gate, take_experts
 
 
