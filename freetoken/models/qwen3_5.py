@@ -47,6 +47,7 @@ from freetoken.models.config import (
     read_common,
     read_single_rope,
 )
+from freetoken.models.experts import take_experts
 from freetoken.models.layers import (
     GatedMLP,
     RMSNorm,
@@ -63,7 +64,7 @@ from freetoken.models.layers import (
     take_all,
 )
 from freetoken.models.linear import Weight
-from freetoken.models.qwen3_moe import Qwen3MoE, take_experts
+from freetoken.models.qwen3_moe import Qwen3MoE
 from freetoken.ops.gated_delta import (
     causal_conv1d,
     causal_conv1d_step,
