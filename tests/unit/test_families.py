@@ -170,6 +170,32 @@ def test_each_family_names_only_what_the_weights_package_does() -> None:
             assert g.layout(rest) in layouts, (fam.name, rest)
 
 
+def borrowed_helpers(source: str, families: set[str]) -> list[str]:
+    """What `source` (a family's model file) imports from another family's model file other than
+    a class it builds on or a constant (a name that begins with a capital): a function, as
+    `line: module.name`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module is not None:
+            module = node.module.removeprefix("freetoken.models.")
+            if module in families:
+                found += [f"{node.lineno}: {module}.{a.name}" for a in node.names if not a.name[:1].isupper()]
+    return found
+
+
+def test_a_family_model_borrows_no_function_from_another() -> None:
+    """Shared model code lives in models/layers.py or models/experts.py, not in the first family
+    that needed it: a family's model file takes only classes (and constants) from another's."""
+    names = {f.name for f in all_families()}
+    models = [path for path in sorted((ROOT / "models").glob("*.py")) if path.stem in names]
+    assert len(models) >= 8  # a family may share another's file (Qwen3.5-MoE is in qwen3_5.py)
+    for path in models:
+        assert borrowed_helpers(path.read_text(), names) == [], path.name
+    # negative control: glm4_moe.py before rotate_partial_ moved to layers.py
+    source = "from freetoken.models.llama import LlamaBlock\nfrom freetoken.models.qwen3_5 import rotate_partial_\n"
+    assert borrowed_helpers(source, names) == ["2: qwen3_5.rotate_partial_"]
+
+
 def test_the_package_imports_no_torch() -> None:
     code = (
         "import sys\n"
