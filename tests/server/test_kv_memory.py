@@ -19,7 +19,7 @@ import httpx
 import pytest
 from conftest import API_KEY
 from hold import EngineHold
-from serving import ServeProcess, assert_pools_balanced, serving
+from serving import ServeProcess, serving
 
 MODEL = "tiny-gemma"
 _heads = itertools.count()
