@@ -41,8 +41,8 @@ def run(pins: bool, seed: int = 0) -> tuple[float, float]:
             drain(engine)
             convs[a] = req.all_ids[:-1]  # what the next turn sends back (the last token's K/V was never written)
             prompt_tokens += len(req.prompt_ids)
-            cached += req.cached_tokens
-            system_hits += req.cached_tokens >= SYSTEM
+            cached += req.report.cached_tokens
+            system_hits += req.report.cached_tokens >= SYSTEM
             requests += 1
             for _ in range(JOBS):
                 serial += 1

@@ -197,18 +197,6 @@ class Request:
         return self.prompt_ids[start:] + self.output_ids[: end - n]
 
     @property
-    def cached_tokens(self) -> int:
-        return self.report.cached_tokens
-
-    @property
-    def drafted_tokens(self) -> int:
-        return self.report.drafted_tokens
-
-    @property
-    def accepted_tokens(self) -> int:
-        return self.report.accepted_tokens
-
-    @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 

@@ -68,14 +68,6 @@ class RequestUpdate:
     report: CacheReport = CacheReport()  # the request's, as of this step (none: an end outside a step)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first update, when asked
 
-    @property
-    def drafted_tokens(self) -> int:
-        return self.report.drafted_tokens
-
-    @property
-    def accepted_tokens(self) -> int:
-        return self.report.accepted_tokens
-
 
 def _update_of(req: Request) -> RequestUpdate:
     """A new update of `req`, carrying its cache report."""

@@ -1,12 +1,15 @@
 """What a model family tells the layers below the models: the `Family` record and its parts.
 
-Owns `Family` (each family module's `FAMILY`), `GGUFFacts` (its GGUF architecture: the name, the
-HF model_type and class it becomes, the metadata translator, the tensor-name table and the layout
-hooks), `HFFacts` (what the API process's preflight reads from a `config.json`), the names of the
-tensor rearrangements the weights package applies (`UNPERMUTE_Q_ROWS`, ...) and the pieces of
-GGUF translation that several families share. It holds no family, imports no torch (the API
-process imports it) and knows nothing of the model code: the torch side of each rearrangement is
-in `weights/names.py`, the model class in `models/registry.py`.
+Owns `Family` (each family module's `FAMILY`: its names, how tensor parallelism splits it, its
+tool-call format and built-in chat template), `GGUFFacts` (its GGUF architecture: the name, the HF
+model_type and class it becomes, the metadata translator, the tensor-name table, the layout hooks
+and how its vocabulary ranks merges), `HFFacts` (what the API process's preflight reads from a
+`config.json`), the names of the tensor rearrangements the weights package applies
+(`UNPERMUTE_Q_ROWS`, ...) and of the tensor-parallel splits (`SPLIT_WIDTH`, `SPLIT_EXPERTS`), and
+the pieces of GGUF translation that several families share. It holds no family, imports no torch
+(the API process imports it) and knows nothing of the model code: the torch side of each
+rearrangement is in `weights/names.py`, of each split in `models/shard.py`, the model class in
+`models/registry.py`.
 """
 
 from __future__ import annotations
@@ -43,6 +46,11 @@ LINEAR_V_COLUMNS = "linear_v_columns"  # columns: value head dim columns per val
 ROWS = "rows"  # gate rows, then up rows (a fused stack is already so)
 INTERLEAVE = "interleave"  # on the last axis, gate at even indices (a fused stack, gate half first, too)
 
+# How `models/shard.py` splits a family's model over tensor-parallel ranks (`Family.tensor_parallel`;
+# None: it has no shard plan, and `--tensor-parallel-size` above 1 is refused):
+SPLIT_WIDTH = "width"  # heads, KV heads, MLP (and experts') columns, vocabulary rows
+SPLIT_EXPERTS = "experts"  # as SPLIT_WIDTH, but the experts whole: each rank holds E / N of them (expert parallelism)
+
 Translate = Callable[[Keys, dict[str, object], Collection[str]], None]
 
 
@@ -75,6 +83,10 @@ class GGUFFacts:
     # layer tensors (names after `blk.N.`) the model holds in float32 under a half `--dtype`
     # (routers): handed over in float32, not rounded to the half type on the way
     float32: frozenset[str] = frozenset()
+    # a SentencePiece vocabulary (`tokenizer.ggml.model` "llama") laid out in merge order: the file
+    # position, not the score, ranks the merges, and runs of spaces are stored as spaces (Gemma's;
+    # transformers' GGUF converter for the family does the same)
+    vocab_by_position: bool = False
 
 
 @dataclass(frozen=True)
@@ -98,6 +110,18 @@ class Family:
     model_types: tuple[str, ...]
     hf: HFFacts | None
     gguf: GGUFFacts | None = None
+    tensor_parallel: str | None = SPLIT_WIDTH  # SPLIT_WIDTH, SPLIT_EXPERTS, or None: no shard plan
+    # the tool-call format (a `--tool-call-parser` name) of a model whose chat template and
+    # vocabulary show none; None: the registry's default (tokenizer/tool_parsers/registry.py)
+    tool_parser: str | None = None
+    # the chat template of a model of the family that ships none (a base model); None: none built in
+    chat_template: str | None = None
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every name the family goes by: its own, its model_types, its GGUF architecture."""
+        arch = (self.gguf.arch,) if self.gguf is not None else ()
+        return tuple(dict.fromkeys((self.name, *self.model_types, *arch)))
 
 
 # --- pieces several families' GGUF facts share ------------------------------------------------

@@ -7,6 +7,11 @@ per-layer flags; rope base 10000 on sliding layers and the file's `rope.freq_bas
 unless the file says so. llama.cpp stores every RMSNorm weight as `w + 1` (Gemma's norm
 multiplies by `1 + w`); loading subtracts 1 so the tensors mean what HF's Gemma3RMSNorm expects.
 A multimodal `config.json` (model_type "gemma3") holds the text model in `text_config`.
+
+For the tokenizer: a GGUF's SentencePiece vocabulary ranks its merges by file position and stores
+runs of spaces as spaces (`vocab_by_position`); a model that ships no chat template (the bundled
+Gemma 3 270M is a base model) gets `CHAT_TEMPLATE`; tool calls are Gemma's (the `gemma` parser)
+where the template and vocabulary show no other format.
 """
 
 from __future__ import annotations
@@ -81,6 +86,45 @@ def layout(rest: str) -> str | None:
     return NORM_MINUS_ONE if rest.endswith("norm.weight") else None
 
 
+# Gemma 3's turn format: a system message is folded into the first user turn, the assistant's role
+# is called "model", turns must alternate starting with the user, and the text of each turn is
+# trimmed. The template writes BOS itself.
+CHAT_TEMPLATE = """\
+{%- macro turn_text(content) -%}
+  {%- if content is string -%}
+    {{- content | trim -}}
+  {%- elif content is iterable -%}
+    {%- for part in content -%}
+      {%- if part['type'] == 'text' -%}{{- part['text'] | trim -}}
+      {%- elif part['type'] == 'image' -%}{{- '<start_of_image>' -}}
+      {%- endif -%}
+    {%- endfor -%}
+  {%- else -%}
+    {{- raise_exception('message content must be a string or a list of parts') -}}
+  {%- endif -%}
+{%- endmacro -%}
+{{- bos_token -}}
+{%- set state = namespace(head='', turns=messages) -%}
+{%- if messages and messages[0]['role'] == 'system' -%}
+  {%- set system = messages[0]['content'] -%}
+  {%- if system is not string -%}{%- set system = system[0]['text'] -%}{%- endif -%}
+  {%- set state.head = system + '\\n\\n' -%}
+  {%- set state.turns = messages[1:] -%}
+{%- endif -%}
+{%- for message in state.turns -%}
+  {%- set expected = 'user' if loop.index0 % 2 == 0 else 'assistant' -%}
+  {%- if message['role'] != expected -%}
+    {{- raise_exception('Gemma 3 conversations must alternate user/assistant/user/... after an optional system message') -}}
+  {%- endif -%}
+  {{- '<start_of_turn>' + ('model' if message['role'] == 'assistant' else 'user') + '\\n' -}}
+  {%- if loop.first -%}{{- state.head -}}{%- endif -%}
+  {{- turn_text(message['content']) -}}
+  {{- '<end_of_turn>\\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<start_of_turn>model\\n' -}}{%- endif -%}
+"""
+
+
 FAMILY = Family(
     name="gemma3",
     model_types=("gemma3", "gemma3_text"),
@@ -93,5 +137,8 @@ FAMILY = Family(
         tensors=TENSORS,
         layout=layout,
         window=True,
+        vocab_by_position=True,
     ),
+    tool_parser="gemma",
+    chat_template=CHAT_TEMPLATE,
 )

@@ -96,4 +96,6 @@ FAMILY = Family(
         window=True,
         uniform_heads=False,
     ),
+    tensor_parallel=None,  # no shard plan: its experts, and heads whose shape differs per layer
+    tool_parser="gemma4",
 )

@@ -98,4 +98,6 @@ FAMILY = Family(
         experts_join=ROWS,
         float32=frozenset({"ffn_gate_inp.weight", "exp_probs_b.bias"}),  # the router, held in float32 by the model
     ),
+    tensor_parallel=None,  # no shard plan: the shared experts and the grouped router
+    tool_parser="glm45",
 )

@@ -94,4 +94,5 @@ FAMILY = Family(
         experts_join=INTERLEAVE,
         window=True,
     ),
+    tool_parser="harmony",
 )

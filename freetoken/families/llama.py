@@ -70,4 +70,5 @@ FAMILY = Family(
         tensors=TENSORS,
         layout=layout,
     ),
+    tool_parser="llama3_json",
 )

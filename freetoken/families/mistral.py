@@ -9,4 +9,9 @@ from __future__ import annotations
 
 from freetoken.families.base import Family, HFFacts
 
-FAMILY = Family(name="mistral", model_types=("mistral",), hf=HFFacts(default_context=131_072, default_window=None))
+FAMILY = Family(
+    name="mistral",
+    model_types=("mistral",),
+    hf=HFFacts(default_context=131_072, default_window=None),
+    tool_parser="mistral",
+)

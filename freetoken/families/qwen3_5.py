@@ -111,4 +111,5 @@ FAMILY = Family(
         layout=layout,
         uniform_heads=False,  # the q rows hold the output gate too: checked when the weights are loaded
     ),
+    tensor_parallel=None,  # no shard plan: the linear layers' recurrent states
 )

@@ -58,4 +58,5 @@ FAMILY = Family(
         float32=frozenset({"ffn_gate_inp.weight"}),  # the router, held in float32 by the model
         uniform_heads=False,
     ),
+    tensor_parallel=None,  # no shard plan: the linear layers' recurrent states, the shared expert
 )

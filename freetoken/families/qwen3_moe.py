@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from freetoken.families import qwen3
-from freetoken.families.base import ROWS, Family, GGUFFacts, HFFacts, layers_of
+from freetoken.families.base import ROWS, SPLIT_EXPERTS, Family, GGUFFacts, HFFacts, layers_of
 from freetoken.families.gguf_keys import Keys
 
 TENSORS: dict[str, str] = {
@@ -49,4 +49,5 @@ FAMILY = Family(
         experts_join=ROWS,
         float32=frozenset({"ffn_gate_inp.weight"}),  # the router, held in float32 by the model
     ),
+    tensor_parallel=SPLIT_EXPERTS,
 )

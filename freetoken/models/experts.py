@@ -13,7 +13,12 @@ Where the experts live between steps (`--moe-strategy`): `resident` decodes ever
 load; `offload` (`offload_experts`, before loading) keeps only the backing store -- the
 memory-mapped file's blocks (`weights.dequant.Deferred`) or the checkpoint's host tensors -- and
 decodes an expert into the shared `ExpertCache` the first time it is routed to after an
-eviction. Routing (router, top-k, weight normalisation) is the family's. It does not read files.
+eviction. Also what every MoE family's loader and router share: `take_experts`, which turns a
+layer's expert tensors in any of the forms checkpoints hold them (transformers' stacks
+`gate_up_proj` [E, 2I, H] with gate rows first and `down_proj` [E, H, I], the hub's per-expert
+matrices, the GGUF loader's packed per-expert lists) into `Experts.load`'s gate / up / down;
+`silu_gate` (SwiGLU) and `router_dtype` (a router's dtype: float32 under a half dtype). Routing
+(router, top-k, weight normalisation) is the family's. It does not read files.
 
 Under expert parallelism (`models.shard`, tensor parallelism of a Qwen3-MoE) a layer holds only the
 experts in `local` and `combine` (an all-reduce) puts the ranks' per-pair outputs together before
@@ -30,7 +35,7 @@ from torch import nn
 
 from freetoken.errors import ModelLoadError
 from freetoken.models.experts_cache import ExpertCache
-from freetoken.models.linear import apply_policy
+from freetoken.models.linear import Weight, apply_policy
 from freetoken.ops.qlinear import Packed, PackedWeight, grouped_matmul_available, pack, qlinear
 from freetoken.ops.quantized import QuantizedWeight, SuperBlockWeight, concat, dequantize, is_quantized, on_device
 from freetoken.ops.superblock import PackedSuperBlock, grouped_matmul
@@ -44,6 +49,16 @@ Source = torch.Tensor | QuantizedWeight | SuperBlockWeight | Deferred
 ExpertStack = torch.Tensor | Sequence[Source]
 # One expert matrix in the form its matmul reads.
 Matrix = torch.Tensor | Packed
+
+
+def silu_gate(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of one expert: gate, up [n, I] -> silu(gate) * up [n, I]."""
+    return F.silu(gate) * up
+
+
+def router_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a router is held and multiplied in: float32 under a half compute dtype."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
 def _policy(w: Source, weights: str) -> Source:
@@ -313,3 +328,45 @@ def expert_cache(model: nn.Module) -> ExpertCache | None:
     """The offload cache `model`'s experts share, or None (resident, or no experts)."""
     layers = experts_of(model)
     return layers[0].cache if layers else None
+
+
+def row_block(w: Source, start: int, stop: int) -> Source:
+    """Rows start:stop of one expert matrix (the gate or up half of a fused one); a deferred
+    matrix stays deferred (decoded, then cut, when the experts load it)."""
+    if isinstance(w, Deferred):
+        part = (stop - start, w.shape[1])
+        return Deferred(part, w.nbytes * part[0] // w.shape[0], lambda: row_block(w.make(), start, stop))
+    if isinstance(w, (QuantizedWeight, SuperBlockWeight)):
+        return w.map_rows(lambda t: t[start:stop].contiguous())
+    return w[start:stop]
+
+
+def take_experts(
+    tensors: dict[str, Weight], prefix: str, num_experts: int, intermediate: int, weights: str
+) -> tuple[ExpertStack, ...]:
+    """Pop one layer's experts out of `tensors` -> (gate [E, I, H], up, down [E, H, I]), `weights`
+    applied. gate / up come as transformers' stacked `{prefix}gate_up_proj` [E, 2I, H] (gate rows
+    first), as the GGUF loader's lists of E packed matrices `{prefix}gate_proj` / `{prefix}up_proj`
+    (`weights.gguf.expert_stack`), or as the hub's per-expert `{prefix}{e}.gate_proj.weight`; down
+    as `{prefix}down_proj` (a stack [E, H, I] or such a list) or per expert."""
+
+    def per_expert(proj: str) -> list[Weight]:
+        names = [f"{prefix}{e}.{proj}.weight" for e in range(num_experts)]
+        missing = [n for n in names if n not in tensors]
+        if missing:
+            raise ModelLoadError(f"missing tensors: {prefix}{proj} (stacked) or {', '.join(missing[:3])}")
+        return [tensors.pop(n) for n in names]
+
+    if f"{prefix}gate_up_proj" in tensors:
+        gate_up = tensors.pop(f"{prefix}gate_up_proj")
+        if isinstance(gate_up, torch.Tensor):
+            gate, up = gate_up[:, :intermediate], gate_up[:, intermediate:]  # [E, I, H] each
+        else:  # the GGUF loader's packed fused matrices (Gemma 4): E x [2I, H]
+            gate = [row_block(w, 0, intermediate) for w in gate_up]
+            up = [row_block(w, intermediate, 2 * intermediate) for w in gate_up]
+    elif f"{prefix}gate_proj" in tensors and f"{prefix}up_proj" in tensors:
+        gate, up = tensors.pop(f"{prefix}gate_proj"), tensors.pop(f"{prefix}up_proj")
+    else:
+        gate, up = per_expert("gate_proj"), per_expert("up_proj")
+    down = tensors.pop(f"{prefix}down_proj") if f"{prefix}down_proj" in tensors else per_expert("down_proj")
+    return with_policy(gate, weights), with_policy(up, weights), with_policy(down, weights)  # type: ignore[arg-type]

@@ -45,7 +45,7 @@ from freetoken.models.config import (
     read_common,
     read_rope,
 )
-from freetoken.models.experts import Experts
+from freetoken.models.experts import Experts, take_experts
 from freetoken.models.layers import (
     GatedMLP,
     RMSNorm,
@@ -61,7 +61,6 @@ from freetoken.models.layers import (
     take_all,
 )
 from freetoken.models.linear import Weight
-from freetoken.models.qwen3_moe import take_experts
 from freetoken.ops.layers import rms_norm
 
 # Tensors of the multimodal checkpoint that the text model does not use.

@@ -34,7 +34,7 @@ from freetoken.attention.metadata import ForwardBatch
 from freetoken.errors import ModelLoadError
 from freetoken.kv.tensors import KVTensors
 from freetoken.models.config import FULL_ATTENTION, ModelConfig, RopeConfig, hf_get, read_common, read_single_rope
-from freetoken.models.experts import Experts
+from freetoken.models.experts import Experts, router_dtype, silu_gate, take_experts
 from freetoken.models.layers import (
     GatedMLP,
     RMSNorm,
@@ -42,13 +42,12 @@ from freetoken.models.layers import (
     SelfAttention,
     load_named,
     paged_self_attention,
+    rotate_partial_,
     split_qkv,
     take_all,
 )
 from freetoken.models.linear import Weight
 from freetoken.models.llama import LlamaBlock, LlamaForCausalLM
-from freetoken.models.qwen3_5 import rotate_partial_
-from freetoken.models.qwen3_moe import router_dtype, silu_gate, take_experts
 
 
 class PartialRopeAttention(SelfAttention):

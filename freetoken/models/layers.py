@@ -198,6 +198,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return rope_(x, cos, sin)
 
 
+def rotate_partial_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first R channels of each head of x [T, H, D] (halves of R paired) by cos, sin
+    [T, R / 2] in place; the other D - R channels pass. Returns x."""
+    r = 2 * cos.shape[-1]
+    dtype = compute_dtype(x.dtype)
+    x1, x2 = x[..., : r // 2].to(dtype), x[..., r // 2 : r].to(dtype)  # [T, H, R / 2] each
+    c, s = cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]  # [T, 1, R / 2]
+    x[..., :r] = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+    return x
+
+
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),

@@ -47,6 +47,7 @@ from freetoken.models.config import (
     read_common,
     read_single_rope,
 )
+from freetoken.models.experts import take_experts
 from freetoken.models.layers import (
     GatedMLP,
     RMSNorm,
@@ -58,28 +59,18 @@ from freetoken.models.layers import (
     output_logits,
     paged_self_attention,
     residual,
+    rotate_partial_,
     strip_prefix,
     take_all,
 )
 from freetoken.models.linear import Weight
-from freetoken.models.qwen3_moe import Qwen3MoE, take_experts
+from freetoken.models.qwen3_moe import Qwen3MoE
 from freetoken.ops.gated_delta import causal_conv1d, causal_conv1d_step_, chunk_gated_delta_rule, recurrent_gated_delta_
 
 
 def unit_norm(dim: int, eps: float, dtype: torch.dtype, device: torch.device | str) -> RMSNorm:
     """The family's RMSNorm: x / rms(x) * (1 + w), in float32 before the cast back."""
     return RMSNorm(dim, eps, dtype, device, unit_offset=True)
-
-
-def rotate_partial_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first R channels of each head of x [T, H, D] (halves of R paired) by cos, sin
-    [T, R / 2] in place; the other D - R channels pass. Returns x."""
-    r = 2 * cos.shape[-1]
-    dtype = compute_dtype(x.dtype)
-    x1, x2 = x[..., : r // 2].to(dtype), x[..., r // 2 : r].to(dtype)  # [T, H, R / 2] each
-    c, s = cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]  # [T, 1, R / 2]
-    x[..., :r] = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
-    return x
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

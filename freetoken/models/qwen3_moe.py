@@ -1,11 +1,8 @@
 """Qwen3-MoE: Qwen3's attention blocks with a top-k mixture of SwiGLU experts.
 
 Owns the router of Qwen3's sparse layers (softmax over all experts in float32, top-k, optionally
-renormalised to sum to 1: `norm_topk_prob`) and `take_experts`, which turns a layer's expert
-tensors in any of the forms checkpoints hold them (transformers' stacks `gate_up_proj`
-[E, 2I, H] with gate rows first and `down_proj` [E, H, I], the hub's per-expert matrices, the
-GGUF loader's packed per-expert lists) into `models.experts.Experts.load`'s gate / up / down
-(Gemma 4 reuses it); `Experts` runs them. Layers listed in
+renormalised to sum to 1: `norm_topk_prob`); the experts' tensors are taken and run by
+`models.experts` (`take_experts`, `Experts`). Layers listed in
 `dense_mlp_layers` (`mlp_only_layers`, `decoder_sparse_step`) keep Qwen3's dense MLP. Attention,
 norms and the model skeleton are `qwen3.py`'s. Also `config_from_hf`, the reader of a Qwen3-MoE
 `config.json` dict (Qwen3MoeConfig's class defaults, the dense layers). It does not read files.
@@ -17,10 +14,8 @@ from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from freetoken.errors import ModelLoadError
 from freetoken.models.config import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
@@ -29,22 +24,10 @@ from freetoken.models.config import (
     read_common,
     read_single_rope,
 )
-from freetoken.models.experts import Experts, ExpertStack, Source, with_policy
+from freetoken.models.experts import Experts, router_dtype, silu_gate, take_experts
 from freetoken.models.layers import linear, load_named, strip_prefix, take_all
 from freetoken.models.linear import Weight
 from freetoken.models.qwen3 import QWEN3_DEFAULTS, Qwen3ForCausalLM
-from freetoken.ops.quantized import QuantizedWeight, SuperBlockWeight
-from freetoken.weights.dequant import Deferred
-
-
-def silu_gate(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU of one expert: gate, up [n, I] -> silu(gate) * up [n, I]."""
-    return F.silu(gate) * up
-
-
-def router_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a router is held and multiplied in: float32 under a half compute dtype."""
-    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
 class Qwen3MoE(nn.Module):
@@ -66,48 +49,6 @@ class Qwen3MoE(nn.Module):
         if self.config.norm_topk_prob:
             top = top / top.sum(dim=-1, keepdim=True)
         return self.experts(x, idx, top.to(x.dtype))
-
-
-def row_block(w: Source, start: int, stop: int) -> Source:
-    """Rows start:stop of one expert matrix (the gate or up half of a fused one); a deferred
-    matrix stays deferred (decoded, then cut, when the experts load it)."""
-    if isinstance(w, Deferred):
-        part = (stop - start, w.shape[1])
-        return Deferred(part, w.nbytes * part[0] // w.shape[0], lambda: row_block(w.make(), start, stop))
-    if isinstance(w, (QuantizedWeight, SuperBlockWeight)):
-        return w.map_rows(lambda t: t[start:stop].contiguous())
-    return w[start:stop]
-
-
-def take_experts(
-    tensors: dict[str, Weight], prefix: str, num_experts: int, intermediate: int, weights: str
-) -> tuple[ExpertStack, ...]:
-    """Pop one layer's experts out of `tensors` -> (gate [E, I, H], up, down [E, H, I]), `weights`
-    applied. gate / up come as transformers' stacked `{prefix}gate_up_proj` [E, 2I, H] (gate rows
-    first), as the GGUF loader's lists of E packed matrices `{prefix}gate_proj` / `{prefix}up_proj`
-    (`weights.gguf.expert_stack`), or as the hub's per-expert `{prefix}{e}.gate_proj.weight`; down
-    as `{prefix}down_proj` (a stack [E, H, I] or such a list) or per expert."""
-
-    def per_expert(proj: str) -> list[Weight]:
-        names = [f"{prefix}{e}.{proj}.weight" for e in range(num_experts)]
-        missing = [n for n in names if n not in tensors]
-        if missing:
-            raise ModelLoadError(f"missing tensors: {prefix}{proj} (stacked) or {', '.join(missing[:3])}")
-        return [tensors.pop(n) for n in names]
-
-    if f"{prefix}gate_up_proj" in tensors:
-        gate_up = tensors.pop(f"{prefix}gate_up_proj")
-        if isinstance(gate_up, torch.Tensor):
-            gate, up = gate_up[:, :intermediate], gate_up[:, intermediate:]  # [E, I, H] each
-        else:  # the GGUF loader's packed fused matrices (Gemma 4): E x [2I, H]
-            gate = [row_block(w, 0, intermediate) for w in gate_up]
-            up = [row_block(w, intermediate, 2 * intermediate) for w in gate_up]
-    elif f"{prefix}gate_proj" in tensors and f"{prefix}up_proj" in tensors:
-        gate, up = tensors.pop(f"{prefix}gate_proj"), tensors.pop(f"{prefix}up_proj")
-    else:
-        gate, up = per_expert("gate_proj"), per_expert("up_proj")
-    down = tensors.pop(f"{prefix}down_proj") if f"{prefix}down_proj" in tensors else per_expert("down_proj")
-    return with_policy(gate, weights), with_policy(up, weights), with_policy(down, weights)  # type: ignore[arg-type]
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):

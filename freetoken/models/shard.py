@@ -18,9 +18,11 @@ Column-parallel: q/k/v, gate/up, the experts' gate_up. The projections that clos
   difference from a reordered sum moves some of those roundings by a whole step, which grows
   layer by layer to the size of the activation rounding itself (docs/scale-out.md, "Numerics").
 
-A Qwen3-MoE's experts are expert-parallel instead (`ShardPlan.expert_parallel`): each rank holds
-E / N whole experts in their file's form (no slice cuts a super-block, however narrow the
-experts), the router is replicated, and each rank computes the (token, expert) pairs routed to
+A family says how it splits (`Family.tensor_parallel`, families/): by width as above
+(SPLIT_WIDTH), with its experts whole (SPLIT_EXPERTS), or not at all (None: more than one rank is
+refused). Whole experts (Qwen3-MoE's) are expert-parallel (`ShardPlan.expert_parallel`): each
+rank holds E / N whole experts in their file's form (no slice cuts a super-block, however narrow
+the experts), the router is replicated, and each rank computes the (token, expert) pairs routed to
 its experts; an all-reduce of the per-pair outputs (zero for the other ranks' pairs, so exact)
 precedes the per-token sum, which every rank then does in one rank's order (`split_experts`,
 `models.experts.Experts.forward`).
@@ -44,6 +46,8 @@ import torch.distributed as dist
 from torch import nn
 
 from freetoken.errors import ConfigError
+from freetoken.families import family
+from freetoken.families.base import SPLIT_EXPERTS, SPLIT_WIDTH
 from freetoken.models.config import ModelConfig
 from freetoken.models.experts import Experts, Source
 from freetoken.models.linear import Linear, Weight
@@ -90,8 +94,9 @@ class ShardPlan:
 
     @property
     def expert_parallel(self) -> bool:
-        """Whether the experts are split whole between the ranks (Qwen3-MoE) rather than by width."""
-        return self.config.architecture == "qwen3_moe"
+        """Whether the experts are split whole between the ranks (the family's `tensor_parallel` is
+        SPLIT_EXPERTS: Qwen3-MoE) rather than by width."""
+        return split_of(self.config) == SPLIT_EXPERTS
 
     @property
     def experts(self) -> range:
@@ -141,9 +146,12 @@ class ShardPlan:
         )
 
 
-# Families with no shard plan here (Gemma 4's experts and heads, Qwen3.5's states, GLM's shared
-# experts and grouped router).
-_NO_PLAN = ("gemma4", "qwen3_5", "qwen3_5_moe", "glm4_moe")
+def split_of(config: ModelConfig) -> str | None:
+    """How the model's family is split over ranks (`Family.tensor_parallel`: SPLIT_WIDTH,
+    SPLIT_EXPERTS, or None where it has no shard plan here); SPLIT_WIDTH for an architecture no
+    family names."""
+    fam = family(config.architecture)
+    return SPLIT_WIDTH if fam is None else fam.tensor_parallel
 
 
 def check_shardable(config: ModelConfig, world: int, row_parallel: str = ROW_SUM) -> None:
@@ -152,9 +160,10 @@ def check_shardable(config: ModelConfig, world: int, row_parallel: str = ROW_SUM
     c, flag = config, f"--tensor-parallel-size {world}"
     if world < 1:
         raise ConfigError(f"--tensor-parallel-size must be at least 1, got {world}")
-    if world > 1 and c.architecture in _NO_PLAN:
+    split = split_of(c)
+    if world > 1 and split is None:
         raise ConfigError(f"{flag} is not supported for {c.architecture} models")
-    if world > 1 and c.architecture == "qwen3_moe" and c.num_experts % world:
+    if world > 1 and split == SPLIT_EXPERTS and c.num_experts % world:
         raise ConfigError(f"{flag} does not divide the model's {c.num_experts} experts")
     if c.num_heads % world:
         raise ConfigError(f"{flag} does not divide the model's {c.num_heads} attention heads")

@@ -2,8 +2,9 @@
 
 Owns the sandboxed jinja2 environment chat templates run in (set up the way Hugging Face
 transformers sets it up, so a model's template renders the same text), the typed errors of
-rendering, and the built-in templates used when a model ships none (Gemma 3: the bundled Gemma is a
-base model without a template). It does not tokenize and does not parse model output.
+rendering, and the lookup of the built-in template used when a model ships none (a family's
+`chat_template`, families/: Gemma 3's, as the bundled Gemma is a base model without a template).
+It does not tokenize and does not parse model output.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from freetoken.errors import FreeTokenError
+from freetoken.families import named
 
 
 class NoChatTemplate(FreeTokenError):
@@ -28,51 +30,11 @@ class ChatTemplateError(FreeTokenError):
     """A chat template failed to compile or refused the conversation (its `raise_exception`)."""
 
 
-# Gemma 3's turn format: a system message is folded into the first user turn, the assistant's role
-# is called "model", turns must alternate starting with the user, and the text of each turn is
-# trimmed. The template writes BOS itself.
-GEMMA3_CHAT_TEMPLATE = """\
-{%- macro turn_text(content) -%}
-  {%- if content is string -%}
-    {{- content | trim -}}
-  {%- elif content is iterable -%}
-    {%- for part in content -%}
-      {%- if part['type'] == 'text' -%}{{- part['text'] | trim -}}
-      {%- elif part['type'] == 'image' -%}{{- '<start_of_image>' -}}
-      {%- endif -%}
-    {%- endfor -%}
-  {%- else -%}
-    {{- raise_exception('message content must be a string or a list of parts') -}}
-  {%- endif -%}
-{%- endmacro -%}
-{{- bos_token -}}
-{%- set state = namespace(head='', turns=messages) -%}
-{%- if messages and messages[0]['role'] == 'system' -%}
-  {%- set system = messages[0]['content'] -%}
-  {%- if system is not string -%}{%- set system = system[0]['text'] -%}{%- endif -%}
-  {%- set state.head = system + '\\n\\n' -%}
-  {%- set state.turns = messages[1:] -%}
-{%- endif -%}
-{%- for message in state.turns -%}
-  {%- set expected = 'user' if loop.index0 % 2 == 0 else 'assistant' -%}
-  {%- if message['role'] != expected -%}
-    {{- raise_exception('Gemma 3 conversations must alternate user/assistant/user/... after an optional system message') -}}
-  {%- endif -%}
-  {{- '<start_of_turn>' + ('model' if message['role'] == 'assistant' else 'user') + '\\n' -}}
-  {%- if loop.first -%}{{- state.head -}}{%- endif -%}
-  {{- turn_text(message['content']) -}}
-  {{- '<end_of_turn>\\n' -}}
-{%- endfor -%}
-{%- if add_generation_prompt -%}{{- '<start_of_turn>model\\n' -}}{%- endif -%}
-"""
-
-_BUILTIN_TEMPLATES: dict[str, str] = {"gemma3": GEMMA3_CHAT_TEMPLATE, "gemma3_text": GEMMA3_CHAT_TEMPLATE}
-
-
 def builtin_chat_template(architecture: str) -> str | None:
-    """The template used for `architecture` (GGUF `general.architecture` or HF `model_type`) when
-    the model ships none, or None."""
-    return _BUILTIN_TEMPLATES.get(architecture)
+    """The template used for `architecture` (GGUF `general.architecture`, HF `model_type` or
+    `ModelConfig.architecture`) when the model ships none: its family's `chat_template`, or None."""
+    fam = named(architecture)
+    return None if fam is None else fam.chat_template
 
 
 class _GenerationBlock(jinja2.ext.Extension):

@@ -8,7 +8,8 @@ stop ids, and knows nothing of chat templates.
 
 Supported `tokenizer.ggml.model` values:
 - "llama": a SentencePiece vocabulary run as BPE with byte fallback; the merges are recovered from
-  the vocabulary (ranked by file position for the Gemma family, by score otherwise).
+  the vocabulary (ranked by file position where the architecture's family says so,
+  `GGUFFacts.vocab_by_position`: Gemma 3's; by score otherwise).
 - "gpt2": byte-level BPE with the file's merges.
 - "gemma4": Gemma 4's SentencePiece-style BPE (text spaces become U+2581, byte fallback, no space
   prefix) with the file's merges; llama.cpp's converter writes the vocabulary as `tokenizer.json`
@@ -24,6 +25,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as Backend
 
 from freetoken.errors import ModelLoadError
+from freetoken.families import find_gguf
 
 # llama.cpp's token types (gguf.TokenType).
 TOKEN_NORMAL = 1
@@ -34,10 +36,6 @@ TOKEN_UNUSED = 5
 TOKEN_BYTE = 6
 
 SPIECE_SPACE = "\u2581"
-
-# Architectures whose SentencePiece vocabulary is laid out in merge order: the file position, not the
-# score, ranks the merges, and runs of spaces are stored as real spaces.
-_POSITION_RANKED_ARCHS = frozenset({"gemma", "gemma2", "gemma3", "gemma3n", "gemma-embedding"})
 
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -112,8 +110,9 @@ def merges_from_vocab(tokens: Sequence[str], priority: Sequence[float]) -> list[
 
 def _spm_backend(metadata: dict[str, object], file_tokens: list[str]) -> Backend:
     tokens = file_tokens
-    architecture = str(metadata.get("general.architecture", ""))
-    position_ranked = architecture in _POSITION_RANKED_ARCHS
+    # a family whose vocabulary is laid out in merge order (families/base.py, `vocab_by_position`)
+    facts = find_gguf(str(metadata.get("general.architecture", "")))
+    position_ranked = facts is not None and facts.vocab_by_position
     if position_ranked:
         # Runs of spaces are stored as real spaces, but the normalizer turns text spaces into U+2581.
         tokens = [SPIECE_SPACE * len(t) if t and t == " " * len(t) else t for t in tokens]

@@ -32,4 +32,4 @@ def test_a_second_request_hits_the_whole_prompt_while_the_first_decodes(tiny_lla
     engine.step()  # a's prefill (and its first token)
     engine.add_request(Request("b", prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)))
     engine.step()
-    assert engine.requests["b"].cached_tokens == 36  # floor_to_page(37 - 1) with pages of 4
+    assert engine.requests["b"].report.cached_tokens == 36  # floor_to_page(37 - 1) with pages of 4

@@ -142,7 +142,7 @@ def assert_key_step(run: SeedRun, *, head_pages: int, page_size: int, head_live:
     assert s, "B never committed before its finish: the key step was not reached"
     assert not s["b_has_output"], "B's first commit must be a prefill chunk (its own prompt), not its finish"
     assert s["a_running"] and s["a_prompt_done"], "B's chunk must share the step of A's last prefill chunk"
-    assert s["b_cached_len"] == b_hit and run.b.cached_tokens == b_hit, s
+    assert s["b_cached_len"] == b_hit and run.b.report.cached_tokens == b_hit, s
     assert s["head_in_tree"] and s["a_holds_head"], s
     assert s["head_swa_live"] == [head_live] * head_pages, s
     assert s["committed"] > head_pages * page_size, "B's commit must reach past the head into B's own prompt"
@@ -218,7 +218,7 @@ def test_seed_two_short_prompts(tiny_gemma):
 def test_seed_with_naive_cache(tiny_gemma):
     engine = engine_for(tiny_gemma, cache_type="naive")
     run = run_overlap(engine, B_PROMPT, 4)
-    assert run.b_tokens_while_a_ran >= 2 and run.b.cached_tokens == 0
+    assert run.b_tokens_while_a_ran >= 2 and run.b.report.cached_tokens == 0
     balanced_at_idle(engine)
 
 

@@ -195,8 +195,8 @@ def test_who_drafts(tiny_gemma, make_llm):
         engine.add_request(req)
     while engine.has_work():
         engine.step()
-    assert reqs["plain"].drafted_tokens > 0
-    assert all(reqs[k].drafted_tokens == 0 for k in cases if k != "plain"), {k: r.drafted_tokens for k, r in reqs.items()}
+    assert reqs["plain"].report.drafted_tokens > 0
+    assert all(reqs[k].report.drafted_tokens == 0 for k in cases if k != "plain"), {k: r.report for k, r in reqs.items()}
 
 
 def test_random_traffic_with_speculation_keeps_the_audit(tiny_gemma):
@@ -229,18 +229,19 @@ def test_request_update_reports_drafted_and_accepted(tiny_gemma):
         for upd in engine.step():
             last = upd
     assert last is not None and last.finished
-    assert (last.drafted_tokens, last.accepted_tokens) == (req.drafted_tokens, req.accepted_tokens)
-    assert req.accepted_tokens > 0
-    assert engine.drafted_tokens == req.drafted_tokens
+    report = req.report
+    assert (last.report.drafted_tokens, last.report.accepted_tokens) == (report.drafted_tokens, report.accepted_tokens)
+    assert report.accepted_tokens > 0
+    assert engine.drafted_tokens == report.drafted_tokens
     status = engine.status()["speculative"]
-    assert status == {"method": "ngram", "drafted_tokens": req.drafted_tokens, "accepted_tokens": req.accepted_tokens}
+    assert status == {"method": "ngram", "drafted_tokens": report.drafted_tokens, "accepted_tokens": report.accepted_tokens}
     from freetoken.server.operations.metrics import Metrics
 
     metrics = Metrics()
     metrics.update_engine(up=True, restarts=0, in_flight=0, status=engine.status())
     text = metrics.render().decode()
-    assert f"freetoken_spec_drafted_tokens {float(req.drafted_tokens)}" in text
-    assert f"freetoken_spec_acceptance_rate {req.accepted_tokens / req.drafted_tokens}" in text
+    assert f"freetoken_spec_drafted_tokens {float(report.drafted_tokens)}" in text
+    assert f"freetoken_spec_acceptance_rate {report.accepted_tokens / report.drafted_tokens}" in text
 
 
 def test_offline_outputs_report_drafted_and_accepted(tiny_gemma, make_llm):

@@ -422,7 +422,7 @@ def test_a_chained_prompt_reuses_the_sampled_ids(tmp_path: Any, template: str) -
 
     from freetoken.server.responses.prompt import build_prompt
     from freetoken.tokenizer import Tokenizer
-    from freetoken.tokenizer.chat_template import GEMMA3_CHAT_TEMPLATE
+    from freetoken.families.gemma3 import CHAT_TEMPLATE as GEMMA3_CHAT_TEMPLATE
     from freetoken.tokenizer.testing import write_tiny_tokenizer
 
     tokenizer = Tokenizer.from_pretrained_dir(write_tiny_tokenizer(tmp_path))

@@ -31,7 +31,6 @@ import json
 import threading
 from typing import Any
 
-import httpx
 import pytest
 from serving import ServeProcess
 

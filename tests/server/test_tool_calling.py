@@ -15,7 +15,7 @@ from serving import ServeProcess
 
 from freetoken.server.core.tool_messages import prepare_messages, template_support
 from freetoken.tokenizer import Tokenizer
-from freetoken.tokenizer.chat_template import GEMMA3_CHAT_TEMPLATE
+from freetoken.families.gemma3 import CHAT_TEMPLATE as GEMMA3_CHAT_TEMPLATE
 from freetoken.tokenizer.tool_parsers import make_tool_parser
 
 MODEL = "tiny-gemma"

@@ -1,7 +1,8 @@
 """The model families' facts stay in their modules (freetoken/families/, docs/architecture.md,
 "Adding a model family"): the generic modules that read them name no family, every family the
 models know has facts and a model, each family's GGUF facts are ones the weights package can act
-on, and the whole package imports without torch (the API process reads it)."""
+on, its tool parser, template and split are ones the tokenizer and the shard plan know, and the
+whole package imports without torch (the API process reads it)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import freetoken
-from freetoken.families import all_families, by_model_type, find_gguf, gguf_architectures
+from freetoken.families import all_families, by_model_type, find_gguf, gguf_architectures, named
 from freetoken.families.base import (
     EXPERTS_TRANSPOSE,
     INTERLEAVE,
@@ -27,6 +28,8 @@ from freetoken.families.base import (
     NORM_MINUS_ONE,
     ONE_ROW,
     ROWS,
+    SPLIT_EXPERTS,
+    SPLIT_WIDTH,
     UNPERMUTE_K_ROWS,
     UNPERMUTE_Q_ROWS,
 )
@@ -40,17 +43,22 @@ GENERIC = (
     "weights/names.py",
     "server/preflight.py",
     "models/config.py",
+    "models/shard.py",  # the family's `tensor_parallel`
+    "tokenizer/chat_template.py",  # its `chat_template`
+    "tokenizer/tool_parsers/registry.py",  # its `tool_parser`
 )
+
+# Modules that read a GGUF vocabulary, and llama.cpp's names of vocabularies in them that are also a
+# family's name: `tokenizer.ggml.model` "llama" (SentencePiece) and "gemma4", `tokenizer.ggml.pre`
+# "qwen2". A file of any architecture may carry them; an architecture is looked up (the family's
+# `gguf.vocab_by_position`).
+VOCABULARY_READERS = ("tokenizer/gguf_vocab.py", "tokenizer/tokenizer.py")
+VOCABULARY_NAMES = frozenset({"llama", "gemma4", "qwen2"})
 
 
 def family_words() -> set[str]:
     """Every name a family goes by: its own, its config.json model_types, its GGUF architecture."""
-    words = set()
-    for fam in all_families():
-        words |= {fam.name, *fam.model_types}
-        if fam.gguf is not None:
-            words.add(fam.gguf.arch)
-    return words
+    return {name for fam in all_families() for name in fam.names}
 
 
 def family_literals(source: str, words: set[str]) -> list[str]:
@@ -79,6 +87,11 @@ def test_the_generic_modules_name_no_family(path: str) -> None:
     assert family_literals((ROOT / path).read_text(), family_words()) == []
 
 
+@pytest.mark.parametrize("path", VOCABULARY_READERS)
+def test_the_vocabulary_readers_name_no_architecture(path: str) -> None:
+    assert family_literals((ROOT / path).read_text(), family_words() - VOCABULARY_NAMES) == []
+
+
 def test_the_literal_check_finds_a_leak() -> None:
     """Negative control: what the modules held before the families had their own modules."""
     source = '''"""Reads gemma3 files."""
@@ -92,6 +105,12 @@ def f(arch):
     assert family_literals(source, family_words()) == [
         "2: 'gemma3'", "2: 'gpt-oss'", "5: 'llama'", "6: '.qwen3moe.key'"
     ]
+    # what gguf_vocab.py held before `vocab_by_position`: an architecture is found beside a vocabulary name
+    vocab = '''_POSITION_RANKED = frozenset({"gemma", "gemma3"})
+if kind == "llama":
+    pass
+'''
+    assert family_literals(vocab, family_words() - VOCABULARY_NAMES) == ["1: 'gemma3'"]
 
 
 def test_every_family_has_a_model_and_every_model_a_family() -> None:
@@ -102,6 +121,31 @@ def test_every_family_has_a_model_and_every_model_a_family() -> None:
     assert sorted(MODELS) == sorted(names) == sorted(ARCHITECTURES)
     assert sorted(CONFIG_READERS) == sorted(t for f in all_families() for t in f.model_types)
     assert {by_model_type(t).name for t in CONFIG_READERS} == set(names)  # type: ignore[union-attr]
+
+
+def test_every_name_finds_its_family() -> None:
+    for fam in all_families():
+        assert fam.names[0] == fam.name and set(fam.model_types) <= set(fam.names)
+        for name in fam.names:
+            assert named(name) is fam
+    assert named("mamba") is None
+
+
+def test_each_family_names_only_what_the_tokenizer_and_the_shard_plan_know() -> None:
+    """A family's tool parser is one `--tool-call-parser` takes, its built-in chat template
+    compiles, and its split is one `models/shard.py` does (or None: no plan)."""
+    from freetoken.tokenizer.chat_template import ChatTemplate, builtin_chat_template
+    from freetoken.tokenizer.tool_parsers import TOOL_PARSERS, detect_tool_parser
+
+    for fam in all_families():
+        assert fam.tensor_parallel in (SPLIT_WIDTH, SPLIT_EXPERTS, None), fam.name
+        assert fam.tool_parser is None or fam.tool_parser in TOOL_PARSERS, fam.name
+        if fam.chat_template is not None:
+            ChatTemplate(fam.chat_template)
+        for name in fam.names:
+            assert builtin_chat_template(name) == fam.chat_template
+            chosen = detect_tool_parser(chat_template=None, special_tokens=[], architecture=name)
+            assert chosen == (fam.tool_parser or "hermes"), (fam.name, name)
 
 
 def test_the_gguf_architectures_are_the_families() -> None:
@@ -124,6 +168,32 @@ def test_each_family_names_only_what_the_weights_package_does() -> None:
                    for rest in g.tensors)
         for rest in [*g.tensors, "output_norm.weight", "token_embd.weight"]:
             assert g.layout(rest) in layouts, (fam.name, rest)
+
+
+def borrowed_helpers(source: str, families: set[str]) -> list[str]:
+    """What `source` (a family's model file) imports from another family's model file other than
+    a class it builds on or a constant (a name that begins with a capital): a function, as
+    `line: module.name`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module is not None:
+            module = node.module.removeprefix("freetoken.models.")
+            if module in families:
+                found += [f"{node.lineno}: {module}.{a.name}" for a in node.names if not a.name[:1].isupper()]
+    return found
+
+
+def test_a_family_model_borrows_no_function_from_another() -> None:
+    """Shared model code lives in models/layers.py or models/experts.py, not in the first family
+    that needed it: a family's model file takes only classes (and constants) from another's."""
+    names = {f.name for f in all_families()}
+    models = [path for path in sorted((ROOT / "models").glob("*.py")) if path.stem in names]
+    assert len(models) >= 8  # a family may share another's file (Qwen3.5-MoE is in qwen3_5.py)
+    for path in models:
+        assert borrowed_helpers(path.read_text(), names) == [], path.name
+    # negative control: glm4_moe.py before rotate_partial_ moved to layers.py
+    source = "from freetoken.models.llama import LlamaBlock\nfrom freetoken.models.qwen3_5 import rotate_partial_\n"
+    assert borrowed_helpers(source, names) == ["2: qwen3_5.rotate_partial_"]
 
 
 def test_the_package_imports_no_torch() -> None:

@@ -3,7 +3,6 @@ collection no longer walks it) and garbage made before it is gone."""
 
 from __future__ import annotations
 
-import gc
 import subprocess
 import sys
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from freetoken.server.core.system_messages import fold_system_messages, renders_late_system
 from freetoken.tokenizer import Tokenizer
-from freetoken.tokenizer.chat_template import GEMMA3_CHAT_TEMPLATE
+from freetoken.families.gemma3 import CHAT_TEMPLATE as GEMMA3_CHAT_TEMPLATE
 from freetoken.tokenizer.testing import CHATML_TEMPLATE
 
 CONVERSATION: list[dict[str, Any]] = [

@@ -2,7 +2,8 @@
 
 Owns `TOOL_PARSERS` (the names `--tool-call-parser` accepts), `make_tool_parser` and
 `detect_tool_parser`, which reads the chat template and vocabulary first (a ChatML template is
-Hermes even on a Llama architecture, as SmolLM2 is) and the architecture second. No parsing here.
+Hermes even on a Llama architecture, as SmolLM2 is) and the model family's `tool_parser`
+(families/) second. No parsing here.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from freetoken.errors import ConfigError
+from freetoken.families import named
 from freetoken.tokenizer.tool_parsers.base import ToolParser
 from freetoken.tokenizer.tool_parsers.gemma import GemmaParser
 from freetoken.tokenizer.tool_parsers.gemma4 import Gemma4Parser
@@ -38,35 +40,19 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
 # (marker in the template or vocabulary, parser), first match wins: the formats that also write
 # `<tool_call>` (Qwen3-Coder / Qwen3.5's `<parameter=`, GLM's `<arg_key>`) come before Hermes.
 _MARKERS = (
-    ("<|channel|>", "harmony"),
-    ("<|tool_call>", "gemma4"),
-    ("<|turn>", "gemma4"),
-    ("[TOOL_CALLS]", "mistral"),
-    ("<arg_key>", "glm45"),
-    ("<parameter=", "qwen3_coder"),
-    ("<tool_call>", "hermes"),
-    ("<|im_start|>", "hermes"),
-    ("<start_of_turn>", "gemma"),
-    ("<|python_tag|>", "llama3_json"),
-    ("<|eot_id|>", "llama3_json"),
+    ("<|channel|>", HarmonyParser.name),
+    ("<|tool_call>", Gemma4Parser.name),
+    ("<|turn>", Gemma4Parser.name),
+    ("[TOOL_CALLS]", MistralParser.name),
+    ("<arg_key>", Glm45Parser.name),
+    ("<parameter=", Qwen3CoderParser.name),
+    ("<tool_call>", HermesParser.name),
+    ("<|im_start|>", HermesParser.name),
+    ("<start_of_turn>", GemmaParser.name),
+    ("<|python_tag|>", Llama3JsonParser.name),
+    ("<|eot_id|>", Llama3JsonParser.name),
 )
-_ARCHITECTURES = {
-    "gpt_oss": "harmony",
-    "gpt-oss": "harmony",
-    "gemma": "gemma",
-    "gemma2": "gemma",
-    "gemma3": "gemma",
-    "gemma3_text": "gemma",
-    "gemma4": "gemma4",
-    "gemma4_text": "gemma4",
-    "llama": "llama3_json",
-    "glm4_moe": "glm45",
-    "mistral": "mistral",
-    "mistral3": "mistral",
-    "qwen2": "hermes",
-    "qwen3": "hermes",
-}
-DEFAULT_PARSER = "hermes"
+DEFAULT_PARSER = HermesParser.name
 
 
 def make_tool_parser(
@@ -84,7 +70,8 @@ def make_tool_parser(
 
 
 def detect_tool_parser(*, chat_template: str | None, special_tokens: Iterable[str], architecture: str | None) -> str:
-    """The parser name for a model: template markers, then special tokens, then architecture."""
+    """The parser name for a model: template markers, then special tokens, then the family's
+    `tool_parser` (`architecture`: any name the family goes by, families/), then Hermes."""
     template = chat_template or ""
     for marker, name in _MARKERS:
         if marker in template:
@@ -93,4 +80,5 @@ def detect_tool_parser(*, chat_template: str | None, special_tokens: Iterable[st
     for marker, name in _MARKERS:
         if marker in vocab:
             return name
-    return _ARCHITECTURES.get(architecture or "", DEFAULT_PARSER)
+    fam = named(architecture) if architecture else None
+    return fam.tool_parser if fam is not None and fam.tool_parser is not None else DEFAULT_PARSER

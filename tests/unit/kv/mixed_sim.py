@@ -331,7 +331,7 @@ class MixedDriver:
                 want = reference(req.prompt_ids, req.params.max_tokens, req.params.reasoning_budget)
                 assert req.output_ids == want, (
                     f"{rid}: output {req.output_ids} is not the model's greedy continuation {want} "
-                    f"(drafted {req.drafted_tokens}, preempted {req.preemptions})")
+                    f"(drafted {req.report.drafted_tokens}, preempted {req.preemptions})")
                 self.checked += 1
 
     def _no_starvation(self, schedule: Callable[[], list], preempt: Callable[[Request], None],

@@ -20,7 +20,7 @@ def test_seed_row_is_clean_and_reaches_the_key_step(row: Row) -> None:
     assert facts.b is not None and len(facts.b.output_ids) == row.b_max
     assert len(facts.a.output_ids) == row.a_max
     assert facts.head_tombstoned_and_held, "A's shared head must be a tombstone A holds"
-    assert facts.b.cached_tokens == 0, "the window rule must refuse B's tombstoned head"
+    assert facts.b.report.cached_tokens == 0, "the window rule must refuse B's tombstoned head"
     assert facts.b_decodes_beside_a >= 2, "B must decode at least two tokens beside A"
     if row.key_step:
         assert facts.kv.counts[KEY_STEP] >= 1, "B's pages must be committed beneath A's tombstone"

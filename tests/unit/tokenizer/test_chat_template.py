@@ -9,11 +9,8 @@ import pytest
 
 from freetoken.errors import FreeTokenError
 from freetoken.tokenizer import ChatTemplateError, NoChatTemplate, Tokenizer
-from freetoken.tokenizer.chat_template import (
-    GEMMA3_CHAT_TEMPLATE,
-    ChatTemplate,
-    builtin_chat_template,
-)
+from freetoken.families.gemma3 import CHAT_TEMPLATE as GEMMA3_CHAT_TEMPLATE
+from freetoken.tokenizer.chat_template import ChatTemplate, builtin_chat_template
 
 CONVERSATION = [
     {"role": "system", "content": "You are terse."},

@@ -10,7 +10,7 @@ from tokenizers import processors
 
 from freetoken.errors import ModelLoadError
 from freetoken.tokenizer import NoChatTemplate, Tokenizer
-from freetoken.tokenizer.chat_template import GEMMA3_CHAT_TEMPLATE
+from freetoken.families.gemma3 import CHAT_TEMPLATE as GEMMA3_CHAT_TEMPLATE
 from freetoken.tokenizer.testing import CHATML_TEMPLATE, write_tiny_tokenizer
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from freetoken.errors import ModelLoadError
 from freetoken.tokenizer import Tokenizer
-from freetoken.tokenizer.chat_template import GEMMA3_CHAT_TEMPLATE
+from freetoken.families.gemma3 import CHAT_TEMPLATE as GEMMA3_CHAT_TEMPLATE
 from freetoken.tokenizer.gguf_vocab import merges_from_vocab
 
 

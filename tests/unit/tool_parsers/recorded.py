@@ -81,7 +81,7 @@ GEMMA4: list[Case] = [
     ("Use <|tool> tags or a < b <|x.", "Use <|tool> tags or a < b <|x.", "", []),
 ]
 GEMMA4_MALFORMED: list[str] = [
-    f"<|tool_call>call:launch_rockets{{now:true}}<tool_call|>",  # unknown tool
+    "<|tool_call>call:launch_rockets{now:true}<tool_call|>",  # unknown tool
     f"<|tool_call>get_weather{{city:{Q}Paris{Q}}}<tool_call|>",  # no call: prefix
     '<|tool_call>call:get_weather(city="Paris")<tool_call|>',  # no arguments object
     "<|tool_call>call:",  # cut off before the name

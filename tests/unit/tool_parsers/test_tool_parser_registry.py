@@ -6,7 +6,7 @@ import pytest
 
 from freetoken.errors import ConfigError
 from freetoken.tokenizer.testing import CHATML_TEMPLATE
-from freetoken.tokenizer.chat_template import GEMMA3_CHAT_TEMPLATE
+from freetoken.families.gemma3 import CHAT_TEMPLATE as GEMMA3_CHAT_TEMPLATE
 from freetoken.tokenizer.tool_parsers import TOOL_PARSERS, detect_tool_parser, make_tool_parser
 
 
@@ -39,7 +39,7 @@ def test_names() -> None:
         (None, [], "glm4_moe", "glm45"),
         ("{{ '[AVAILABLE_TOOLS]' }}{{ '[TOOL_CALLS]' }}", [], "llama", "mistral"),
         (None, ["[INST]", "[TOOL_CALLS]"], "llama", "mistral"),
-        (None, [], "mistral3", "mistral"),
+        (None, [], "mistral", "mistral"),  # by the family (a name it goes by: the server sends ModelConfig.architecture)
     ],
 )
 def test_detect(template: str | None, special: list[str], arch: str, expected: str) -> None:
