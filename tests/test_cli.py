@@ -122,3 +122,39 @@ def test_serve_takes_the_model_as_its_argument_too() -> None:
     assert out.returncode == 2 and "'a.gguf'" in out.stderr and "--model 'b.gguf'" in out.stderr, out.stderr
     out = ft("serve", "Qwen/Qwen3-8B-GGUF", timeout=60)  # the positional form reaches the same model checks
     assert out.returncode == 1 and "looks like a Hugging Face id" in out.stderr, out.stderr
+
+
+def test_generate_writes_each_piece_before_the_next_is_decoded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ft generate` streams: every piece is written and flushed to stdout before the engine is
+    asked for the next one (the pieces come from a stand-in LLM whose stream records each request)."""
+    import freetoken.llm
+    from freetoken.cli import main
+
+    events: list[str] = []
+
+    class StubLLM:
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            pass
+
+        def stream(self, prompt: str, params: object):  # noqa: ANN201
+            for piece in ("Once", " upon", " a time"):
+                events.append(f"decode {piece!r}")
+                yield piece
+
+    class Recorder:
+        def write(self, text: str) -> int:
+            events.append(f"write {text!r}")
+            return len(text)
+
+        def flush(self) -> None:
+            events.append("flush")
+
+    monkeypatch.setattr(freetoken.llm, "LLM", StubLLM)
+    monkeypatch.setattr(sys, "stdout", Recorder())
+    assert main(["generate", "--model", "unused", "hello"]) in (0, None)
+    assert events == [
+        "decode 'Once'", "write 'Once'", "flush",
+        "decode ' upon'", "write ' upon'", "flush",
+        "decode ' a time'", "write ' a time'", "flush",
+        "write '\\n'", "flush",
+    ]  # fmt: skip
