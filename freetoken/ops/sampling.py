@@ -1,7 +1,8 @@
 """The sampler's whole-row passes as one op: temperature applied in place, each row's maximum,
 the log of its softmax normaliser and the maxima of its blocks of logits; and a temperature-only
 draw's softmax weights in place with their block sums. The C++ code of csrc/sampling.cpp on CPU
-for float32 rows; torch's ops elsewhere (other devices, no extension).
+for float32 rows; torch's ops elsewhere (other devices, no extension). Also the kernel's deep cut
+of a flat row (`deep_cut`), which has no torch form here: None tells the sampler to take its own.
 
 Owns the choice. Both paths divide by the temperature (IEEE division, as `div_`), so the scaled
 logits and every maximum are the same bit for bit; the normaliser differs by float32 summation
@@ -79,3 +80,24 @@ def exp_block_sums_(x: torch.Tensor, row_max: torch.Tensor, block: int) -> torch
     blocks = -(-vocab // block)
     padded = torch.nn.functional.pad(x, (0, blocks * block - vocab)) if vocab % block else x
     return padded.reshape(n, blocks, block).sum(dim=-1)
+
+
+def deep_cut(
+    row: torch.Tensor, row_max: float, log_mass: float, top_k: int, top_p: float, min_p: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The kept ids (ascending) [m] long and renormalised probabilities [m] float64 of one row
+    [V] float32 under top-k (>= V: off), top-p (mass relative to the whole row: exp(x - row_max -
+    log_mass)) and min-p, as the full-sort filter keeps them (ties by ascending id), in three passes
+    over the row and a sort of one bucket of it (csrc/sampling.cpp). None where the kernel does not
+    run (no extension, another device or dtype) or declines the row (a NaN in it, a non-finite
+    max): the sampler's torch path decides those."""
+    if (
+        _KERNEL is None
+        or row.device.type != "cpu"
+        or row.dtype != torch.float32
+        or row.dim() != 1
+        or not row.is_contiguous()
+    ):
+        return None
+    ids, probs = _KERNEL.deep_cut(row, row_max, log_mass, top_k, top_p, min_p)
+    return (ids, probs) if len(ids) else None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -86,3 +88,63 @@ def test_exp_block_sums_match_torch(vocab: int, monkeypatch: pytest.MonkeyPatch)
     want = padded.view(3, blocks, 1024).sum(dim=-1)
     torch.testing.assert_close(sums.double(), want, rtol=1e-5, atol=1e-30)
     torch.testing.assert_close(t_sums.double(), want, rtol=1e-5, atol=1e-30)
+
+
+def full_sort_cut(x: torch.Tensor, log_mass: float, top_p: float, min_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The filter the deep cut computes, by a float64 sort of the whole row: rank by logit (ties by
+    ascending id), keep rank r while the mass before it (exp(x - max - log_mass)) is < top_p (1: off)
+    and exp(x - max) >= min_p; rank 0 always. Kept ids ascending, their renormalised probabilities."""
+    vals, order = x.double().sort(descending=True, stable=True)
+    rel = (vals - vals[0]).exp()
+    before = torch.cat([torch.zeros(1, dtype=torch.float64), (rel * math.exp(-log_mass)).cumsum(0)[:-1]])
+    keep = ((before < top_p) | (top_p >= 1.0)) & (rel >= min_p)
+    keep[0] = True
+    m = int(keep.long().cumprod(0).sum())  # the filters keep a prefix of the ranks
+    ids, by_id = order[:m].sort()
+    return ids, (rel[:m] / rel[:m].sum())[by_id]
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 300, 4097])
+def test_deep_cut_is_the_full_sort_cut_on_both_paths(vocab: int) -> None:
+    """The kernel's deep cut (AVX-512 and plain) against a float64 sort of the row: short rows and
+    rows off the vector width, tie groups (bfloat16), -inf tokens, top_p and min_p alone and
+    together. Probabilities to float64 rounding (relative 1e-12)."""
+    g = torch.Generator().manual_seed(vocab)
+    rows = [torch.randn(vocab, generator=g) * 0.5, (torch.randn(vocab, generator=g) * 3).bfloat16().float()]
+    masked = torch.randn(vocab, generator=g)
+    masked[1::3] = float("-inf")
+    rows.append(masked)
+    for x in rows:
+        m = float(x.max())
+        log_mass = float(torch.logsumexp(x.double() - m, 0))
+        for top_p, min_p in ((0.9, 0.0), (0.3, 0.0), (1.0, 0.05), (0.95, 0.02), (0.6, 0.5), (1.0, 0.0)):
+            want_ids, want_probs = full_sort_cut(x, log_mass, top_p, min_p)
+            for simd in (True, False):
+                ids, probs = sampling._KERNEL.deep_cut(x, m, log_mass, vocab, top_p, min_p, simd)
+                assert torch.equal(ids, want_ids), (top_p, min_p, simd, ids.tolist()[:10], want_ids.tolist()[:10])
+                torch.testing.assert_close(probs, want_probs, rtol=1e-12, atol=0)
+
+
+def test_deep_cut_declines_what_it_does_not_decide() -> None:
+    """A NaN, a logit above the given max, a non-finite max or normaliser, top_k on (the deep cut
+    serves rows without it): two empty tensors from the kernel, None from the op, and the
+    sampler's torch path decides. So do other dtypes and strided rows."""
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    m = float(x.max())
+    log_mass = float(torch.logsumexp(x.double() - m, 0))
+    nan = x.clone()
+    nan[17] = float("nan")
+    assert sampling.deep_cut(x, m, log_mass, 1000, 0.9, 0.0) is not None
+    for args in [
+        (nan, m, log_mass, 1000, 0.9, 0.0),
+        (nan, m, 0.0, 1000, 1.0, 0.05),
+        (x, m - 0.5, log_mass, 1000, 0.9, 0.0),
+        (x, float("inf"), log_mass, 1000, 0.9, 0.0),
+        (x, m, float("nan"), 1000, 0.9, 0.0),
+        (x, m, log_mass, 999, 0.9, 0.0),
+    ]:
+        assert sampling.deep_cut(*args) is None
+        ids, probs = sampling._KERNEL.deep_cut(*args, False)
+        assert ids.numel() == probs.numel() == 0
+    assert sampling.deep_cut(x.double(), m, log_mass, 1000, 0.9, 0.0) is None
+    assert sampling.deep_cut(torch.randn(2000)[::2], m, log_mass, 1000, 0.9, 0.0) is None
