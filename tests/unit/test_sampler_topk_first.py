@@ -4,21 +4,52 @@ A small reference implementation of the old filter (sort the whole row, softmax,
 in float64 and with a stable sort (equal logits ranked by ascending id, the rule the sampler
 documents). Where a cut sits within a relative 1e-5 of top_p or min_p (float32 rounding decides
 such knife edges, in the old filter as in the new), either side of the edge is accepted.
+
+A row whose cut lies past its topk takes the deep cut, in the C++ kernel where it is built
+(`ops.sampling.deep_cut`) and in torch ops otherwise: the tests that reach it run both paths
+(`deep_cut_path`), each against the reference, and the two against each other.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
+from collections.abc import Iterator
+from unittest import mock
 
+import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from freetoken.engine import sampler
 from freetoken.engine.sampler import _penalize, filtered_distribution, sample
+from freetoken.ops import sampling
 from freetoken.request import Request, SamplingParams
 
 TOL = 1e-5
+PATHS = [
+    pytest.param("native", marks=pytest.mark.skipif(sampling._KERNEL is None, reason="C++ sampler passes not built")),
+    "torch",
+]
+
+
+@contextlib.contextmanager
+def deep_cut_path(path: str) -> Iterator[dict[str, int]]:
+    """The sampler's deep cut through the kernel ("native") or its torch ops ("torch"). Yields a
+    count of the rows the kernel decided, so that a test can show it ran (a kernel declining every
+    row would otherwise pass for the torch path twice)."""
+    decided = {"rows": 0}
+    kernel = sampler.deep_cut
+
+    def counted(*args):
+        out = kernel(*args)
+        decided["rows"] += out is not None
+        return out
+
+    with mock.patch.object(sampler, "deep_cut", counted if path == "native" else (lambda *args: None)):
+        yield decided
 
 
 def reference_cut(row: torch.Tensor, top_k: int, top_p: float, min_p: float) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -38,17 +69,32 @@ def support(ids: torch.Tensor, probs: torch.Tensor) -> dict[int, float]:
     return {int(i): float(q) for i, q in zip(ids, probs) if q > 0}
 
 
+def positive(ids: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (ids, probabilities) of the tokens with probability > 0, by ascending id."""
+    keep = probs > 0
+    ids, by_id = ids[keep].sort()
+    return ids, probs[keep][by_id]
+
+
+def assert_full_sort_row(row: torch.Tensor, p: SamplingParams, ids: torch.Tensor, probs: torch.Tensor) -> None:
+    """One row's kept tokens (probability > 0, ascending ids) and probabilities are the full sort's,
+    with either side of a knife edge within TOL accepted."""
+    got_ids, got_probs = positive(ids, probs)
+    assert bool((ids[probs > 0].diff() > 0).all()), "kept ids not ascending"
+    vals, order, lo = reference_cut(row, p.top_k, p.top_p * (1 - TOL), min(1.0, p.min_p * (1 + TOL)))
+    _, _, hi = reference_cut(row, p.top_k, p.top_p * (1 + TOL), p.min_p * (1 - TOL))
+    for m in range(lo, hi + 1):
+        want_ids, want_probs = positive(order[:m], vals[:m].softmax(dim=-1))
+        if torch.equal(got_ids, want_ids):
+            torch.testing.assert_close(got_probs, want_probs, rtol=1e-9, atol=1e-12)
+            return
+    raise AssertionError(f"{p}: kept {len(got_ids)} tokens {got_ids[:8].tolist()}..., the full sort keeps {lo}-{hi}")
+
+
 def assert_full_sort_distribution(logits: torch.Tensor, params: list[SamplingParams], start_k: int) -> None:
     ids, probs = filtered_distribution(logits.clone(), params, start_k=start_k)
     for r, p in enumerate(params):
-        got = support(ids[r], probs[r])
-        vals, order, lo = reference_cut(logits[r], p.top_k, p.top_p * (1 - TOL), min(1.0, p.min_p * (1 + TOL)))
-        _, _, hi = reference_cut(logits[r], p.top_k, p.top_p * (1 + TOL), p.min_p * (1 - TOL))
-        candidates = [support(order[:m], vals[:m].softmax(dim=-1)) for m in range(lo, hi + 1)]
-        match = [c for c in candidates if c.keys() == got.keys()]
-        assert match, f"row {r} {p}: kept {sorted(got)}, full sort keeps one of {[sorted(c) for c in candidates]}"
-        for t, q in got.items():
-            assert math.isclose(q, match[0][t], rel_tol=1e-9, abs_tol=1e-12), (t, q, match[0][t])
+        assert_full_sort_row(logits[r], p, ids[r], probs[r])
 
 
 def filters(vocab: int) -> st.SearchStrategy[SamplingParams]:
@@ -79,30 +125,176 @@ def batches(draw: st.DrawFn) -> tuple[torch.Tensor, list[SamplingParams], int]:
     return torch.tensor(values, dtype=torch.float32), params, draw(st.sampled_from([1, 2, 3, 256]))
 
 
+@pytest.mark.parametrize("path", PATHS)
 @settings(max_examples=400, deadline=None)
 @given(batch=batches())
-def test_top_k_first_is_the_full_sort_filter(batch: tuple[torch.Tensor, list[SamplingParams], int]) -> None:
+def test_top_k_first_is_the_full_sort_filter(path: str, batch: tuple[torch.Tensor, list[SamplingParams], int]) -> None:
     logits, params, start_k = batch
-    assert_full_sort_distribution(logits, params, start_k)
+    with deep_cut_path(path):
+        assert_full_sort_distribution(logits, params, start_k)
 
 
-def test_deep_cuts_and_tie_groups_past_the_first_topk() -> None:
+@pytest.mark.parametrize("path", PATHS)
+def test_deep_cuts_and_tie_groups_past_the_first_topk(path: str) -> None:
     g = torch.Generator().manual_seed(0)
     vocab = 8192  # 128 blocks of 64
     flat = torch.randn(3, vocab, generator=g)  # top_p 0.9 keeps thousands of tokens: past any topk
     ties = (torch.randn(3, vocab, generator=g) * 4).bfloat16().float()  # bf16 rounding: tie groups
-    for logits in (flat, ties):
-        for params in [
-            SamplingParams(top_p=0.9),
-            SamplingParams(top_p=0.999),
-            SamplingParams(min_p=0.05),
-            SamplingParams(min_p=0.3, top_p=0.95),
-            SamplingParams(top_k=40),
-            SamplingParams(top_k=40, top_p=0.5, min_p=0.01),
-            SamplingParams(top_k=vocab * 2, top_p=0.7),
-        ]:
-            for start_k in (4, 256):
-                assert_full_sort_distribution(logits, [params, SamplingParams(top_k=3), params], start_k)
+    with deep_cut_path(path) as decided:
+        for logits in (flat, ties):
+            for params in [
+                SamplingParams(top_p=0.9),
+                SamplingParams(top_p=0.999),
+                SamplingParams(min_p=0.05),
+                SamplingParams(min_p=0.3, top_p=0.95),
+                SamplingParams(top_k=40),
+                SamplingParams(top_k=40, top_p=0.5, min_p=0.01),
+                SamplingParams(top_k=vocab * 2, top_p=0.7),
+            ]:
+                for start_k in (4, 256):
+                    assert_full_sort_distribution(logits, [params, SamplingParams(top_k=3), params], start_k)
+    assert path == "torch" or decided["rows"] >= 20
+
+
+def flat_rows(vocab: int, seed: int) -> torch.Tensor:
+    """[3, V]: a random-weight model's row (flat: top_p 0.95 keeps ~90% of it), a wider one, and
+    one rounded to bfloat16 as a model emits it (long runs of equal logits)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([
+        torch.randn(vocab, generator=g) * 0.4,
+        torch.randn(vocab, generator=g) * 2.5,
+        (torch.randn(vocab, generator=g) * 3).bfloat16().float(),
+    ])
+
+
+DEEP_PARAMS = [
+    SamplingParams(top_p=0.95),
+    SamplingParams(top_p=0.5),
+    SamplingParams(min_p=0.05),
+    SamplingParams(top_p=0.95, min_p=0.01),
+    SamplingParams(top_p=0.9, min_p=0.3),
+]
+
+
+@pytest.mark.parametrize("vocab", [49_152, 262_144])
+@pytest.mark.parametrize("path", PATHS)
+def test_flat_rows_at_real_vocabularies(path: str, vocab: int) -> None:
+    """SmolLM2's and Gemma's vocabularies, flat rows whose cut lies thousands of tokens past any
+    topk: the batch, and each row alone (a batch of one comes back as the deep cut returned it)."""
+    rows = flat_rows(vocab, seed=vocab)
+    with deep_cut_path(path) as decided:
+        for p in DEEP_PARAMS:
+            ids, probs = filtered_distribution(rows.clone(), [p] * len(rows))
+            for r in range(len(rows)):
+                assert_full_sort_row(rows[r], p, ids[r], probs[r])
+            ids, probs = filtered_distribution(rows[:1].clone(), [p])
+            assert_full_sort_row(rows[0], p, ids[0], probs[0])
+    assert path == "torch" or decided["rows"] >= 12  # 14: the rest cut inside their topk
+
+
+@pytest.mark.parametrize("vocab", [4_096, 49_152])
+@pytest.mark.parametrize("path", PATHS)
+def test_a_tie_group_straddling_a_deep_cut_keeps_its_lowest_ids(path: str, vocab: int) -> None:
+    """Rows of three logit values at random positions: the cut falls inside a group of thousands of
+    equal logits, past any topk, and keeps that group's lowest ids, whatever else the row holds."""
+    g = torch.Generator().manual_seed(vocab)
+    level = torch.multinomial(torch.tensor([0.3, 0.3, 0.4]), vocab, replacement=True, generator=g)
+    row = torch.tensor([2.0, 1.0, -1.0])[level]  # [V]
+    mass = (row.double() - 2).exp()
+    mass /= mass.sum()
+    top, middle = (level == 0).nonzero()[:, 0], (level == 1).nonzero()[:, 0]  # ids ascending
+    p_top, p_middle = float(mass[top[0]]), float(mass[middle[0]])
+    cases = [  # (params, the ids the full sort keeps)
+        (SamplingParams(top_p=0.5), top[: math.ceil(0.5 / p_top)]),  # the crossing token stays
+        (SamplingParams(top_p=0.4, min_p=0.3), top[: math.ceil(0.4 / p_top)]),
+        (SamplingParams(top_p=0.9), None),  # into the middle group
+        (SamplingParams(min_p=0.3), torch.cat([top, middle]).sort().values),  # e^-1 >= 0.3 > e^-3
+    ]
+    head = float(mass[top].sum())
+    middle_kept = math.ceil((0.9 - head) / p_middle)
+    cases[2] = (cases[2][0], torch.cat([top, middle[:middle_kept]]).sort().values)
+    assert len(top) > 1000 and 0 < middle_kept < len(middle)
+    with deep_cut_path(path) as decided:
+        for params, want in cases:
+            ids, probs = filtered_distribution(row[None].clone(), [params])
+            got, _ = positive(ids[0], probs[0])
+            assert torch.equal(got, want), (params, len(got), len(want))
+            assert_full_sort_row(row, params, ids[0], probs[0])
+    assert path == "torch" or decided["rows"] == len(cases)
+
+
+def awkward_rows(vocab: int, seed: int) -> dict[str, torch.Tensor]:
+    """Rows a deep cut must get right beyond the flat ones: whole-number logits (a few huge tie
+    groups), a grammar mask (-inf on 70% of the row), logits spread past 64 below the max (the
+    kernel's last bucket), one token far above a flat rest, and every logit equal."""
+    g = torch.Generator().manual_seed(seed)
+    masked = torch.randn(vocab, generator=g)
+    masked[torch.rand(vocab, generator=g) < 0.7] = float("-inf")
+    spike = torch.randn(vocab, generator=g) * 0.3
+    spike[vocab // 3] = 30.0
+    return {
+        "integers": torch.randint(-3, 3, (vocab,), generator=g).float(),
+        "masked": masked,
+        "spread": torch.randn(vocab, generator=g) * 40,
+        "spike": spike,
+        "equal": torch.zeros(vocab),
+    }
+
+
+def one_row_filters(row: torch.Tensor, top_p: float, min_p: float) -> sampler._Filters:
+    top = row.max().double()
+    return sampler._Filters(
+        torch.tensor([len(row)]),
+        torch.tensor([top_p], dtype=torch.float64),
+        torch.tensor([min_p], dtype=torch.float64),
+        top[None],
+        torch.logsumexp(row.double() - top, 0)[None],
+    )
+
+
+@pytest.mark.skipif(sampling._KERNEL is None, reason="C++ sampler passes not built")
+@pytest.mark.parametrize("vocab", [4_097, 49_152, 262_144])
+def test_the_kernel_deep_cut_is_the_torch_deep_cut(vocab: int) -> None:
+    """Row for row, the kernel's kept ids equal the torch path's and its probabilities agree to
+    float64 rounding (relative 1e-12), on its AVX-512 path and its plain one; 4,097 leaves a short
+    last vector."""
+    rows = dict(zip(("flat", "wide", "bf16"), flat_rows(vocab, seed=vocab + 1)))
+    rows.update(awkward_rows(vocab, seed=vocab))
+    settings_ = [(0.95, 0.0), (0.5, 0.0), (0.999, 0.0), (1.0, 0.05), (0.95, 0.01), (0.9, 0.3), (1.0, 1e-300)]
+    if vocab > 100_000:  # the big rows: the flat ones and their usual settings
+        rows, settings_ = {k: rows[k] for k in ("flat", "bf16", "integers")}, settings_[:5]
+    for name, row in rows.items():
+        for top_p, min_p in settings_:
+            f = one_row_filters(row, top_p, min_p)
+            with deep_cut_path("torch"):
+                want_ids, want_probs = sampler._deep_cut(row, f)
+            for simd in (True, False):
+                ids, probs = sampling._KERNEL.deep_cut(row, float(f.row_max[0]), float(f.log_mass[0]), vocab, top_p, min_p, simd)
+                assert torch.equal(ids, want_ids), (name, top_p, min_p, simd, len(ids), len(want_ids))
+                torch.testing.assert_close(probs, want_probs, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_batch_of_flat_rows_skips_the_topk(path: str) -> None:
+    """When no k tokens of any row can hold its top_p mass (and min_p, if on, passes k block maxima)
+    every row goes straight to the deep cut; one row that may cut inside its topk sends the batch
+    through the topk as before. Either way the full sort's tokens."""
+    rows = flat_rows(8192, seed=5)[:1].repeat(2, 1)
+    peaked = rows[0].clone()
+    peaked[:32] += 15.0
+    ranked = sampler._ranked_topk
+    for params, batch, skips in [
+        ([SamplingParams(top_p=0.95)] * 2, rows, True),
+        ([SamplingParams(min_p=0.05), SamplingParams(top_p=0.9, min_p=0.01)], rows, True),
+        ([SamplingParams(min_p=0.9)] * 2, rows, False),  # min_p 0.9 keeps a few tokens
+        ([SamplingParams(top_p=0.95)] * 2, torch.stack([rows[0], peaked]), False),
+        ([SamplingParams(top_p=0.95), SamplingParams(top_p=0.95, top_k=4000)], rows, False),
+    ]:
+        with deep_cut_path(path), mock.patch.object(sampler, "_ranked_topk", side_effect=ranked) as topk:
+            ids, probs = filtered_distribution(batch.clone(), params)
+        assert topk.called != skips, params
+        for r, p in enumerate(params):
+            assert_full_sort_row(batch[r], p, ids[r], probs[r])
 
 
 def test_a_cut_through_equal_logits_keeps_the_lowest_ids() -> None:
