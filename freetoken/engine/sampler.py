@@ -35,6 +35,8 @@ from freetoken.request import Request, SamplingParams, TokenLogprob
 
 # (row maxima [R] float32, log normalisers [R] float64, block maxima [R, V / BLOCK] or None)
 RowStats = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+# a row decided past its topk -> (its kept ids ascending [m], their probabilities [m])
+Kept = dict[int, tuple[torch.Tensor, torch.Tensor]]
 
 # k of the topk for rows whose top_k is off: Gemma 3's rows keep 1-85 tokens at temperature 0.8,
 # top_p 0.95 (benchmarks/sampler_bench.py --gguf); a row whose cut lies deeper takes the exact
@@ -276,7 +278,7 @@ def _past_topk(params: list[SamplingParams], vocab: int, f: _Filters, k: int, bl
 
 
 def _padded(
-    n: int, kept: dict[int, tuple[torch.Tensor, torch.Tensor]], ids: torch.Tensor | None, probs: torch.Tensor | None
+    n: int, kept: Kept, ids: torch.Tensor | None, probs: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """[S, W] ids and probabilities: row r's from `kept` where it has one, else from `ids`, `probs`
     [S, k] (the topk's rows); zeros past a row's own entries. One row comes back as it is."""
@@ -315,6 +317,16 @@ def filtered_distribution(
     # logits: [S, V] float32, temperature applied -> ids: [S, K] long, probs: [S, K] float64
     # (kept ids ascending; a row's entries past those it keeps have probability 0). `stats`: `row_stats_` of these
     # rows with the normaliser of every top_p row, when the caller has them.
+    ids, probs, kept = _filter_rows(logits, params, start_k, stats)
+    return _padded(len(logits), kept, ids, probs) if kept else (ids, probs)
+
+
+def _filter_rows(
+    logits: torch.Tensor, params: list[SamplingParams], start_k: int, stats: RowStats | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None, Kept]:
+    """`filtered_distribution` before its rows are padded into one tensor: the topk's [S, k] ids
+    and probabilities (None when it was skipped), and the rows decided past the topk on their own,
+    which replace those rows of the first two."""
     n, vocab = logits.shape
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64)
     row_max, log_mass, block_max = stats if stats is not None else row_stats_(logits, None, top_p < 1.0, BLOCK)
@@ -327,7 +339,7 @@ def filtered_distribution(
     )
     k = min(vocab, max(max(int(t) if t < vocab else start_k for t in f.top_k), 1))
     if k < vocab and _past_topk(params, vocab, f, k, block_max):
-        return _padded(n, {r: _deep_cut(logits[r], f.rows(slice(r, r + 1))) for r in range(n)}, None, None)
+        return None, None, {r: _deep_cut(logits[r], f.rows(slice(r, r + 1))) for r in range(n)}
     vals, ids = _ranked_topk(logits, k, block_max)  # [S, k]
     m, rel, closed = _cut(vals, f)
     last = (m - 1)[:, None]
@@ -337,14 +349,13 @@ def filtered_distribution(
     probs /= probs.sum(dim=-1, keepdim=True)
     ids, by_id = ids.masked_fill(probs == 0, vocab).sort(dim=-1)  # kept ids ascending, then the rest
     ids, probs = ids.clamp_(max=vocab - 1), probs.gather(1, by_id)
-    redo = (~done).nonzero()[:, 0].tolist()
-    if not redo:
-        return ids, probs
-    kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for r in redo:  # the k-th's group of equal logits runs past it, or the cut lies past the k-th
+    kept: Kept = {}
+    for r in (
+        (~done).nonzero()[:, 0].tolist()
+    ):  # the k-th's group of equal logits runs past it, or the cut lies past the k-th
         fr = f.rows(slice(r, r + 1))
         kept[r] = _cut_below(logits[r], float(vals[r, -1]), fr) if bool(closed[r]) else _deep_cut(logits[r], fr)
-    return _padded(n, kept, ids, probs)
+    return ids, probs, kept
 
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -399,11 +410,17 @@ def _draw(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -
         rows = logits if len(filtered) == n else logits[filtered]
         sel = slice(None) if len(filtered) == n else torch.tensor(filtered)
         stats = (row_max[sel], log_mass[sel], block_max[sel] if block_max is not None else None)
-        ids, probs = filtered_distribution(rows, [params[i] for i in filtered], stats=stats)
+        ids, probs, kept = _filter_rows(rows, [params[i] for i in filtered], START_K, stats)
+        uf = u[filtered]
         # the kept tokens come in token-id order: the draw is the one over the whole row
-        picks = _inverse_cdf(probs, u[filtered])
-        for i, tok in zip(filtered, ids.gather(1, picks[:, None])[:, 0].tolist()):
-            chosen[i] = tok
+        if ids is not None and probs is not None:
+            picks = _inverse_cdf(probs, uf)
+            for i, tok in zip(filtered, ids.gather(1, picks[:, None])[:, 0].tolist()):
+                chosen[i] = tok
+        # a row decided past its topk draws from its own tensors (tens of thousands of tokens on a
+        # flat row): the same pick as from its padded row, without a fresh [S, W] pair to pad into
+        for r, (row_ids, row_probs) in kept.items():
+            chosen[filtered[r]] = int(row_ids[_inverse_cdf(row_probs[None], uf[r : r + 1])[0]])
     if whole:
         rows = logits if len(whole) == n else logits[whole]
         maxima = row_max if len(whole) == n else row_max[whole]

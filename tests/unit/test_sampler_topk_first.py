@@ -24,7 +24,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from freetoken.engine import sampler
-from freetoken.engine.sampler import _penalize, filtered_distribution, sample
+from freetoken.engine.sampler import _inverse_cdf, _penalize, filtered_distribution, sample
 from freetoken.ops import sampling
 from freetoken.request import Request, SamplingParams
 
@@ -334,6 +334,31 @@ def test_draws_follow_the_filtered_distribution() -> None:
     assert set(tokens) == set(expected)
     chi2 = sum((tokens.count(t) - n * q) ** 2 / (n * q) for t, q in expected.items())
     assert chi2 < 25.0, chi2  # df <= 5; 25 is beyond the 0.9999 quantile
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_row_decided_past_its_topk_draws_what_its_padded_row_draws(path: str) -> None:
+    """`sample` draws a deep row from its own kept tensors, not from the padded batch
+    `filtered_distribution` returns: for the same uniform numbers, the same tokens. A batch of flat
+    rows (the topk skipped) and one mixing them with a peaked row and a top_k row."""
+    flat = flat_rows(8192, seed=9)
+    peaked = flat[0].clone()
+    peaked[:32] += 15.0
+    for logits, params in [
+        (flat, [SamplingParams(temperature=0.8, top_p=0.95), SamplingParams(min_p=0.05), SamplingParams(top_p=0.99)]),
+        (
+            torch.stack([flat[0], peaked, flat[2]]),
+            [SamplingParams(top_p=0.9), SamplingParams(top_p=0.9), SamplingParams(top_k=50, temperature=1.5)],
+        ),
+    ]:
+        for seed in range(5):
+            reqs = [req(p, seed=seed * 10 + i) for i, p in enumerate(params)]
+            with deep_cut_path(path):
+                got = sample(logits.clone(), reqs).token_ids
+                u = torch.stack([torch.rand((), generator=torch.Generator().manual_seed(seed * 10 + i)) for i in range(3)])
+                scaled = logits / torch.tensor([p.temperature for p in params])[:, None]
+                ids, probs = filtered_distribution(scaled, params)
+            assert got == ids.gather(1, _inverse_cdf(probs, u)[:, None])[:, 0].tolist()
 
 
 def test_greedy_rows_ignore_sampled_neighbours() -> None:
