@@ -6,6 +6,14 @@ It prints a markdown table; it changes no project code and asserts nothing.
 
     python benchmarks/sampler_bench.py                  # vocab 262,144, batch 1 and 16, 2 threads
     python benchmarks/sampler_bench.py --batches 16 --reps 21 --old-reps 3
+    python benchmarks/sampler_bench.py --flat --vocab 49152 --threads 1 --clock cpu
+
+`--flat` (issue 24) times only flat rows, whose cut lies past the topk (the deep cut), against
+greedy on the same rows: the sampler as it is beside the same sampler with its deep cut forced
+onto the torch ops (the C++ kernel patched out), and how many tokens a row keeps. The rows are
+those of the random-weight benchmark models (N(0, 0.3) logits: top_p 0.95 at temperature 0.8
+keeps ~90% of the vocabulary) and wider N(0, 2) ones. `--clock cpu` times with
+`time.thread_time` (the CPU time of this thread: a shared machine's other load does not count).
 
 Logits: "peaked" rows shaped like a language model's (a bulk of N(0, 2) logits over the
 vocabulary, 32 candidates lifted 10-20 above it, rounded to bfloat16 as the model emits them, so
@@ -103,7 +111,7 @@ def old_sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
 class Case:
     name: str
     params: SamplingParams
-    logits: str  # "peaked" or "flat"
+    logits: str  # "peaked" or "flat"; FLAT_CASES: "flat <scale of the N(0, scale) logits>"
     history: bool = False  # a 1,000-token prompt and 200 output tokens (what penalties read)
 
 
@@ -163,16 +171,80 @@ def make_requests(case: Case, batch: int, vocab: int) -> list[Request]:
     return reqs
 
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+clock = time.perf_counter
+
+
 def time_per_row(fn, logits: torch.Tensor, reqs: list[Request], reps: int) -> float:
     """Median seconds per row over `reps` calls, after two warm-ups."""
     times = []
     for rep in range(reps + 2):
         x = logits.clone()
-        start = time.perf_counter()
+        start = clock()
         fn(x, reqs)
         if rep >= 2:
-            times.append(time.perf_counter() - start)
+            times.append(clock() - start)
     return statistics.median(times) / logits.shape[0]
+
+
+# ---- flat rows (issue 24): the deep cut, native against torch ----
+
+FLAT_CASES = (
+    Case("greedy", SamplingParams(temperature=0.0), "flat 0.3"),
+    Case("temperature 0.8, top_p 0.95", SamplingParams(temperature=0.8, top_p=0.95), "flat 0.3"),
+    Case("temperature 0.8, min_p 0.05", SamplingParams(temperature=0.8, min_p=0.05), "flat 0.3"),
+    Case("temperature 0.8, top_p 0.95, min_p 0.01", SamplingParams(temperature=0.8, top_p=0.95, min_p=0.01), "flat 0.3"),
+    Case("temperature 0.8, top_p 0.95, N(0, 2) rows", SamplingParams(temperature=0.8, top_p=0.95), "flat 2"),
+)
+
+
+def flat_logits(kind: str, batch: int, vocab: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, vocab, generator=g) * float(kind.split()[1])).bfloat16().float()
+
+
+def kept_per_row(logits: torch.Tensor, params: SamplingParams) -> float:
+    from freetoken.engine.sampler import filtered_distribution
+
+    if params.greedy:
+        return 1.0
+    _, probs = filtered_distribution(logits / params.temperature, [params] * len(logits))
+    return float((probs > 0).sum()) / len(logits)
+
+
+def torch_deep_cut(fn):
+    """`fn` with the sampler's deep cut on its torch ops (None where this tree has no kernel)."""
+    import freetoken.engine.sampler as sampler
+
+    if not hasattr(sampler, "deep_cut"):
+        return None
+
+    def run(x: torch.Tensor, reqs: list[Request]) -> object:
+        kernel, sampler.deep_cut = sampler.deep_cut, lambda *args: None
+        try:
+            return fn(x, reqs)
+        finally:
+            sampler.deep_cut = kernel
+
+    return run
+
+
+def main_flat(args: argparse.Namespace) -> None:
+    print(f"vocab {args.vocab:,}, flat rows, torch {torch.__version__}, {args.threads} threads, "
+          f"{args.clock} time, median per row\n")
+    print("| case | batch | kept tokens/row | torch deep cut ms/row | ms/row | speed-up |")
+    print("|---|---|---|---|---|---|")
+    for case in FLAT_CASES:
+        for batch in args.batches:
+            logits = flat_logits(case.logits, batch, args.vocab, seed=batch)
+            reqs = make_requests(case, batch, args.vocab)
+            baseline = torch_deep_cut(sample)
+            old = time_per_row(baseline, logits, reqs, args.reps) if baseline and not case.params.greedy else None
+            new = time_per_row(sample, logits, reqs, args.reps)
+            cells = (f"{old * 1e3:.3f}", f"{old / new:.1f}x") if old else ("-", "-")
+            print(f"| {case.name} | {batch} | {kept_per_row(logits, case.params):,.0f} | {cells[0]} | "
+                  f"{new * 1e3:.3f} | {cells[1]} |", flush=True)
+    print(f"\nload average {os.getloadavg()[0]:.2f} (1 min), {os.cpu_count()} CPUs")
 
 
 def main() -> None:
@@ -183,8 +255,15 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15, help="timed calls of the new sampler per cell")
     ap.add_argument("--old-reps", type=int, default=5, help="timed calls of the old one (it is slow)")
     ap.add_argument("--gguf", help="take the peaked rows from this model's logits (e.g. Gemma 3 270M)")
+    ap.add_argument("--flat", action="store_true", help="flat rows only: the deep cut, native against torch")
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help="cpu: this thread's CPU time")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    global clock
+    clock = CLOCKS[args.clock]
+    if args.flat:
+        main_flat(args)
+        return
     real = gguf_logits(args.gguf) if args.gguf else None
     vocab = args.vocab if real is None else real.shape[1]
     rows = "synthetic" if real is None else f"{os.path.basename(args.gguf)}"
