@@ -286,6 +286,9 @@ def test_a_batch_of_flat_rows_skips_the_topk(path: str) -> None:
     for params, batch, skips in [
         ([SamplingParams(top_p=0.95)] * 2, rows, True),
         ([SamplingParams(min_p=0.05), SamplingParams(top_p=0.9, min_p=0.01)], rows, True),
+        ([SamplingParams(min_p=0.05)], rows[:1], True),
+        ([SamplingParams(min_p=0.05), SamplingParams(top_p=0.9)], rows, True),
+        ([SamplingParams(min_p=0.9)], rows[:1], False),
         ([SamplingParams(min_p=0.9)] * 2, rows, False),  # min_p 0.9 keeps a few tokens
         ([SamplingParams(top_p=0.95)] * 2, torch.stack([rows[0], peaked]), False),
         ([SamplingParams(top_p=0.95), SamplingParams(top_p=0.95, top_k=4000)], rows, False),
