@@ -86,11 +86,11 @@ def deep_cut(
     row: torch.Tensor, row_max: float, log_mass: float, top_k: int, top_p: float, min_p: float
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The kept ids (ascending) [m] long and renormalised probabilities [m] float64 of one row
-    [V] float32 under top-k (>= V: off), top-p (mass relative to the whole row: exp(x - row_max -
-    log_mass)) and min-p, as the full-sort filter keeps them (ties by ascending id), in three passes
+    [V] float32 under top-p (1: off; mass relative to the whole row: exp(x - row_max - log_mass))
+    and min-p (0: off), as the full-sort filter keeps them (ties by ascending id), in three passes
     over the row and a sort of one bucket of it (csrc/sampling.cpp). None where the kernel does not
-    run (no extension, another device or dtype) or declines the row (a NaN in it, a non-finite
-    max): the sampler's torch path decides those."""
+    run (no extension, another device or dtype) or declines the row (a NaN in it, a non-finite max
+    or normaliser, top_k < V): the sampler's torch path decides those."""
     if (
         _KERNEL is None
         or row.device.type != "cpu"
