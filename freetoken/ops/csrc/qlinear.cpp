@@ -329,6 +329,14 @@ inline int64_t sb_prefetch_bytes() {
 const int64_t kSbPrefetchBytes = sb_prefetch_bytes();
 template <int KIND> constexpr int64_t sb_chunk_bytes() { return KIND == kQ4K ? 256 : 384; }
 constexpr int64_t kSbMetaBytes = 40;  // per chunk, both kinds (q6_k: 36 used; the f16 load reads 8)
+// Batched rows (M > 1) are compute-bound: each row's chunk is prefetched this many chunks ahead
+// (q4_k / q6_k at M = 4, two threads, idle Zen 4: 2 chunks 122 / 89 GMAC/s, 4 132 / 88, 8 127 / 84,
+// against 116 / 63 with M = 1's request of the whole row as it starts).
+#ifndef FT_SB_AHEAD_CHUNKS
+#define FT_SB_AHEAD_CHUNKS 4
+#endif
+constexpr int64_t kSbAheadChunks = FT_SB_AHEAD_CHUNKS;
+constexpr int kSbQ6Rows = 4;  // activation rows a q6_k pass takes at most (sb_tile_kernel)
 
 // A value vector of a q6_k chunk: low nibbles `lo` (0..15 per byte) with the high bit pair k of
 // `hi` as bits 4-5 (16-bit shifts: the bits that cross a byte boundary fall outside 0x30).
@@ -429,7 +437,10 @@ FT_AVX512 inline void sb_rows_kernel(const uint8_t* wq, const uint8_t* wmeta, in
   __m512 acc[NR][MT];
   for (int r = 0; r < NR; ++r)
     for (int i = 0; i < MT; ++i) acc[r][i] = _mm512_setzero_ps();
-  if (first_pass) {  // as rows_kernel, but kSbPrefetchBytes ahead, on the first pass over the rows only
+  // On the first pass over the rows (later passes find them in cache), M = 1 requests the rows'
+  // bytes all at once as they start (kSbPrefetchBytes ahead), M > 1 each row's chunk
+  // kSbAheadChunks ahead of the one being multiplied (past the row's end: the next pass's rows).
+  if (MT == 1 && first_pass) {
     const char* ahead = reinterpret_cast<const char*>(wq + n * row_bytes) + kSbPrefetchBytes;
     for (int64_t o = 0; o < NR * row_bytes; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
     const char* meta_ahead = reinterpret_cast<const char*>(wmeta + n * meta_row) + kSbPrefetchBytes * MB / CB;
@@ -438,6 +449,14 @@ FT_AVX512 inline void sb_rows_kernel(const uint8_t* wq, const uint8_t* wmeta, in
   for (int64_t c = 0; c < C; ++c) {
     const int8_t* aq = a.q + m0 * qstride + c * 512;
     const uint8_t* w = wq + n * row_bytes + c * CB;  // a half chunk is the last: it starts there too
+    if (MT > 1 && first_pass) {  // never faults: a prefetch past the weight's end is dropped
+      const int64_t ahead = c + kSbAheadChunks, row = ahead < C ? n : n + NR, ca = ahead < C ? ahead : ahead - C;
+      for (int r = 0; r < NR; ++r) {
+        const char* p = reinterpret_cast<const char*>(wq + (row + r) * row_bytes + ca * CB);
+        for (int64_t o = 0; o < CB; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(wmeta + (row + r) * meta_row + ca * MB), _MM_HINT_T0);
+      }
+    }
     __m512i dot[NR][MT], dotB[NR][KIND == kQ6K ? MT : 1];
     if (half && c == C - 1)
       sb_chunk_dots<MT, KIND, NR, true>(w, row_bytes, aq, qstride, dot, dotB);
@@ -571,17 +590,29 @@ void run(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& ws,
 template <int MT, int KIND>
 FT_AVX512 void sb_tile_kernel(const uint8_t* wq, const uint8_t* wmeta, int64_t C, bool half, int64_t n0, int64_t n1,
                               const QuantizedActs& a, int64_t m0, bool first_pass, float* out, int64_t ldo) {
-  // At M = 1 one weight row at a time: at two threads over 230-330 MB of 1.1B-shaped matrices
+  // Weight rows a pass (NR) and activation rows a pass, measured on an idle 2-core Zen 4 over
+  // twelve copies of a matrix read in turn (q4_k 16384 x 2048, q6_k 2048 x 8192; GMAC/s at two
+  // threads, M = 2 / 4 / 8): q4_k one row a pass 76 / 142 / 178, two rows (the choice before)
+  // 69 / 132 / 178; q6_k two rows with at most 4 activation rows a pass 51 / 88 / 118, one row
+  // 47 / 71 / 94, and two rows but 8 activation rows a pass (before) 39 / 63 / 76. At M = 1
+  // one weight row at a time: at two threads over 230-330 MB of 1.1B-shaped matrices
   // (interleaved with stream_read of as many bytes, idle Zen 4), one row reached 0.92x (q4_k) /
   // 0.87x (q6_k) of the read rate where two rows sharing each activation load reached 0.68x / 0.67x,
   // and four 0.75x / 0.69x (FT_SB_NR to measure again).
 #ifndef FT_SB_NR
 #define FT_SB_NR 1
 #endif
-  constexpr int NR = MT == 1 ? FT_SB_NR : MT <= 4 ? 2 : 1;  // M > 1 as tile_kernel (q6_k's second dot fits: 4 x 2 x 2 accumulators)
-  int64_t n = n0;
-  for (; n + NR <= n1; n += NR) sb_rows_kernel<MT, KIND, NR>(wq, wmeta, C, half, n, a, m0, first_pass, out, ldo);
-  for (; n < n1; ++n) sb_rows_kernel<MT, KIND, 1>(wq, wmeta, C, half, n, a, m0, first_pass, out, ldo);
+  if constexpr (KIND == kQ6K && MT > kSbQ6Rows) {  // a q6_k pass of 8 rows was slower than two of 4
+    sb_tile_kernel<kSbQ6Rows, KIND>(wq, wmeta, C, half, n0, n1, a, m0, first_pass, out, ldo);
+    sb_tile_kernel<MT - kSbQ6Rows, KIND>(wq, wmeta, C, half, n0, n1, a, m0 + kSbQ6Rows, false,
+                                         out + kSbQ6Rows * ldo, ldo);
+    return;
+  } else {
+    constexpr int NR = MT == 1 ? FT_SB_NR : KIND == kQ6K ? 2 : 1;
+    int64_t n = n0;
+    for (; n + NR <= n1; n += NR) sb_rows_kernel<MT, KIND, NR>(wq, wmeta, C, half, n, a, m0, first_pass, out, ldo);
+    for (; n < n1; ++n) sb_rows_kernel<MT, KIND, 1>(wq, wmeta, C, half, n, a, m0, first_pass, out, ldo);
+  }
 }
 
 using SbTileFn = void (*)(const uint8_t*, const uint8_t*, int64_t, bool, int64_t, int64_t, const QuantizedActs&,

@@ -96,6 +96,20 @@ def test_kernel_within_bound(kind: str, n: int, k: int, dtype: torch.dtype) -> N
 
 
 @pytest.mark.skipif(not kernel_available(), reason="needs the C++ kernel (AVX-512 VNNI)")
+@pytest.mark.parametrize("kind", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("n,k", [(35, 768), (37, 2048)])
+def test_a_rows_output_is_the_same_bits_at_every_row_count(kind: str, n: int, k: int) -> None:
+    """The kernel takes activation rows in passes of up to 8 (q6_k: 4) and weight rows one or two
+    at a time, by M; each row's sums must not depend on that (the deterministic mode, speculation
+    and the grouped expert call rely on it). Odd N leaves a weight row out of a pair."""
+    packed = pack(_weight(kind, n, k, seed=7))
+    x = torch.randn(17, k, generator=torch.Generator().manual_seed(3)).bfloat16()
+    alone = torch.cat([qlinear(x[i : i + 1], packed) for i in range(17)])
+    for m in (2, 3, 4, 5, 8, 9, 12, 17):
+        assert torch.equal(qlinear(x[:m], packed), alone[:m]), m
+
+
+@pytest.mark.skipif(not kernel_available(), reason="needs the C++ kernel (AVX-512 VNNI)")
 def test_bytes_per_weight_are_the_files() -> None:
     """Resident bytes within ~3% of the file's: Q4_K 0.5625 and Q6_K 0.8203 bytes per weight, also
     where a row ends in half a chunk (K = 768, an MoE expert's down projection: padded to whole
