@@ -330,8 +330,8 @@ const int64_t kSbPrefetchBytes = sb_prefetch_bytes();
 template <int KIND> constexpr int64_t sb_chunk_bytes() { return KIND == kQ4K ? 256 : 384; }
 constexpr int64_t kSbMetaBytes = 40;  // per chunk, both kinds (q6_k: 36 used; the f16 load reads 8)
 // Batched rows (M > 1) are compute-bound: each row's chunk is prefetched this many chunks ahead
-// (q4_k / q6_k at M = 4, two threads, idle Zen 4: 2 chunks 122 / 89 GMAC/s, 4 132 / 88, 8 127 / 84,
-// against 116 / 63 with M = 1's request of the whole row as it starts).
+// (q4_k / q6_k at M = 4 from memory, two threads, idle Zen 4: 2 chunks 132 / 74 GMAC/s, 4 147 / 91,
+// 8 153 / 52, against 103 / 60 with M = 1's request of the whole row as it starts).
 #ifndef FT_SB_AHEAD_CHUNKS
 #define FT_SB_AHEAD_CHUNKS 4
 #endif
