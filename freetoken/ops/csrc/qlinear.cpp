@@ -606,7 +606,6 @@ FT_AVX512 void sb_tile_kernel(const uint8_t* wq, const uint8_t* wmeta, int64_t C
     sb_tile_kernel<kSbQ6Rows, KIND>(wq, wmeta, C, half, n0, n1, a, m0, first_pass, out, ldo);
     sb_tile_kernel<MT - kSbQ6Rows, KIND>(wq, wmeta, C, half, n0, n1, a, m0 + kSbQ6Rows, false,
                                          out + kSbQ6Rows * ldo, ldo);
-    return;
   } else {
     constexpr int NR = MT == 1 ? FT_SB_NR : KIND == kQ6K ? 2 : 1;
     int64_t n = n0;
