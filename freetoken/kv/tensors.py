@@ -30,6 +30,7 @@ import torch
 from freetoken.config import KV_CACHE_DTYPES
 from freetoken.errors import ConfigError
 from freetoken.ops.attention import write_kv
+from freetoken.utils.zeroed import zeros
 
 _QMAX = {torch.int8: 127.0}
 if hasattr(torch, "float8_e4m3fn"):
@@ -138,10 +139,8 @@ class KVTensors:
                 self.k.append(torch.zeros(0, device=self.device))
                 self.v.append(torch.zeros(0, device=self.device))
                 n = self.state_slots + 1
-                self.conv.append(torch.zeros((n, *config.conv_shape), dtype=torch.float32, device=self.device))
-                self.recurrent.append(
-                    torch.zeros((n, *config.recurrent_shape), dtype=torch.float32, device=self.device)
-                )
+                self.conv.append(zeros((n, *config.conv_shape), torch.float32, self.device))
+                self.recurrent.append(zeros((n, *config.recurrent_shape), torch.float32, self.device))
                 continue
             pages = self.num_swa_pages if sliding else self.num_full_pages
             shape = (pages + 1, page_size, *config.head_shape(sliding))
@@ -193,10 +192,10 @@ class KVTensors:
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         """A zero pool tensor of `shape`, with its zero scales when the cache is 8-bit."""
-        t = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        t = zeros(shape, self.dtype, self.device)  # pages zeroed as first written: a start does not pay for them
         if self.quantized:
             blocks = scale_blocks(shape[3])
-            t.kv_scale = torch.zeros((*shape[:3], blocks), dtype=SCALE_DTYPE, device=self.device)  # type: ignore[attr-defined]
+            t.kv_scale = zeros((*shape[:3], blocks), SCALE_DTYPE, self.device)  # type: ignore[attr-defined]
         return t
 
     def _quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
