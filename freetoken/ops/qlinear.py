@@ -42,38 +42,60 @@ log = logging.getLogger(__name__)
 TILE_ROWS = 512
 
 
-def _load_kernel() -> ModuleType | None:
+def _load_extension() -> ModuleType | None:
     try:
         from freetoken.ops import _qlinear_cpu  # built by `pip install -e .` (setup.py)
     except ImportError as err:
         log.info("freetoken.ops: C++ qlinear kernel not built (%s); using torch fallback", err)
         return None
-    if not _qlinear_cpu.supported():
-        log.info("freetoken.ops: CPU lacks AVX-512 F/BW/VL/VNNI; using torch fallback for qlinear")
-        return None
     return _qlinear_cpu
 
 
-_KERNEL: ModuleType | None = _load_kernel()  # decided once at import; never reassigned
+def _load_kernel(ext: ModuleType | None) -> ModuleType | None:
+    """The extension where this CPU runs all of it (AVX-512 VNNI: the group-32 kernel needs it)."""
+    if ext is None:
+        return None
+    if not ext.supported():
+        log.info("freetoken.ops: CPU lacks AVX-512 F/BW/VL/VNNI; group-32 weights use the torch fallback")
+        return None
+    return ext
+
+
+def _load_superblock_kernel(ext: ModuleType | None) -> ModuleType | None:
+    """The extension where this CPU runs its super-block (Q4_K / Q6_K) kernel in superblock.py's
+    layout (2: half last chunks; an older build pads them and is not used for these): AVX-512
+    VNNI, or AVX2 + FMA + F16C (csrc/superblock_avx2.h)."""
+    if ext is None or 6 not in getattr(ext, "superblock_kinds", ()) or getattr(ext, "superblock_layout", 1) != 2:
+        return None
+    supported = getattr(ext, "superblock_supported", ext.supported)
+    if not supported():
+        log.info("freetoken.ops: CPU lacks AVX2 / FMA / F16C; Q4_K / Q6_K weights use the torch fallback")
+        return None
+    return ext
+
+
+_EXTENSION = _load_extension()
+_KERNEL: ModuleType | None = _load_kernel(_EXTENSION)  # decided once at import; never reassigned
 # Whether the kernel takes 5-bit weights (an older build of the extension does not).
 _FIVE_BITS = _KERNEL is not None and 5 in getattr(_KERNEL, "bits", ())
-# Whether it takes super-block (Q4_K / Q6_K) weights in their own integers, in superblock.py's
-# layout (2: half last chunks; an older build of the extension pads them and is not used for these).
-_SUPERBLOCKS = (
-    _KERNEL is not None
-    and 6 in getattr(_KERNEL, "superblock_kinds", ())
-    and getattr(_KERNEL, "superblock_layout", 1) == 2
-)
+# The super-block kernel (sbmm), which also runs on CPUs with AVX2 but no AVX-512.
+_SB_KERNEL: ModuleType | None = _load_superblock_kernel(_EXTENSION)
+_SUPERBLOCKS = _SB_KERNEL is not None
 
 
 def grouped_matmul_available() -> bool:
     """Whether `superblock.grouped_matmul` can run (the kernel built, with `grouped_sbmm`)."""
-    return _SUPERBLOCKS and hasattr(_KERNEL, "grouped_sbmm")
+    return _SUPERBLOCKS and hasattr(_SB_KERNEL, "grouped_sbmm")
 
 
 def kernel_available() -> bool:
-    """Whether CPU qlinear calls run FreeToken's own kernel."""
+    """Whether CPU qlinear calls of group-32 weights run FreeToken's own kernel (AVX-512 VNNI)."""
     return _KERNEL is not None
+
+
+def superblock_kernel_available() -> bool:
+    """Whether Q4_K / Q6_K weights run FreeToken's super-block kernel (AVX-512 VNNI or AVX2)."""
+    return _SUPERBLOCKS
 
 
 def _packed_bits(qw: QuantizedWeight) -> int:
@@ -288,7 +310,7 @@ def pack(w: Quantized) -> Packed:
         return layout(w.to_group32() if isinstance(w, SuperBlockWeight) else w)  # type: ignore[misc]
     if isinstance(w, SuperBlockWeight):
         if _SUPERBLOCKS and w.device.type == "cpu":
-            return PackedSuperBlock(w, _KERNEL)
+            return PackedSuperBlock(w, _SB_KERNEL)
         return PackedWeight(w.to_group32())
     return PackedWeight(w)
 
@@ -305,7 +327,7 @@ def from_state(state: dict) -> Packed:
     if form == "columns":
         return PackedColumns(from_state(state["inner"]), state["order"])
     if form == "superblock" and _SUPERBLOCKS:
-        return PackedSuperBlock.from_state(state, _KERNEL)
+        return PackedSuperBlock.from_state(state, _SB_KERNEL)
     if form == "triton_group32" and _triton_layout() is not None:
         return _triton_layout().from_state(state)  # type: ignore[union-attr]
     raise ValueError(f"packed form {form!r} cannot run in this build")

@@ -25,6 +25,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <array>
 #include <utility>
 #include <cstdint>
@@ -291,6 +292,8 @@ FT_AVX512 void tile_kernel(const uint8_t* wq, const at::Half* ws, const at::Half
   for (; n + NR <= n1; n += NR) rows_kernel<MT, BITS, NR>(wq, ws, wm, K, n, a, m0, out, ldo);
   for (; n < n1; ++n) rows_kernel<MT, BITS, 1>(wq, ws, wm, K, n, a, m0, out, ldo);
 }
+
+#include "superblock_avx2.h"  // the same kernel for CPUs with AVX2 and no AVX-512
 
 // ---- Super-block weights (GGUF Q4_K, Q6_K) in their own integers ------------------------------
 // A row is padded to whole chunks of 512 weights (zero weights; the activations past K are zero
@@ -628,6 +631,32 @@ const std::array<SbTileFn, kMaxRows>& sb_tile_table() {
   return table;
 }
 
+template <int KIND, int... Ms>
+constexpr std::array<SbTileFn, sizeof...(Ms)> make_sb_table_avx2(std::integer_sequence<int, Ms...>) {
+  return {&sb_tile_avx2<Ms + 1, KIND>...};
+}
+
+// The super-block tile kernels this CPU runs: AVX-512 VNNI where it has them, else AVX2
+// (superblock_supported() says whether either; Python never calls sbmm otherwise).
+const bool kSbAvx512 = cpu_supported();
+
+template <int KIND>
+const std::array<SbTileFn, kMaxRows>& sb_tiles() {
+  static constexpr auto avx512 = make_sb_table<KIND>(std::make_integer_sequence<int, kMaxRows>{});
+  static constexpr auto avx2 = make_sb_table_avx2<KIND>(std::make_integer_sequence<int, kMaxRows>{});
+  return kSbAvx512 ? avx512 : avx2;
+}
+
+inline bool superblock_supported() { return kSbAvx512 || cpu_supports_avx2(); }
+
+// x's rows quantized for the super-block kernels (chunk-padded: never a compact tail).
+inline QuantizedActs quantize_sb(const at::Tensor& x) {
+  if (kSbAvx512) return quantize_x(x, false);
+  const int64_t M = x.size(0), K = x.size(1);
+  return x.scalar_type() == at::kFloat ? quantize_acts_portable(x.data_ptr<float>(), M, K)
+                                       : quantize_acts_portable(x.data_ptr<at::BFloat16>(), M, K);
+}
+
 // y[M, N] = x[M, K] @ dequant(W)[N, K]^T + bias for a super-block weight (kind 4: q4_k, 6: q6_k).
 at::Tensor sbmm(const at::Tensor& x_in, const at::Tensor& wq, const at::Tensor& wmeta,
                 const c10::optional<at::Tensor>& bias, int64_t kind) {
@@ -647,10 +676,10 @@ at::Tensor sbmm(const at::Tensor& x_in, const at::Tensor& wq, const at::Tensor& 
               "sbmm: meta must be contiguous [N, ", C * kSbMetaBytes, "] bytes");
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  const QuantizedActs a = quantize_x(x, false);  // chunk-padded rows: never a compact tail
+  const QuantizedActs a = quantize_sb(x);
   const uint8_t* q = wq.data_ptr<uint8_t>();
   const uint8_t* meta = wmeta.data_ptr<uint8_t>();
-  const auto& table = kind == kQ4K ? sb_tile_table<kQ4K>() : sb_tile_table<kQ6K>();
+  const auto& table = kind == kQ4K ? sb_tiles<kQ4K>() : sb_tiles<kQ6K>();
   parallel_tiles(M, N, RB, bias, y, [&](int64_t mt, int64_t t0, int64_t t1, int64_t m0, float* out) {
     table[mt - 1](q, meta, C, half, t0, t1, a, m0, m0 == 0, out, kTileRows);
   });
@@ -718,8 +747,8 @@ at::Tensor grouped_sbmm(const at::Tensor& x_in, const at::Tensor& offsets, const
   }
   at::Tensor y = at::empty({P, N}, x.options());
   if (P == 0 || N == 0) return y;
-  const QuantizedActs a = quantize_x(x, false);
-  const auto& table = kind == kQ4K ? sb_tile_table<kQ4K>() : sb_tile_table<kQ6K>();
+  const QuantizedActs a = quantize_sb(x);
+  const auto& table = kind == kQ4K ? sb_tiles<kQ4K>() : sb_tiles<kQ6K>();
   const bool f32_out = y.scalar_type() == at::kFloat;
   float* yf = f32_out ? y.data_ptr<float>() : nullptr;
   uint16_t* yb = f32_out ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
@@ -775,7 +804,9 @@ int64_t stream_read(const at::Tensor& t) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "FreeToken's AVX-512 VNNI weight-only quantized matmul (see qlinear.cpp)";
-  m.def("supported", &cpu_supported, "whether this CPU has AVX-512 F/BW/VL/VNNI");
+  m.def("supported", &cpu_supported, "whether this CPU has AVX-512 F/BW/VL/VNNI (every kernel here)");
+  m.def("superblock_supported", &superblock_supported,
+        "whether this CPU runs sbmm / grouped_sbmm: AVX-512 VNNI, or AVX2 + FMA + F16C");
   m.attr("bits") = py::make_tuple(4, 5, 8);  // the weight widths qmm takes
   m.attr("superblock_kinds") = py::make_tuple(4, 6);  // q4_k, q6_k: what sbmm takes
   m.attr("superblock_layout") = 2;  // 2: a K % 512 == 256 row ends in a half chunk (1: padded to whole ones)

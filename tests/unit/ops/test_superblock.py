@@ -25,7 +25,7 @@ from gguf import quants
 from freetoken.errors import ModelLoadError
 
 from freetoken.ops import qlinear
-from freetoken.ops.qlinear import PackedWeight, kernel_available, pack
+from freetoken.ops.qlinear import PackedWeight, pack, superblock_kernel_available
 from freetoken.ops.quantized import RawSuperBlocks, StackedWeight, SuperBlockWeight, concat, dequantize, quantize_int8
 from freetoken.ops.superblock import PackedStack, PackedSuperBlock, pack_values, unpack_values
 from freetoken.weights.requant import superblock_rows, to_superblocks
@@ -76,7 +76,7 @@ def _bound(x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return amax @ w.abs().t() / 254 + 1e-5 * (x.double().abs() @ w.abs().t()) + out_rounding * ref.abs() + 1e-30
 
 
-@pytest.mark.skipif(not kernel_available(), reason="needs the C++ kernel (AVX-512 VNNI)")
+@pytest.mark.skipif(not superblock_kernel_available(), reason="needs the super-block kernel (AVX-512 VNNI or AVX2)")
 @pytest.mark.parametrize("kind", ["q4_k", "q6_k"])
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -95,7 +95,7 @@ def test_kernel_within_bound(kind: str, n: int, k: int, dtype: torch.dtype) -> N
         assert (err <= _bound(x, ref_w, ref)).all(), (m, (err / _bound(x, ref_w, ref)).max().item())
 
 
-@pytest.mark.skipif(not kernel_available(), reason="needs the C++ kernel (AVX-512 VNNI)")
+@pytest.mark.skipif(not superblock_kernel_available(), reason="needs the super-block kernel (AVX-512 VNNI or AVX2)")
 @pytest.mark.parametrize("kind", ["q4_k", "q6_k"])
 @pytest.mark.parametrize("n,k", [(35, 768), (37, 2048)])
 def test_a_rows_output_is_the_same_bits_at_every_row_count(kind: str, n: int, k: int) -> None:
@@ -109,7 +109,7 @@ def test_a_rows_output_is_the_same_bits_at_every_row_count(kind: str, n: int, k:
         assert torch.equal(qlinear(x[:m], packed), alone[:m]), m
 
 
-@pytest.mark.skipif(not kernel_available(), reason="needs the C++ kernel (AVX-512 VNNI)")
+@pytest.mark.skipif(not superblock_kernel_available(), reason="needs the super-block kernel (AVX-512 VNNI or AVX2)")
 def test_bytes_per_weight_are_the_files() -> None:
     """Resident bytes within ~3% of the file's: Q4_K 0.5625 and Q6_K 0.8203 bytes per weight, also
     where a row ends in half a chunk (K = 768, an MoE expert's down projection: padded to whole
@@ -121,7 +121,7 @@ def test_bytes_per_weight_are_the_files() -> None:
             assert file_bytes <= per_weight <= file_bytes * 1.03 + 40 / 512 * (k % 512 != 0), (kind, k, per_weight)
 
 
-@pytest.mark.skipif(not kernel_available(), reason="needs the C++ kernel (AVX-512 VNNI)")
+@pytest.mark.skipif(not superblock_kernel_available(), reason="needs the super-block kernel (AVX-512 VNNI or AVX2)")
 def test_rows_and_dequantize_are_exact() -> None:
     for kind in ("q4_k", "q6_k"):
         w = _weight(kind, 40, 768)
@@ -143,7 +143,7 @@ def test_concat_keeps_each_parts_form() -> None:
     assert [type(p) for p in concat([q, g32]).parts] == [SuperBlockWeight, type(g32)]
 
 
-@pytest.mark.skipif(not kernel_available(), reason="needs the C++ kernel (AVX-512 VNNI)")
+@pytest.mark.skipif(not superblock_kernel_available(), reason="needs the super-block kernel (AVX-512 VNNI or AVX2)")
 def test_stacked_projection_matches_its_parts() -> None:
     q, v = _weight("q4_k", 32, 512, 1), _weight("q6_k", 16, 512, 3)
     g32 = quantize_int8(torch.randn(8, 512))
@@ -192,7 +192,7 @@ def test_packing_from_the_blocks_is_the_packing_of_the_integers(kind: str, n: in
     assert torch.equal(values, expected[0]) and torch.equal(meta, expected[1])
 
 
-@pytest.mark.skipif(not kernel_available(), reason="needs the C++ kernel (AVX-512 VNNI)")
+@pytest.mark.skipif(not superblock_kernel_available(), reason="needs the super-block kernel (AVX-512 VNNI or AVX2)")
 @pytest.mark.parametrize("kind", ["q4_k", "q6_k"])
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_dequantized_rows_are_the_reference_bit_for_bit(kind: str, n: int, k: int) -> None:
@@ -218,7 +218,7 @@ def test_a_weight_in_its_blocks_stays_there_until_its_integers_are_read() -> Non
     assert isinstance(permuted, RawSuperBlocks) and isinstance(padded, RawSuperBlocks) and isinstance(fused, StackedWeight)
     assert [type(p) for p in fused.parts] == [RawSuperBlocks, RawSuperBlocks] and fused.parts[0].shape == (12, 512)
     assert len(fused.parts[0].parts) == 2  # joined without copying the blocks
-    if kernel_available():  # packed from the parts where they lie: the packing of the joined matrix
+    if superblock_kernel_available():  # packed from the parts where they lie: the packing of the joined matrix
         joined = pack(fused.parts[0])
         assert torch.equal(joined.dequantize(), torch.cat([dequantize(q_ints)[order], dequantize(k_ints)]))
     assert q._ints is None and k._ints is None and v._ints is None
@@ -246,7 +246,7 @@ def _mapping_rss_kb(path: Path) -> int:
     return total
 
 
-@pytest.mark.skipif(not kernel_available(), reason="needs the C++ kernel (AVX-512 VNNI)")
+@pytest.mark.skipif(not superblock_kernel_available(), reason="needs the super-block kernel (AVX-512 VNNI or AVX2)")
 def test_packing_drops_the_files_pages_it_read_and_never_a_copy(tmp_path: Path) -> None:
     """A packed matrix's blocks no longer count as resident memory of the process (they stay in
     the page cache); blocks that are not a file's (a copy) are left as they are."""
