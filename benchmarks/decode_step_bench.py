@@ -45,14 +45,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     args = ap.parse_args()
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
-    loaded = load_model(args.model, torch.bfloat16, torch.device("cpu"), args.weights)
+    loaded = load_model(args.model, getattr(torch, args.dtype), torch.device("cpu"), args.weights)
     model, c = loaded.model, loaded.config
     P = 16
     pages = -(-(args.context + 1) // P)
-    kv = KVTensors(c.kv_layout(), pages * args.batch, pages * args.batch, P, torch.bfloat16, "cpu")
+    kv = KVTensors(c.kv_layout(), pages * args.batch, pages * args.batch, P, getattr(torch, args.dtype), "cpu")
     specs = []
     for b in range(args.batch):
         table = np.arange(1 + b * pages, 1 + (b + 1) * pages, dtype=np.int32)

@@ -1,6 +1,6 @@
 """Decode attention over a paged KV cache as one op, and a step's K/V rows written into the pools
-as one: the C++ code of csrc/attention.cpp on an AVX-512 CPU; elsewhere `None` / False, and the
-caller takes its torch path.
+as one: the C++ code of csrc/attention.cpp on an AVX-512 or AVX2 CPU (csrc/attention_avx2.h);
+elsewhere `None` / False, and the caller takes its torch path.
 
 Owns the choice. The kernel takes each request's key slots and their visibility as the SDPA
 backend plans them (built once per step and layer kind) and reads only the visible K/V rows in
@@ -26,7 +26,7 @@ def _load() -> ModuleType | None:
         log.info("freetoken.ops: C++ decode attention not built (%s); using torch", err)
         return None
     if not _attention_cpu.supported():
-        log.info("freetoken.ops: this CPU lacks AVX-512; decode attention uses torch")
+        log.info("freetoken.ops: this CPU lacks AVX-512 and AVX2; decode attention uses torch")
         return None
     return _attention_cpu
 
@@ -35,7 +35,7 @@ _KERNEL: ModuleType | None = _load()  # decided once at import
 
 
 def kernel_available() -> bool:
-    """Whether the C++ decode attention runs here (built, and an AVX-512 CPU)."""
+    """Whether the C++ decode attention runs here (built, and an AVX-512 or AVX2 CPU)."""
     return _KERNEL is not None
 
 

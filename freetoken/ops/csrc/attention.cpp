@@ -2,8 +2,8 @@
 // step's K/V rows written into the pools, one call for both.
 //
 // Owns the arithmetic only; freetoken/ops/attention.py decides when it runs (CPU, bfloat16 or
-// float32 with K/V of the same dtype, head_dim a multiple of 16, an AVX-512 CPU) and falls back to
-// torch's matmuls otherwise. Per request b and KV head g, with the G = H / n_kv query heads of g:
+// float32 with K/V of the same dtype, head_dim a multiple of 16, an AVX-512 or AVX2 CPU:
+// attention_avx2.h) and falls back to torch's matmuls otherwise. Per request b and KV head g, with the G = H / n_kv query heads of g:
 //   s[h, j] = (q[b, h] * scale) . K[slot[b, j], g]   for visible keys j (others: -inf)
 //   p = softmax_j(s)          out[b, h] = sum_j p[h, j] V[slot[b, j], g]
 // in float32, rounded once to the query dtype. Keys that are not visible are never read (their
@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "simd.h"
+#include "attention_avx2.h"  // the same on 8 lanes, for CPUs without AVX-512
 
 namespace {
 
@@ -128,12 +129,18 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), slot_stride = n_kv * D;
   const int64_t per_task = std::max<int64_t>(1, S * D * (G + 1));
   const int64_t grain = std::max<int64_t>(1, kTaskFlops / per_task);
+  static const bool avx512 = cpu_supported();  // else AVX2 (supported() said one of them)
   at::parallel_for(0, B * n_kv, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> work(size_t(G * (2 * D + S)));
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b = t / n_kv, g = t % n_kv;
-      attend_group<T>(qp + b * qs0 + g * G * qs1, qs1, kp + g * D, vp + g * D, slot_stride, D, G,
-                      sp + b * S, mp + b * S, S, float(scale), op + (b * H + g * G) * D, work.data());
+      if (avx512)
+        attend_group<T>(qp + b * qs0 + g * G * qs1, qs1, kp + g * D, vp + g * D, slot_stride, D, G,
+                        sp + b * S, mp + b * S, S, float(scale), op + (b * H + g * G) * D, work.data());
+      else
+        ft_avx2::attend_group<T>(qp + b * qs0 + g * G * qs1, qs1, kp + g * D, vp + g * D, slot_stride, D, G,
+                                 sp + b * S, mp + b * S, S, float(scale), op + (b * H + g * G) * D, work.data(),
+                                 kPrefetchKeys);
     }
   });
 }
@@ -200,7 +207,8 @@ void write_kv_(at::Tensor k_pool, at::Tensor v_pool, const at::Tensor& slots, co
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "FreeToken's decode attention over a paged KV cache (see attention.cpp)";
-  m.def("supported", &cpu_supported, "whether this CPU has AVX-512 F/BW/VL and FMA");
+  m.def("supported", [] { return cpu_supported() || ft_avx2::cpu_supported(); },
+        "whether this CPU runs decode_attention: AVX-512 F/BW/VL and FMA, or AVX2 and FMA");
   m.def("decode_attention", &decode_attention, "one query per request over its visible key slots",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("visible"), py::arg("scale"));
   m.def("write_kv_", &write_kv_, "a step's K/V rows into the pools", py::arg("k_pool"), py::arg("v_pool"),
