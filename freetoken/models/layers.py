@@ -465,7 +465,7 @@ def load_named(
                 tensor = apply_policy(tensor, weights)
                 if is_quantized(tensor):
                     owner.load_quantized(tensor)
-                    if isinstance(owner, Linear) and keeps_dense_copy(prefill_weights, owner, local):
+                    if keeps_dense_copy(prefill_weights, owner, local):
                         owner.keep_dense_copy()
                     loaded.add(local)
                     continue

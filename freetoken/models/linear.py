@@ -18,7 +18,7 @@ from torch import nn
 
 from freetoken.config import WEIGHT_POLICIES
 from freetoken.errors import ModelLoadError
-from freetoken.ops.qlinear import PREFILL_ROWS, Packed, pack, qlinear
+from freetoken.ops.qlinear import PREFILL_ROWS, Packed, pack, qlinear, runs_on_torch
 from freetoken.ops.superblock import PackedColumns, PackedStack, PackedSuperBlock
 from freetoken.ops.quantized import (
     GROUP,
@@ -123,7 +123,7 @@ class QuantizableWeight(nn.Module):
     def project(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, in] -> x W^T (+ bias) [T, out]."""
         if self.packed is not None:
-            if self.dense is not None and x.shape[0] >= PREFILL_ROWS:
+            if self.dense is not None and (x.shape[0] >= PREFILL_ROWS or runs_on_torch(self.packed)):
                 return dense_linear(x, self.dense, bias)
             return qlinear(x, self.packed, bias)
         if self.rows_alone and x.shape[0] > 1:
@@ -149,14 +149,21 @@ def _kernel_keeps_up(packed: Packed) -> bool:
 
 
 def keeps_dense_copy(prefill_weights: str, layer: QuantizableWeight, name: str) -> bool:
-    """Under `--prefill-weights` (bf16 | auto | quantized), whether the quantized linear layer
-    loaded as `name` also holds a copy in the model dtype for prefill: bf16 always, quantized
-    never, auto where the kernel is slower (`_kernel_keeps_up`), and never for the LM head."""
+    """Under `--prefill-weights` (bf16 | auto | quantized), whether the quantized linear layer (or
+    tied embedding) loaded as `name` also holds a copy in the model dtype for prefill: bf16 always, quantized
+    never, auto where the kernel is slower (`_kernel_keeps_up`), and never for the LM head —
+    except that under bf16 / auto a layer whose form runs on torch's fallback here (`runs_on_torch`:
+    group-32 weights on a CPU without AVX-512) keeps one, head and tied embedding included (whose
+    table rows are still read packed), used at every row count:
+    the fallback dequantizes the whole matrix on every call (the bundled Gemma's decode step took
+    seconds on an AVX2-only Zen 3)."""
     if layer.packed is None or prefill_weights == "quantized":
         return False
-    if prefill_weights == "bf16":
+    if runs_on_torch(layer.packed):
         return True
-    return name != HEAD and not _kernel_keeps_up(layer.packed)
+    if not isinstance(layer, Linear):  # an embedding table: its rows are read packed
+        return False
+    return prefill_weights == "bf16" or (name != HEAD and not _kernel_keeps_up(layer.packed))
 
 
 # Prefill row counts are rounded up to a multiple of this for the dense GEMM on CPU: oneDNN keeps

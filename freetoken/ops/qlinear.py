@@ -333,6 +333,16 @@ def from_state(state: dict) -> Packed:
     raise ValueError(f"packed form {form!r} cannot run in this build")
 
 
+def runs_on_torch(p: Packed) -> bool:
+    """Whether `p`'s CPU calls take torch's fallback: a group-32 part where the group-32 kernel
+    does not run (no AVX-512 VNNI), which dequantizes on every call."""
+    if isinstance(p, PackedStack):
+        return any(runs_on_torch(q) for q in p.parts)
+    if isinstance(p, PackedColumns):
+        return runs_on_torch(p.inner)
+    return isinstance(p, PackedWeight) and _KERNEL is None and p.packed.device.type == "cpu"
+
+
 def signature() -> str:
     """What decides the packed forms besides the weights: which kernel paths this build has."""
     return f"kernel={_KERNEL is not None},five_bits={_FIVE_BITS},superblocks={_SUPERBLOCKS}"

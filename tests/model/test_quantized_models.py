@@ -22,6 +22,7 @@ from freetoken.models.experts import experts_of
 from freetoken.models.linear import Linear, QuantizableWeight, apply_policy
 from freetoken.models.registry import CausalLM, build_model, config_from_hf
 from freetoken.ops.quantized import QuantizedWeight, dequantize, quantize_int4, quantize_int8
+from freetoken.ops.qlinear import kernel_available, runs_on_torch
 from freetoken.weights.safetensors import load_safetensors_dir
 from model_harness import FAMILIES, PagedRunner, Seq, make_reference
 
@@ -85,7 +86,10 @@ def test_quantized_logits_stay_close_to_float(checkpoint: tuple[str, Path], weig
             twin_experts.down = [w.dequantize(torch.float32) for w in packed.down]
     twin_ref = last_logits(twin)
     twin_err = float((got - twin_ref).norm() / twin_ref.norm())
-    assert 0 < twin_err < TWIN_TOLERANCE, f"{family} {weights}: {twin_err:.4f} from its dequantized twin"
+    assert twin_err < TWIN_TOLERANCE, f"{family} {weights}: {twin_err:.4f} from its dequantized twin"
+    # The kernel's int8 activations make it differ from its twin a little; without the group-32
+    # kernel (a CPU without AVX-512) torch multiplies the dequantized weights: exactly the twin.
+    assert twin_err > 0 or not kernel_available(), f"{family} {weights}: the kernel did not run"
 
 
 def test_auto_keeps_a_float_checkpoint_float(checkpoint: tuple[str, Path]) -> None:
@@ -160,12 +164,15 @@ def test_prefill_dense_copy_runs_prefill_sized_batches(checkpoint: tuple[str, Pa
     plain = load(directory, "int8")
     linears = [m for m in dense.modules() if isinstance(m, Linear) and m.packed is not None]
     assert linears and all(m.dense is not None for m in linears)
-    assert dense.embed_tokens.dense is None
+    # Without the group-32 kernel (no AVX-512) every torch-fallback weight keeps its copy, the
+    # embedding's too, and uses it at every row count (models.linear.keeps_dense_copy).
+    fallback = runs_on_torch(linears[0].packed)
+    assert (dense.embed_tokens.dense is not None) == fallback
     ids = [(i * 37) % 290 + 3 for i in range(PREFILL_ROWS + 8)]
     got = PagedRunner(dense, 4, torch.float32).step([(Seq(), ids)])[0][-1].double()
     want = PagedRunner(plain, 4, torch.float32).step([(Seq(), ids)])[0][-1].double()
     err = float((got - want).norm() / want.norm())
-    assert 0 < err < TWIN_TOLERANCE, f"{family}: dense prefill {err:.4f} from the kernel's"
+    assert err < TWIN_TOLERANCE and (err > 0 or fallback), f"{family}: dense prefill {err:.4f} from the kernel's"
     short = ids[: PREFILL_ROWS // 2]  # below the threshold: the kernel, bit for bit the same
     assert torch.equal(
         PagedRunner(dense, 4, torch.float32).step([(Seq(), short)])[0],
