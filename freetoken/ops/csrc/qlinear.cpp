@@ -79,6 +79,28 @@ struct QuantizedActs {
 // Per calling thread, reused across calls: quantized activations are small (M * K bytes).
 thread_local std::vector<uint8_t> t_scratch;
 
+// The calling thread's scratch for M rows of G groups, 64-byte aligned: q [M, chunks, 8, 64], then
+// group scales, group sums and half sums (float [M, chunks * 16], [M, ..], [M, 2, ..]); zeroed where
+// G leaves a chunk short (groups past G: q = 0, scale = 0).
+struct ActsScratch {
+  int64_t chunks, g16;
+  int8_t* q;
+  float *gscale, *gsum, *hsum;
+  ActsScratch(int64_t M, int64_t G) : chunks((G + 15) / 16), g16(chunks * 16) {
+    const size_t q_bytes = size_t(M * chunks * 512);
+    const size_t f_bytes = size_t(M * g16) * sizeof(float);
+    const size_t total = q_bytes + 4 * f_bytes + 64;
+    if (t_scratch.size() < total) t_scratch.resize(total);
+    uint8_t* base = t_scratch.data();
+    base += (64 - reinterpret_cast<uintptr_t>(base) % 64) % 64;
+    q = reinterpret_cast<int8_t*>(base);
+    gscale = reinterpret_cast<float*>(base + q_bytes);
+    gsum = reinterpret_cast<float*>(base + q_bytes + f_bytes);
+    hsum = reinterpret_cast<float*>(base + q_bytes + 2 * f_bytes);
+    if (G % 16) std::memset(base, 0, q_bytes + 4 * f_bytes);
+  }
+};
+
 // Value vectors (one 64-bit mask each) of a bits-5 chunk of nb groups, and its bytes.
 constexpr int64_t masks_of(int64_t nb) { return nb == 16 || 16 % nb ? 8 : nb < 4 ? 1 : nb / 2; }
 constexpr int64_t chunk_bytes5(int64_t nb) { return nb * 16 + 8 * masks_of(nb); }
@@ -101,20 +123,12 @@ template <typename T>
 FT_AVX512 QuantizedActs quantize_acts(const T* x, int64_t M, int64_t K, bool compact_tail) {
   const int64_t G = K / kGroup;
   const int64_t tail = G % 16, tail_start = G - tail;
+  ActsScratch buf(M, G);
   QuantizedActs a;
-  a.chunks = (G + 15) / 16;
-  const int64_t g16 = a.chunks * 16;
-  const size_t q_bytes = size_t(M * a.chunks * 512);
-  const size_t f_bytes = size_t(M * g16) * sizeof(float);
-  const size_t total = q_bytes + 4 * f_bytes + 64;
-  if (t_scratch.size() < total) t_scratch.resize(total);
-  uint8_t* base = t_scratch.data();
-  base += (64 - reinterpret_cast<uintptr_t>(base) % 64) % 64;
-  int8_t* q = reinterpret_cast<int8_t*>(base);
-  float* gscale = reinterpret_cast<float*>(base + q_bytes);
-  float* gsum = reinterpret_cast<float*>(base + q_bytes + f_bytes);
-  float* hsum = reinterpret_cast<float*>(base + q_bytes + 2 * f_bytes);
-  if (G % 16) std::memset(base, 0, q_bytes + 4 * f_bytes);  // zero groups past G
+  a.chunks = buf.chunks;
+  const int64_t g16 = buf.g16;
+  int8_t* q = buf.q;
+  float *gscale = buf.gscale, *gsum = buf.gsum, *hsum = buf.hsum;
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t g = 0; g < G; ++g) {
       const T* src = x + m * K + g * kGroup;

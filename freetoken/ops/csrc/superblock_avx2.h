@@ -25,20 +25,12 @@ inline bool cpu_supports_avx2() {
 template <typename T>
 QuantizedActs quantize_acts_portable(const T* x, int64_t M, int64_t K) {
   const int64_t G = K / kGroup;
+  ActsScratch buf(M, G);
   QuantizedActs a;
-  a.chunks = (G + 15) / 16;
-  const int64_t g16 = a.chunks * 16;
-  const size_t q_bytes = size_t(M * a.chunks * 512);
-  const size_t f_bytes = size_t(M * g16) * sizeof(float);
-  const size_t total = q_bytes + 4 * f_bytes + 64;
-  if (t_scratch.size() < total) t_scratch.resize(total);
-  uint8_t* base = t_scratch.data();
-  base += (64 - reinterpret_cast<uintptr_t>(base) % 64) % 64;
-  int8_t* q = reinterpret_cast<int8_t*>(base);
-  float* gscale = reinterpret_cast<float*>(base + q_bytes);
-  float* gsum = reinterpret_cast<float*>(base + q_bytes + f_bytes);
-  float* hsum = reinterpret_cast<float*>(base + q_bytes + 2 * f_bytes);
-  if (G % 16) std::memset(base, 0, q_bytes + 4 * f_bytes);  // zero groups past G
+  a.chunks = buf.chunks;
+  const int64_t g16 = buf.g16;
+  int8_t* q = buf.q;
+  float *gscale = buf.gscale, *gsum = buf.gsum, *hsum = buf.hsum;
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t g = 0; g < G; ++g) {
       const T* src = x + m * K + g * kGroup;
