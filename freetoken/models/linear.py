@@ -152,15 +152,17 @@ def keeps_dense_copy(prefill_weights: str, layer: QuantizableWeight, name: str) 
     """Under `--prefill-weights` (bf16 | auto | quantized), whether the quantized linear layer (or
     tied embedding) loaded as `name` also holds a copy in the model dtype for prefill: bf16 always, quantized
     never, auto where the kernel is slower (`_kernel_keeps_up`), and never for the LM head —
-    except that under bf16 / auto a layer whose form runs on torch's fallback here (`runs_on_torch`:
+    except that, whatever the setting, a layer whose form runs on torch's fallback here (`runs_on_torch`:
     group-32 weights on a CPU without AVX-512) keeps one, head and tied embedding included (whose
     table rows are still read packed), used at every row count:
     the fallback dequantizes the whole matrix on every call (the bundled Gemma's decode step took
     seconds on an AVX2-only Zen 3)."""
-    if layer.packed is None or prefill_weights == "quantized":
+    if layer.packed is None:
         return False
     if runs_on_torch(layer.packed):
         return True
+    if prefill_weights == "quantized":
+        return False
     if not isinstance(layer, Linear):  # an embedding table: its rows are read packed
         return False
     return prefill_weights == "bf16" or (name != HEAD and not _kernel_keeps_up(layer.packed))
