@@ -86,6 +86,9 @@ class QuantizableWeight(nn.Module):
         # The quantized matrix dequantized once to `dtype`, for prefill-sized row counts (bf16
         # GEMM beats the decode kernel ~2x from PREFILL_ROWS rows on); None: not kept.
         self.dense: torch.Tensor | None = None
+        # Row counts from which `dense` multiplies: PREFILL_ROWS, or 1 where the packed form runs
+        # on torch's fallback (`keeps_dense_copy`); decided with the copy, not on every call.
+        self.dense_from = PREFILL_ROWS
         # Multiply one row at a time (a float matrix under --deterministic: a GEMM's rounding
         # follows its row count; engine/deterministic.py sets it).
         self.rows_alone = False
@@ -106,6 +109,7 @@ class QuantizableWeight(nn.Module):
             raise ModelLoadError(f"packed weight {packed.out_features}x{packed.in_features} does not fit this layer")
         self.weight = None
         self.packed, self.dense = packed, dense
+        self.dense_from = 1 if runs_on_torch(packed) else PREFILL_ROWS
 
     def runs_as(self) -> str:
         """What `ft inspect` prints for this weight: `int8 (group 32)`, `int4 (group 32)`, `q4_k`,
@@ -119,11 +123,12 @@ class QuantizableWeight(nn.Module):
         """Also hold the quantized weight dequantized to the model dtype, for prefill."""
         if self.packed is not None:
             self.dense = self.packed.dequantize(self.dtype)
+            self.dense_from = 1 if runs_on_torch(self.packed) else PREFILL_ROWS
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, in] -> x W^T (+ bias) [T, out]."""
         if self.packed is not None:
-            if self.dense is not None and (x.shape[0] >= PREFILL_ROWS or runs_on_torch(self.packed)):
+            if self.dense is not None and x.shape[0] >= self.dense_from:
                 return dense_linear(x, self.dense, bias)
             return qlinear(x, self.packed, bias)
         if self.rows_alone and x.shape[0] > 1:
