@@ -35,7 +35,7 @@ CATEGORIES: tuple[Category, ...] = (
              "tests/gpu (96), the CUDA dequantizer (11) and fp8 K/V (1): no CUDA device; all run on one"),
     Category("triton", r"needs triton \(the `test` extra installs it\)", 2,
              "the Triton kernels' interpreter tests (one skip per module), where triton is not installed"),
-    Category("cpu_features", r"CPU lacks AVX-512", 1, "the qlinear kernel's own test, on a CPU without AVX-512 F/BW/VL/VNNI"),
+    Category("cpu_features", r"CPU lacks (AVX-512|AVX2)", 1, "the qlinear kernel's own test, on a CPU with neither AVX-512 VNNI nor AVX2"),
     Category("opt_in_marker", r"slow: run with -m (router|agent_cli)", 4,
              "opt-in markers: `router` (2, the router extra) and `agent_cli` (2, the npm CLIs)"),
     Category("litellm", r"marker `litellm`", 1, "litellm is not declared (it pins botocore): the test marked `litellm` runs where it is installed"),

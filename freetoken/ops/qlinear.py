@@ -7,8 +7,8 @@ so a call costs one Python branch and one op: no feature checks and no allocatio
 output. It must not keep a bfloat16 copy of a weight between calls. An 8-bit weight whose integers fit in
 [-16, 15] (GGUF Q5_0) is packed as 5 bits when the kernel takes them (5/8 of the bytes).
 
-Paths (CPU): M < PREFILL_ROWS -> the AVX-512 VNNI kernel when it was built and the CPU has the
-features; otherwise torch's `_weight_int4pack_mm_for_cpu` for 4-bit weights with bfloat16
+Paths (CPU): M < PREFILL_ROWS -> the kernel when it was built and the CPU has the features
+(AVX-512 VNNI, or AVX2 + FMA + F16C: csrc/group32_avx2.h); otherwise torch's `_weight_int4pack_mm_for_cpu` for 4-bit weights with bfloat16
 activations, or dequantize + F.linear. M >= PREFILL_ROWS -> the kernel as well (it beats
 dequantize-in-tiles + bf16 GEMM at the shapes measured; see docs/engineering/kernels.md). CUDA: the
 Triton kernel (ops/triton_qlinear.py, its own row layout) for every row count where triton imports.
@@ -52,11 +52,13 @@ def _load_extension() -> ModuleType | None:
 
 
 def _load_kernel(ext: ModuleType | None) -> ModuleType | None:
-    """The extension where this CPU runs all of it (AVX-512 VNNI: the group-32 kernel needs it)."""
+    """The extension where this CPU runs its group-32 kernel (qmm): AVX-512 VNNI, or AVX2 + FMA +
+    F16C (csrc/group32_avx2.h; an older build without it needs AVX-512)."""
     if ext is None:
         return None
-    if not ext.supported():
-        log.info("freetoken.ops: CPU lacks AVX-512 F/BW/VL/VNNI; group-32 weights use the torch fallback")
+    supported = getattr(ext, "group32_supported", ext.supported)
+    if not supported():
+        log.info("freetoken.ops: CPU lacks AVX2 / FMA / F16C; group-32 weights use the torch fallback")
         return None
     return ext
 
@@ -89,7 +91,7 @@ def grouped_matmul_available() -> bool:
 
 
 def kernel_available() -> bool:
-    """Whether CPU qlinear calls of group-32 weights run FreeToken's own kernel (AVX-512 VNNI)."""
+    """Whether CPU qlinear calls of group-32 weights run FreeToken's own kernel (AVX-512 VNNI or AVX2)."""
     return _KERNEL is not None
 
 

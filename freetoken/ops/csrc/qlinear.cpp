@@ -19,8 +19,7 @@
 // acc += float(dot) * weight scale * activation scale + (minimum - 128 scale (bits 8)) * sum(x_q).
 // Compiled without -march: the AVX-512 functions carry a target attribute, and `supported()` tells
 // Python whether this CPU can run them; Python never calls the kernel otherwise.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "extension.h"  // ATen and pybind11 (not the whole of <torch/extension.h>)
 #include <immintrin.h>
 
 #include <algorithm>
@@ -65,6 +64,11 @@ bool cpu_supported() {
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
          __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
+
+// Whether this CPU runs the AVX-512 kernels; where not, the AVX2 ones (superblock_avx2.h,
+// group32_avx2.h) if it has AVX2 (group32_supported / superblock_supported say; Python never calls
+// a kernel otherwise). The CPU does not change: decided once, when the extension loads.
+const bool kAvx512 = cpu_supported();
 
 // Activations quantized per 32-group, in the chunk-transposed layout (always 16 lanes; groups past
 // G are zero: q = 0, scale = 0).
@@ -307,7 +311,8 @@ FT_AVX512 void tile_kernel(const uint8_t* wq, const at::Half* ws, const at::Half
   for (; n < n1; ++n) rows_kernel<MT, BITS, 1>(wq, ws, wm, K, n, a, m0, out, ldo);
 }
 
-#include "superblock_avx2.h"  // the same kernel for CPUs with AVX2 and no AVX-512
+#include "superblock_avx2.h"  // the super-block kernel for CPUs with AVX2 and no AVX-512
+#include "group32_avx2.h"      // and the group-32 one
 
 // ---- Super-block weights (GGUF Q4_K, Q6_K) in their own integers ------------------------------
 // A row is padded to whole chunks of 512 weights (zero weights; the activations past K are zero
@@ -521,10 +526,17 @@ constexpr std::array<TileFn<BITS>, sizeof...(Ms)> make_table(std::integer_sequen
   return {&tile_kernel<Ms + 1, BITS>...};
 }
 
+template <int BITS, int... Ms>
+constexpr std::array<TileFn<BITS>, sizeof...(Ms)> make_table_avx2(std::integer_sequence<int, Ms...>) {
+  return {&g32_tile_avx2<Ms + 1, BITS>...};
+}
+
+// The group-32 tile kernels this CPU runs: AVX-512 VNNI where it has them, else AVX2.
 template <int BITS>
 const std::array<TileFn<BITS>, kMaxRows>& tile_table() {
-  static constexpr auto table = make_table<BITS>(std::make_integer_sequence<int, kMaxRows>{});
-  return table;
+  static constexpr auto avx512 = make_table<BITS>(std::make_integer_sequence<int, kMaxRows>{});
+  static constexpr auto avx2 = make_table_avx2<BITS>(std::make_integer_sequence<int, kMaxRows>{});
+  return kAvx512 ? avx512 : avx2;
 }
 
 inline uint16_t to_bf16_bits(float f) {
@@ -535,9 +547,13 @@ inline uint16_t to_bf16_bits(float f) {
   return uint16_t(u >> 16);
 }
 
-// The activation rows of x quantized per 32-group (see quantize_acts).
+// The activation rows of x quantized per 32-group (see quantize_acts; without AVX-512 the same
+// bits from acts_portable.h).
 inline QuantizedActs quantize_x(const at::Tensor& x, bool compact_tail) {
   const int64_t M = x.size(0), K = x.size(1);
+  if (!kAvx512)
+    return x.scalar_type() == at::kFloat ? quantize_acts_portable(x.data_ptr<float>(), M, K, compact_tail)
+                                         : quantize_acts_portable(x.data_ptr<at::BFloat16>(), M, K, compact_tail);
   return x.scalar_type() == at::kFloat ? quantize_acts(x.data_ptr<float>(), M, K, compact_tail)
                                        : quantize_acts(x.data_ptr<at::BFloat16>(), M, K, compact_tail);
 }
@@ -650,26 +666,18 @@ constexpr std::array<SbTileFn, sizeof...(Ms)> make_sb_table_avx2(std::integer_se
   return {&sb_tile_avx2<Ms + 1, KIND>...};
 }
 
-// The super-block tile kernels this CPU runs: AVX-512 VNNI where it has them, else AVX2
-// (superblock_supported() says whether either; Python never calls sbmm otherwise).
-const bool kSbAvx512 = cpu_supported();
+// The super-block tile kernels this CPU runs: AVX-512 VNNI where it has them, else AVX2.
 
 template <int KIND>
 const std::array<SbTileFn, kMaxRows>& sb_tiles() {
   static constexpr auto avx512 = make_sb_table<KIND>(std::make_integer_sequence<int, kMaxRows>{});
   static constexpr auto avx2 = make_sb_table_avx2<KIND>(std::make_integer_sequence<int, kMaxRows>{});
-  return kSbAvx512 ? avx512 : avx2;
+  return kAvx512 ? avx512 : avx2;
 }
 
-inline bool superblock_supported() { return kSbAvx512 || cpu_supports_avx2(); }
+inline bool superblock_supported() { return kAvx512 || cpu_supports_avx2(); }
+inline bool group32_supported() { return kAvx512 || cpu_supports_avx2(); }
 
-// x's rows quantized for the super-block kernels (chunk-padded: never a compact tail).
-inline QuantizedActs quantize_sb(const at::Tensor& x) {
-  if (kSbAvx512) return quantize_x(x, false);
-  const int64_t M = x.size(0), K = x.size(1);
-  return x.scalar_type() == at::kFloat ? quantize_acts_portable(x.data_ptr<float>(), M, K)
-                                       : quantize_acts_portable(x.data_ptr<at::BFloat16>(), M, K);
-}
 
 // y[M, N] = x[M, K] @ dequant(W)[N, K]^T + bias for a super-block weight (kind 4: q4_k, 6: q6_k).
 at::Tensor sbmm(const at::Tensor& x_in, const at::Tensor& wq, const at::Tensor& wmeta,
@@ -690,7 +698,7 @@ at::Tensor sbmm(const at::Tensor& x_in, const at::Tensor& wq, const at::Tensor& 
               "sbmm: meta must be contiguous [N, ", C * kSbMetaBytes, "] bytes");
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  const QuantizedActs a = quantize_sb(x);
+  const QuantizedActs a = quantize_x(x, false);
   const uint8_t* q = wq.data_ptr<uint8_t>();
   const uint8_t* meta = wmeta.data_ptr<uint8_t>();
   const auto& table = kind == kQ4K ? sb_tiles<kQ4K>() : sb_tiles<kQ6K>();
@@ -761,7 +769,7 @@ at::Tensor grouped_sbmm(const at::Tensor& x_in, const at::Tensor& offsets, const
   }
   at::Tensor y = at::empty({P, N}, x.options());
   if (P == 0 || N == 0) return y;
-  const QuantizedActs a = quantize_sb(x);
+  const QuantizedActs a = quantize_x(x, false);
   const auto& table = kind == kQ4K ? sb_tiles<kQ4K>() : sb_tiles<kQ6K>();
   const bool f32_out = y.scalar_type() == at::kFloat;
   float* yf = f32_out ? y.data_ptr<float>() : nullptr;
@@ -802,6 +810,24 @@ FT_AVX512 int64_t read_range(const uint8_t* p, int64_t n) {
   return _mm512_reduce_add_epi64(_mm512_xor_si512(acc0, acc1)) + tail;
 }
 
+// read_range with 32-byte loads, for CPUs without AVX-512.
+FT_AVX2 int64_t read_range_avx2(const uint8_t* p, int64_t n) {
+  __m256i acc0 = _mm256_setzero_si256(), acc1 = _mm256_setzero_si256();
+  int64_t o = 0;
+  for (; o + 128 <= n; o += 128) {
+    for (int64_t j = 0; j < 128; j += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + o + kPrefetchBytes + j, _MM_HINT_T0);
+    acc0 = _mm256_xor_si256(acc0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + o)));
+    acc1 = _mm256_xor_si256(acc1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + o + 32)));
+    acc0 = _mm256_xor_si256(acc0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + o + 64)));
+    acc1 = _mm256_xor_si256(acc1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + o + 96)));
+  }
+  alignas(32) int64_t lanes[4];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_xor_si256(acc0, acc1));
+  int64_t tail = lanes[0] + lanes[1] + lanes[2] + lanes[3];
+  for (; o < n; ++o) tail += p[o];
+  return tail;
+}
+
 int64_t stream_read(const at::Tensor& t) {
   TORCH_CHECK(t.is_contiguous() && t.device().is_cpu(), "stream_read: a contiguous CPU tensor");
   const uint8_t* p = static_cast<const uint8_t*>(t.data_ptr());
@@ -809,7 +835,8 @@ int64_t stream_read(const at::Tensor& t) {
   constexpr int64_t kBlock = 4096;
   std::atomic<int64_t> sum{0};
   at::parallel_for(0, (n + kBlock - 1) / kBlock, 32, [&](int64_t b, int64_t e) {
-    sum += read_range(p + b * kBlock, std::min(n, e * kBlock) - b * kBlock);
+    const int64_t len = std::min(n, e * kBlock) - b * kBlock;
+    sum += kAvx512 ? read_range(p + b * kBlock, len) : read_range_avx2(p + b * kBlock, len);
   });
   return sum.load();
 }
@@ -819,6 +846,8 @@ int64_t stream_read(const at::Tensor& t) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "FreeToken's AVX-512 VNNI weight-only quantized matmul (see qlinear.cpp)";
   m.def("supported", &cpu_supported, "whether this CPU has AVX-512 F/BW/VL/VNNI (every kernel here)");
+  m.def("group32_supported", &group32_supported,
+        "whether this CPU runs qmm and stream_read: AVX-512 VNNI, or AVX2 + FMA + F16C");
   m.def("superblock_supported", &superblock_supported,
         "whether this CPU runs sbmm / grouped_sbmm: AVX-512 VNNI, or AVX2 + FMA + F16C");
   m.attr("bits") = py::make_tuple(4, 5, 8);  // the weight widths qmm takes

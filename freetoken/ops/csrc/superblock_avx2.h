@@ -19,47 +19,7 @@ inline bool cpu_supports_avx2() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 
-// quantize_acts without AVX-512 (chunk-padded rows: never a compact tail), the same bits: a
-// group's scale amax / 127, values rounded to nearest even (the default rounding mode, as
-// vcvtps2dq), sums exact in integers before one multiply.
-template <typename T>
-QuantizedActs quantize_acts_portable(const T* x, int64_t M, int64_t K) {
-  const int64_t G = K / kGroup;
-  ActsScratch buf(M, G);
-  QuantizedActs a;
-  a.chunks = buf.chunks;
-  const int64_t g16 = buf.g16;
-  int8_t* q = buf.q;
-  float *gscale = buf.gscale, *gsum = buf.gsum, *hsum = buf.hsum;
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t g = 0; g < G; ++g) {
-      const T* src = x + m * K + g * kGroup;
-      float v[32], amax = 0.0f;
-      for (int i = 0; i < 32; ++i) {
-        v[i] = static_cast<float>(src[i]);
-        amax = std::max(amax, std::fabs(v[i]));
-      }
-      const float d = amax / 127.0f;
-      const float id = d > 0.0f ? 1.0f / d : 0.0f;
-      int8_t* dst = q + (m * a.chunks + g / 16) * 512 + (g % 16) * 4;  // vector v, word g % 16
-      int32_t isum[2] = {0, 0};
-      for (int i = 0; i < 32; ++i) {
-        const int32_t r = static_cast<int32_t>(std::clamp(std::nearbyint(v[i] * id), -128.0f, 127.0f));
-        dst[(i / 4) * 64 + i % 4] = static_cast<int8_t>(r);
-        isum[i / 16] += r;
-      }
-      gscale[m * g16 + g] = d;
-      gsum[m * g16 + g] = d * float(isum[0] + isum[1]);
-      hsum[(2 * m) * g16 + g] = d * float(isum[0]);
-      hsum[(2 * m + 1) * g16 + g] = d * float(isum[1]);
-    }
-  }
-  a.q = q;
-  a.group_scale = gscale;
-  a.group_sum = gsum;
-  a.half_sum = hsum;
-  return a;
-}
+#include "acts_portable.h"  // the activations' quantization without AVX-512
 
 // Bits 4-5 of a q6_k value vector from the high-pair vector (see with_high_pair).
 template <int K>
