@@ -8,6 +8,8 @@ per-function target attributes and is chosen at run time by CPU feature.
 
 from __future__ import annotations
 
+import glob
+import os
 import sys
 
 from setuptools import setup
@@ -23,53 +25,39 @@ except ImportError:  # no torch in the build environment: pure-Python install
 COMPILE_ARGS = ["-O3", "-fno-wrapv", "-fopenmp"]
 
 
+# The extensions, the longest to compile first (they are compiled in parallel, one per core).
+KERNELS = ["qlinear", "sampling", "layers", "attention", "gated_delta", "repack"]
+
+
 def _extensions() -> list:
     if BuildExtension is None or sys.platform != "linux":
         return []
     return [
         CppExtension(
-            name="freetoken.ops._qlinear_cpu",
-            sources=["freetoken/ops/csrc/qlinear.cpp"],
+            name=f"freetoken.ops._{name}_cpu",
+            sources=[f"freetoken/ops/csrc/{name}.cpp"],
+            depends=glob.glob("freetoken/ops/csrc/*.h"),
             extra_compile_args=COMPILE_ARGS,
             extra_link_args=["-fopenmp"],
-        ),
-        CppExtension(
-            name="freetoken.ops._attention_cpu",
-            sources=["freetoken/ops/csrc/attention.cpp"],
-            extra_compile_args=COMPILE_ARGS,
-            extra_link_args=["-fopenmp"],
-        ),
-        CppExtension(
-            name="freetoken.ops._layers_cpu",
-            sources=["freetoken/ops/csrc/layers.cpp"],
-            extra_compile_args=COMPILE_ARGS,
-            extra_link_args=["-fopenmp"],
-        ),
-        CppExtension(
-            name="freetoken.ops._gated_delta_cpu",
-            sources=["freetoken/ops/csrc/gated_delta.cpp"],
-            extra_compile_args=COMPILE_ARGS,
-            extra_link_args=["-fopenmp"],
-        ),
-        CppExtension(
-            name="freetoken.ops._repack_cpu",
-            sources=["freetoken/ops/csrc/repack.cpp"],
-            extra_compile_args=COMPILE_ARGS,
-            extra_link_args=["-fopenmp"],
-        ),
-        CppExtension(
-            name="freetoken.ops._sampling_cpu",
-            sources=["freetoken/ops/csrc/sampling.cpp"],
-            extra_compile_args=COMPILE_ARGS,
-            extra_link_args=["-fopenmp"],
-        ),
+        )
+        for name in KERNELS
     ]
 
 
 if BuildExtension is not None:
 
     class OptionalBuildExtension(BuildExtension):
-        """Builds the kernel if it can; a failure leaves the torch fallback, never a failed install."""
+        """Builds the kernels if it can, one per core at a time; a failure leaves the torch fallback,
+        never a failed install. Without ninja: torch's ninja build writes one build.ninja per
+        build directory, which parallel extensions would share."""
+
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **{**kwargs, "use_ninja": False})
+
+        def finalize_options(self) -> None:
+            super().finalize_options()
+            if not self.parallel:
+                self.parallel = os.cpu_count() or 1
 
         def run(self) -> None:
             try:

@@ -9,8 +9,7 @@
 // in float32, rounded once to the query dtype. Keys that are not visible are never read (their
 // slots may be anything). The torch path gathers every slot's K and V into new tensors, converts
 // them to float32 and runs ~10 ops per layer; this reads each visible row once, in place.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "extension.h"  // ATen and pybind11 (not the whole of <torch/extension.h>)
 #include <immintrin.h>
 
 #include <cmath>

@@ -11,8 +11,7 @@
 // Owns the arithmetic only; freetoken/ops/gated_delta.py chooses between these and the torch
 // reference (the prefill chunks' form, other devices, no extension built) and documents it. The
 // loops are plain C++, compiled once as they are and once for AVX-512 (chosen at run time).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "extension.h"  // ATen and pybind11 (not the whole of <torch/extension.h>)
 
 #include <cmath>
 #include <cstdint>

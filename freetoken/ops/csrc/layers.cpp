@@ -7,8 +7,7 @@
 // reference (float64, other devices) and documents the rounding. Rows (every dimension but the
 // last) may be strided; the last dimension must be contiguous. Plain C++ loops: at decode sizes
 // (a few hundred values per row) a call costs about a microsecond, so no SIMD of our own.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "extension.h"  // ATen and pybind11 (not the whole of <torch/extension.h>)
 
 #include <cmath>
 #include <cstdint>

@@ -19,7 +19,7 @@
 //   meta (40 bytes): q4_k sc[16] | m[16] | d, d | dmin, dmin; q6_k scales of each group's first
 //                16 weights [16] | of its last 16 [16] | d, d | 4 zero bytes.
 
-#include <torch/extension.h>
+#include "extension.h"  // ATen and pybind11 (not the whole of <torch/extension.h>)
 
 #include <sys/mman.h>
 
@@ -49,15 +49,15 @@ inline void scale_min_k4(int j, const uint8_t* q, uint8_t* sc, uint8_t* m) {
 // pages (madvise: the kernel's default mode is "madvise"): its first touch, which the conversion
 // pays, faults 2 MB at a time instead of 4 KB (for the 1.1B's 725 MB of rows, ~180,000 faults
 // fewer), and the kernel that later streams these weights misses the TLB less. Unmapped when
-// the tensor's storage is freed. torch::empty where the map cannot be had.
-torch::Tensor fresh(at::IntArrayRef sizes, torch::ScalarType dtype) {
+// the tensor's storage is freed. at::empty where the map cannot be had.
+at::Tensor fresh(at::IntArrayRef sizes, at::ScalarType dtype) {
   int64_t bytes = c10::elementSize(dtype);
   for (const int64_t n : sizes) bytes *= n;
-  if (bytes < (int64_t(1) << 21)) return torch::empty(sizes, dtype);
+  if (bytes < (int64_t(1) << 21)) return at::empty(sizes, dtype);
   void* p = mmap(nullptr, size_t(bytes), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED) return torch::empty(sizes, dtype);
+  if (p == MAP_FAILED) return at::empty(sizes, dtype);
   madvise(p, size_t(bytes), MADV_HUGEPAGE);  // advice: a kernel without THP ignores it
-  return torch::from_blob(p, sizes, [bytes](void* q) { munmap(q, size_t(bytes)); }, torch::TensorOptions().dtype(dtype));
+  return at::from_blob(p, sizes, [bytes](void* q) { munmap(q, size_t(bytes)); }, at::TensorOptions().dtype(dtype));
 }
 
 inline uint32_t load32(const uint8_t* p) {
@@ -147,7 +147,7 @@ void q6_k_row(const uint8_t* raw, int64_t k, uint8_t* values, uint8_t* meta) {
 // (values, meta) of the [N, K] matrix whose GGUF blocks are the row blocks `parts` stacked (each
 // uint8 [rows, K / 256 * block bytes]: a fused projection's parts are read where they lie, not
 // concatenated first). kind: 4 (Q4_K) or 6 (Q6_K).
-std::tuple<torch::Tensor, torch::Tensor> repack_superblocks(const std::vector<torch::Tensor>& parts, int64_t kind,
+std::tuple<at::Tensor, at::Tensor> repack_superblocks(const std::vector<at::Tensor>& parts, int64_t kind,
                                                             int64_t k) {
   TORCH_CHECK(kind == 4 || kind == 6, "repack_superblocks: kind must be 4 or 6, got ", kind);
   TORCH_CHECK(k > 0 && k % kSuper == 0, "repack_superblocks: K must be a positive multiple of 256, got ", k);
@@ -155,7 +155,7 @@ std::tuple<torch::Tensor, torch::Tensor> repack_superblocks(const std::vector<to
   const int64_t row_bytes = k / kSuper * block_bytes;
   std::vector<const uint8_t*> rows;
   for (const auto& raw : parts) {
-    TORCH_CHECK(raw.scalar_type() == torch::kUInt8 && raw.dim() == 2 && raw.is_contiguous() && raw.device().is_cpu(),
+    TORCH_CHECK(raw.scalar_type() == at::kByte && raw.dim() == 2 && raw.is_contiguous() && raw.device().is_cpu(),
                 "repack_superblocks: each part must be contiguous uint8 [rows, bytes] on the CPU");
     TORCH_CHECK(raw.size(1) == row_bytes, "repack_superblocks: ", raw.size(1), " bytes per row, expected ", row_bytes,
                 " for K ", k);
@@ -168,8 +168,8 @@ std::tuple<torch::Tensor, torch::Tensor> repack_superblocks(const std::vector<to
   const int64_t row_values = chunks * chunk_bytes - (k % kChunk ? chunk_bytes / 2 : 0);
   // Not zero-filled up front (a single-threaded memset of a GB, and every page faulted twice): the
   // row functions write every byte of values; each row's meta is cleared first (the unused bytes).
-  auto values = fresh({n, row_values}, torch::kUInt8);
-  auto meta = torch::empty({n, chunks * kMeta}, torch::kUInt8);
+  auto values = fresh({n, row_values}, at::kByte);
+  auto meta = at::empty({n, chunks * kMeta}, at::kByte);
   uint8_t* vp = values.data_ptr<uint8_t>();
   uint8_t* mp = meta.data_ptr<uint8_t>();
   {
@@ -245,11 +245,11 @@ void dequantize_row(const uint8_t* values, const uint8_t* meta, int64_t kind, in
 
 // Rows of a packed weight (values [R, row bytes], meta [R, chunks * 40]) dequantized to float32
 // or bfloat16 [R, K].
-torch::Tensor dequantize_superblocks(const torch::Tensor& values, const torch::Tensor& meta, int64_t kind, int64_t k,
+at::Tensor dequantize_superblocks(const at::Tensor& values, const at::Tensor& meta, int64_t kind, int64_t k,
                                      bool bf16) {
   TORCH_CHECK(kind == 4 || kind == 6, "dequantize_superblocks: kind must be 4 or 6, got ", kind);
   TORCH_CHECK(k > 0 && k % kSuper == 0, "dequantize_superblocks: K must be a positive multiple of 256, got ", k);
-  TORCH_CHECK(values.scalar_type() == torch::kUInt8 && meta.scalar_type() == torch::kUInt8 && values.dim() == 2 &&
+  TORCH_CHECK(values.scalar_type() == at::kByte && meta.scalar_type() == at::kByte && values.dim() == 2 &&
                   meta.dim() == 2 && values.is_contiguous() && meta.is_contiguous() && values.device().is_cpu() &&
                   meta.device().is_cpu() && values.size(0) == meta.size(0),
               "dequantize_superblocks: values and meta must be contiguous uint8 [R, bytes] on the CPU");
@@ -259,7 +259,7 @@ torch::Tensor dequantize_superblocks(const torch::Tensor& values, const torch::T
   TORCH_CHECK(values.size(1) == row_values && meta.size(1) == chunks * kMeta, "dequantize_superblocks: rows of ",
               values.size(1), " / ", meta.size(1), " bytes, expected ", row_values, " / ", chunks * kMeta, " for K ", k);
   const int64_t r = values.size(0);
-  auto out = fresh({r, k}, bf16 ? torch::kBFloat16 : torch::kFloat32);
+  auto out = fresh({r, k}, bf16 ? at::kBFloat16 : at::kFloat);
   const uint8_t* vp = values.data_ptr<uint8_t>();
   const uint8_t* mp = meta.data_ptr<uint8_t>();
   void* op = out.data_ptr();

@@ -11,8 +11,7 @@
 // normaliser sums exp(x - max) with the vectorized exp of simd.h (~1 ulp) in float32 lanes folded
 // into float64 every 1024 values: it agrees with torch's float32 sum to ~1e-6 relative, not bit for
 // bit (the sampler's top-p cut tolerates 1e-5).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "extension.h"  // ATen and pybind11 (not the whole of <torch/extension.h>)
 
 #include <algorithm>
 #include <cmath>
