@@ -15,7 +15,10 @@ kernel moves them from float32 (0.007-0.05 vs 0.009-0.02 over four prompts). Chu
 MIN_QUERIES keep the fused kernel: there the matmuls save little; so do chunks over more than
 MAX_KEYS keys, so that the GEMMs see a bounded set of shapes (oneDNN keeps memory per shape: with
 free shapes, 300 random chunks grew RSS by ~700 MiB; bucketed, by ~70 MiB at most, then flat).
-Float32 and other devices use SDPA. It holds no state.
+Float32, other devices and CPUs without a bfloat16 unit (no AVX512-BF16 / AMX: AMD Zen 2 / 3,
+where oneDNN's bfloat16 GEMMs are emulated) use SDPA: on a Zen 3 the matmul path took 304 ms for
+4 heads x 256 queries x 512 keys x 256 dims where SDPA takes 8 ms (38x; 1,538 against 24 ms at
+512 x 1024). It holds no state.
 """
 
 from __future__ import annotations
@@ -23,8 +26,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from freetoken.utils.hardware import cpu_has_fast_bf16
+
 # Queries from which a bfloat16 CPU chunk takes the matmul path (below, the fused call is cheap).
 MIN_QUERIES = 64
+# Whether this CPU multiplies bfloat16 natively (decided once: the CPU does not change).
+_FAST_BF16 = cpu_has_fast_bf16()
 # The GEMMs see few shapes: oneDNN keeps memory per shape it has seen (~2.4 MiB per new chunk
 # shape: free chunk and key lengths grew the engine's RSS without bound). Queries are padded to a
 # multiple of QUERY_BUCKET (a chunk here has at most 2 * 256 - 1 rows), keys to one of KEY_BUCKET,
@@ -40,7 +47,13 @@ def attend_chunk(
     """q [1, H, L, D], k and v [1, n_kv, S, D] (H a multiple of n_kv), visible [1, 1, L, S] bool
     (every row sees at least one key) -> [1, H, L, D] in q's dtype."""
     H, n_kv = q.shape[1], k.shape[1]
-    fused = q.dtype != torch.bfloat16 or q.device.type != "cpu" or q.shape[2] < MIN_QUERIES or k.shape[2] > MAX_KEYS
+    fused = (
+        q.dtype != torch.bfloat16
+        or q.device.type != "cpu"
+        or not _FAST_BF16
+        or q.shape[2] < MIN_QUERIES
+        or k.shape[2] > MAX_KEYS
+    )
     if fused:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=H > n_kv)
     return _centered(q, k, v, visible, scale)

@@ -1,6 +1,7 @@
-"""attend_chunk: in bfloat16 on the CPU (the centered-score matmul path) it stays within twice the
-fused SDPA kernel's error against float64, with GQA and sliding-window masks at the sizes real
-models prefill; in float32 it is SDPA."""
+"""attend_chunk: in bfloat16 on a CPU with a bfloat16 unit (the centered-score matmul path) it
+stays within twice the fused SDPA kernel's error against float64, with GQA and sliding-window masks
+at the sizes real models prefill; in float32, and in bfloat16 on a CPU without one, it is SDPA.
+The matmul path's tests force it (`matmul_path`) so they run on either kind of CPU."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from freetoken.attention import chunk
 from freetoken.attention.chunk import attend_chunk
+
+
+@pytest.fixture
+def matmul_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bfloat16 matmul path whatever this CPU has (its results do not depend on it; only its speed)."""
+    monkeypatch.setattr(chunk, "_FAST_BF16", True)
 
 
 def _case(H: int, n_kv: int, L: int, S: int, D: int, window: int | None, seed: int):
@@ -41,7 +49,7 @@ def _reference(q, k, v, visible, scale):  # float64, heads expanded
     ],
 )
 def test_bfloat16_error_within_twice_the_fused_kernels(
-    H: int, n_kv: int, L: int, S: int, D: int, window: int | None
+    H: int, n_kv: int, L: int, S: int, D: int, window: int | None, matmul_path: None
 ) -> None:
     q, k, v, visible = _case(H, n_kv, L, S, D, window, seed=H * L + S)
     scale = D**-0.5
@@ -55,19 +63,22 @@ def test_bfloat16_error_within_twice_the_fused_kernels(
     assert err <= 2 * fused_err, (err, fused_err)
 
 
-@pytest.mark.parametrize(("dtype", "L"), [(torch.float32, 100), (torch.bfloat16, 20)])
-def test_float32_and_short_chunks_are_the_fused_kernel(dtype: torch.dtype, L: int) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "L", "fast_bf16"), [(torch.float32, 100, True), (torch.bfloat16, 20, True), (torch.bfloat16, 100, False)]
+)
+def test_float32_short_chunks_and_emulated_bfloat16_are_the_fused_kernel(
+    dtype: torch.dtype, L: int, fast_bf16: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(chunk, "_FAST_BF16", fast_bf16)  # without a bfloat16 unit, bfloat16 GEMMs are emulated
     q, k, v, visible = _case(4, 2, L, L + 10, 16, None, seed=1)
     q, k, v = (t.to(dtype) for t in (q, k, v))
     got = attend_chunk(q, k, v, visible, 0.25)
     assert torch.equal(got, F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=0.25, enable_gqa=True))
 
 
-def test_gemm_shapes_are_bucketed(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gemm_shapes_are_bucketed(monkeypatch: pytest.MonkeyPatch, matmul_path: None) -> None:
     """oneDNN keeps memory per GEMM shape it has seen: free chunk and key lengths reach only a few
     shapes (queries padded to QUERY_BUCKET, keys to KEY_BUCKET, SDPA past MAX_KEYS)."""
-    from freetoken.attention import chunk
-
     seen: set[tuple[tuple[int, ...], ...]] = set()
     real_bmm, real_baddbmm = torch.bmm, torch.baddbmm
 
@@ -88,4 +99,5 @@ def test_gemm_shapes_are_bucketed(monkeypatch: pytest.MonkeyPatch) -> None:
         q, k, v, visible = _case(4, 1, L, S, 16, None, seed=L)
         attend_chunk(q.bfloat16(), k.bfloat16(), v.bfloat16(), visible, 0.25)
     rows = {a[1] for a, _ in seen}
+    assert seen, "the matmul path never ran"
     assert len(seen) <= 3 * 4 * 4 and rows <= {4 * b for b in (128, 256, 384, 512)}, sorted(seen)
