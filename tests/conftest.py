@@ -11,6 +11,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -43,3 +44,22 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     terminalreporter.config.stash[POLICY].terminal_summary(terminalreporter)
+
+
+@pytest.fixture(scope="session")
+def transformers_gguf() -> Callable[[Path], torch.nn.Module]:
+    """transformers' own model of a GGUF file (float32, eager attention, eval), loaded once a
+    session per file: its GGUF reader dequantizes in numpy (~85 s for the bundled Gemma, ~30 s for
+    SmolLM2 on a Zen 3), and more than one module compares against the same file's."""
+    loaded: dict[Path, torch.nn.Module] = {}
+
+    def load(path: Path) -> torch.nn.Module:
+        if path not in loaded:
+            import transformers
+
+            loaded[path] = transformers.AutoModelForCausalLM.from_pretrained(
+                path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
+            ).eval()
+        return loaded[path]
+
+    return load

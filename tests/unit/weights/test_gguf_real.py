@@ -14,6 +14,7 @@ base, query_pre_attn_scalar), where transformers' Gemma 3 defaults apply.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -55,8 +56,10 @@ def smollm2_checkpoint(smollm2_gguf: Path) -> GGUFCheckpoint:
 
 
 @pytest.fixture(scope="session")
-def smollm2_transformers(smollm2_gguf: Path) -> tuple[dict[str, torch.Tensor], PreTrainedConfig]:
-    model = AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32)
+def smollm2_transformers(
+    smollm2_gguf: Path, transformers_gguf: Callable[[Path], torch.nn.Module]
+) -> tuple[dict[str, torch.Tensor], PreTrainedConfig]:
+    model = transformers_gguf(smollm2_gguf)  # AutoModelForCausalLM.from_pretrained(..., gguf_file=...), float32
     return model.state_dict(), model.config
 
 
