@@ -3,7 +3,7 @@ Q4_K_M at TP=2 (one KV head, replicated on both ranks; vocabulary 262144 split i
 SmolLM2-135M Q4_1 at TP=3 (its 3 KV heads split). Over several prompts (two sharing a prefix)
 prefilled in one batch and decoded greedily together, the top-5 log-probabilities at every
 prefill and decode position agree within TOL and the greedy texts are equal: Gemma with the
-file's quantized weights (the serving default `--weights auto`) over 64 tokens with float and
+file's quantized weights (the serving default `--weights auto`) over 32 tokens with float and
 8-bit K/V, and with float weights over 16; SmolLM2 over 16 tokens with 8-bit K/V.
 
 TOL: float weights combine the ranks' partial sums with an all-reduce, which differs from the
