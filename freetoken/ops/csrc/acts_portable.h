@@ -14,9 +14,7 @@ QuantizedActs quantize_acts_portable(const T* x, int64_t M, int64_t K, bool comp
   const int64_t G = K / kGroup;
   const int64_t tail = G % 16, tail_start = G - tail;
   ActsScratch buf(M, G);
-  QuantizedActs a;
-  a.chunks = buf.chunks;
-  const int64_t g16 = buf.g16;
+  const int64_t chunks = buf.chunks, g16 = buf.g16;
   int8_t* q = buf.q;
   float *gscale = buf.gscale, *gsum = buf.gsum, *hsum = buf.hsum;
   for (int64_t m = 0; m < M; ++m) {
@@ -30,7 +28,7 @@ QuantizedActs quantize_acts_portable(const T* x, int64_t M, int64_t K, bool comp
       const float d = amax / 127.0f;
       const float id = d > 0.0f ? 1.0f / d : 0.0f;
       const int64_t vstride = compact_tail && g >= tail_start ? tail : 16;  // words between a group's words
-      int8_t* dst = q + (m * a.chunks + g / 16) * 512 + (g % 16) * 4;  // word 0 of the group
+      int8_t* dst = q + (m * chunks + g / 16) * 512 + (g % 16) * 4;  // word 0 of the group
       int32_t isum[2] = {0, 0};
       for (int i = 0; i < 32; ++i) {
         const int32_t r = static_cast<int32_t>(std::clamp(std::nearbyint(v[i] * id), -128.0f, 127.0f));
@@ -42,14 +40,7 @@ QuantizedActs quantize_acts_portable(const T* x, int64_t M, int64_t K, bool comp
       hsum[(2 * m) * g16 + g] = d * float(isum[0]);
       hsum[(2 * m + 1) * g16 + g] = d * float(isum[1]);
     }
-    if (compact_tail && tail) {  // dot lane j of a compact tail belongs to group j % tail
-      float* ts = gscale + m * g16 + tail_start;
-      for (int64_t j = tail; j < 16; ++j) ts[j] = ts[j % tail];
-    }
+    if (compact_tail && tail) buf.repeat_tail_scales(m, tail_start, tail);
   }
-  a.q = q;
-  a.group_scale = gscale;
-  a.group_sum = gsum;
-  a.half_sum = hsum;
-  return a;
+  return buf.acts();
 }

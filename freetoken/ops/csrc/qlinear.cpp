@@ -103,6 +103,22 @@ struct ActsScratch {
     hsum = reinterpret_cast<float*>(base + q_bytes + 2 * f_bytes);
     if (G % 16) std::memset(base, 0, q_bytes + 4 * f_bytes);
   }
+  // Dot lane j of row m's compact last chunk (its `tail` groups from `tail_start`) belongs to
+  // group j % tail: that group's scale, repeated over the chunk's 16 lanes.
+  void repeat_tail_scales(int64_t m, int64_t tail_start, int64_t tail) {
+    float* ts = gscale + m * g16 + tail_start;
+    for (int64_t j = tail; j < 16; ++j) ts[j] = ts[j % tail];
+  }
+  // The activations as the kernels read them, once the rows are written.
+  QuantizedActs acts() const {
+    QuantizedActs a;
+    a.chunks = chunks;
+    a.q = q;
+    a.group_scale = gscale;
+    a.group_sum = gsum;
+    a.half_sum = hsum;
+    return a;
+  }
 };
 
 // Value vectors (one 64-bit mask each) of a bits-5 chunk of nb groups, and its bytes.
@@ -128,9 +144,7 @@ FT_AVX512 QuantizedActs quantize_acts(const T* x, int64_t M, int64_t K, bool com
   const int64_t G = K / kGroup;
   const int64_t tail = G % 16, tail_start = G - tail;
   ActsScratch buf(M, G);
-  QuantizedActs a;
-  a.chunks = buf.chunks;
-  const int64_t g16 = buf.g16;
+  const int64_t chunks = buf.chunks, g16 = buf.g16;
   int8_t* q = buf.q;
   float *gscale = buf.gscale, *gsum = buf.gsum, *hsum = buf.hsum;
   for (int64_t m = 0; m < M; ++m) {
@@ -145,7 +159,7 @@ FT_AVX512 QuantizedActs quantize_acts(const T* x, int64_t M, int64_t K, bool com
       alignas(32) int32_t words[8];  // the group's 32 int8 values as 8 words of 4
       _mm_store_si128(reinterpret_cast<__m128i*>(words), _mm512_cvtsepi32_epi8(i0));
       _mm_store_si128(reinterpret_cast<__m128i*>(words + 4), _mm512_cvtsepi32_epi8(i1));
-      int32_t* dst = reinterpret_cast<int32_t*>(q + (m * a.chunks + g / 16) * 512) + g % 16;
+      int32_t* dst = reinterpret_cast<int32_t*>(q + (m * chunks + g / 16) * 512) + g % 16;
       const int64_t vstride = compact_tail && g >= tail_start ? tail : 16;
       for (int v = 0; v < 8; ++v) dst[v * vstride] = words[v];
       const int32_t isum0 = _mm512_reduce_add_epi32(i0), isum1 = _mm512_reduce_add_epi32(i1);
@@ -154,16 +168,9 @@ FT_AVX512 QuantizedActs quantize_acts(const T* x, int64_t M, int64_t K, bool com
       hsum[(2 * m) * g16 + g] = d * float(isum0);
       hsum[(2 * m + 1) * g16 + g] = d * float(isum1);
     }
-    if (compact_tail && tail) {  // dot lane j of a compact tail belongs to group j % tail
-      float* ts = gscale + m * g16 + tail_start;
-      for (int64_t j = tail; j < 16; ++j) ts[j] = ts[j % tail];
-    }
+    if (compact_tail && tail) buf.repeat_tail_scales(m, tail_start, tail);
   }
-  a.q = q;
-  a.group_scale = gscale;
-  a.group_sum = gsum;
-  a.half_sum = hsum;
-  return a;
+  return buf.acts();
 }
 
 // A vector of 64 low nibbles with each byte's fifth bit (16) set where the mask at `mask` says.
