@@ -682,8 +682,8 @@ const std::array<SbTileFn, kMaxRows>& sb_tiles() {
   return kAvx512 ? avx512 : avx2;
 }
 
-inline bool superblock_supported() { return kAvx512 || cpu_supports_avx2(); }
-inline bool group32_supported() { return kAvx512 || cpu_supports_avx2(); }
+// Whether this CPU runs every kernel here, in one kind or the other (qmm, sbmm, grouped_sbmm, stream_read).
+inline bool kernels_supported() { return kAvx512 || cpu_supports_avx2(); }
 
 
 // y[M, N] = x[M, K] @ dequant(W)[N, K]^T + bias for a super-block weight (kind 4: q4_k, 6: q6_k).
@@ -853,9 +853,9 @@ int64_t stream_read(const at::Tensor& t) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "FreeToken's AVX-512 VNNI weight-only quantized matmul (see qlinear.cpp)";
   m.def("supported", &cpu_supported, "whether this CPU has AVX-512 F/BW/VL/VNNI (every kernel here)");
-  m.def("group32_supported", &group32_supported,
+  m.def("group32_supported", &kernels_supported,
         "whether this CPU runs qmm and stream_read: AVX-512 VNNI, or AVX2 + FMA + F16C");
-  m.def("superblock_supported", &superblock_supported,
+  m.def("superblock_supported", &kernels_supported,
         "whether this CPU runs sbmm / grouped_sbmm: AVX-512 VNNI, or AVX2 + FMA + F16C");
   m.attr("bits") = py::make_tuple(4, 5, 8);  // the weight widths qmm takes
   m.attr("superblock_kinds") = py::make_tuple(4, 6);  // q4_k, q6_k: what sbmm takes
