@@ -184,7 +184,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "--prefill-weights",
         default="auto",
         choices=["auto", "bf16", "quantized"],
-        help="which quantized linear layers also keep a --dtype copy for prefill batches: auto = where the kernel is slower than the copy (q6_k, group-32; not q4_k or the LM head), bf16 = all (~2 bytes per weight more), quantized = none (default auto)",
+        help="which quantized linear layers also keep a --dtype copy for prefill batches: auto = where the kernel is slower than the copy (q6_k, group-32; not q4_k or the LM head) and the --dtype is 16-bit, bf16 = all (~2 bytes per weight more), quantized = none (default auto)",
     )
     g.add_argument(
         "--weights-cache",

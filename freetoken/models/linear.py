@@ -156,7 +156,10 @@ def _kernel_keeps_up(packed: Packed) -> bool:
 def keeps_dense_copy(prefill_weights: str, layer: QuantizableWeight, name: str) -> bool:
     """Under `--prefill-weights` (bf16 | auto | quantized), whether the quantized linear layer (or
     tied embedding) loaded as `name` also holds a copy in the model dtype for prefill: bf16 always, quantized
-    never, auto where the kernel is slower (`_kernel_keeps_up`), and never for the LM head —
+    never, auto where the kernel is slower (`_kernel_keeps_up`) and the copy is 16-bit, and never for
+    the LM head. A float32 model (a CPU without a bfloat16 unit, or `--dtype float32`) keeps no copy
+    under auto: at 4 bytes a weight it held 3.7x a Q8_0 1.1B's file for a prefill only 1.1x faster
+    (docs/engineering/kernels.md, "Prefill copies") —
     except that, whatever the setting, a layer whose form runs on torch's fallback here (`runs_on_torch`:
     group-32 weights on a CPU without AVX-512) keeps one, head and tied embedding included (whose
     table rows are still read packed), used at every row count:
@@ -170,7 +173,9 @@ def keeps_dense_copy(prefill_weights: str, layer: QuantizableWeight, name: str) 
         return False
     if not isinstance(layer, Linear):  # an embedding table: its rows are read packed
         return False
-    return prefill_weights == "bf16" or (name != HEAD and not _kernel_keeps_up(layer.packed))
+    if prefill_weights == "bf16":
+        return True
+    return layer.dtype.itemsize == 2 and name != HEAD and not _kernel_keeps_up(layer.packed)
 
 
 # Prefill row counts are rounded up to a multiple of this for the dense GEMM on CPU: oneDNN keeps

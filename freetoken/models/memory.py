@@ -14,7 +14,8 @@ The estimate's rules, per matrix (2-D tensor; 1-D ones are kept as float32):
   Q4_0 0.5625 bytes a weight, Q4_1 0.625, Q5_0 0.6875, Q5_1 1.125, Q8_0 1.0625), float ones in the
   model dtype; experts as other matrices (Q4_K / Q6_K in their own integers) and never copied;
 - `--prefill-weights auto` adds a model-dtype copy of every matrix that is not Q4_K (the LM head
-  and the token table aside), `bf16` of every quantized one but the token table;
+  and the token table aside) when the model dtype is 16-bit (none in float32), `bf16` of every
+  quantized one but the token table;
   a fused projection (Q/K/V, gate/up) keeps one copy if any of its parts needs one;
 - `bf16` is every matrix in the model dtype; `int8` 1.125 bytes a weight (0.75 where the file's
   integers fit 5 bits), `int4` 0.625.
@@ -95,13 +96,14 @@ def _per_weight(storage: str, weights: str, expert: bool) -> float:
     return 0.625
 
 
-def _needs_copy(e: TensorEntry, prefill_weights: str) -> bool:
+def _needs_copy(e: TensorEntry, prefill_weights: str, size: int) -> bool:
+    """Whether `e` gets a prefill copy of `size` bytes a weight (models.linear.keeps_dense_copy)."""
     name = e.name.removeprefix("model.")
     if prefill_weights == "quantized" or name.startswith(_TABLE):
         return False
     if prefill_weights == "bf16":
         return True
-    return e.storage.upper() != "Q4_K" and not name.startswith(_HEAD)
+    return size == 2 and e.storage.upper() != "Q4_K" and not name.startswith(_HEAD)
 
 
 def estimate_weights(entries: list[TensorEntry], weights: str, prefill_weights: str, dtype: torch.dtype) -> int:
@@ -119,7 +121,7 @@ def estimate_weights(entries: list[TensorEntry], weights: str, prefill_weights: 
             expert = any(tag in e.name for tag in EXPERT_TAGS)
             total += _per_weight(e.storage, weights, expert) * e.n_elements
             quantized.append(e)
-            if not expert and _needs_copy(e, prefill_weights):
+            if not expert and _needs_copy(e, prefill_weights, size):
                 copied.add(_fused_group(e.name))
     total += sum(size * e.n_elements for e in quantized if _fused_group(e.name) in copied)
     return int(total)

@@ -23,12 +23,25 @@ CPU = torch.device("cpu")
 
 @pytest.mark.real_model
 @pytest.mark.parametrize("name", ["gemma3-270m", "smollm2-135m-instruct"])
-@pytest.mark.parametrize("weights, prefill", [("auto", "auto"), ("auto", "quantized"), ("int8", "quantized")])
-def test_the_estimate_is_within_five_percent_of_what_a_load_holds(name: str, weights: str, prefill: str) -> None:
-    loaded = load_model(name, torch.bfloat16, CPU, weights, prefill, weights_cache="off")
-    held = weight_bytes(loaded.model)["weights"]
-    estimate = estimate_weights(inventory(loaded.source), weights, prefill, torch.bfloat16)
-    assert abs(estimate / held - 1) < 0.05, f"estimate {estimate >> 20} MiB, held {held >> 20} MiB"
+@pytest.mark.parametrize(
+    "weights, prefill, dtype_name",
+    [
+        ("auto", "auto", "bfloat16"),
+        ("auto", "quantized", "bfloat16"),
+        ("int8", "quantized", "bfloat16"),
+        ("auto", "auto", "float32"),  # no prefill copies in float32 (models.linear.keeps_dense_copy)
+    ],
+)
+def test_the_estimate_is_within_five_percent_of_what_a_load_holds(
+    name: str, weights: str, prefill: str, dtype_name: str
+) -> None:
+    dtype = getattr(torch, dtype_name)
+    loaded = load_model(name, dtype, CPU, weights, prefill, weights_cache="off")
+    held = weight_bytes(loaded.model)
+    estimate = estimate_weights(inventory(loaded.source), weights, prefill, dtype)
+    assert abs(estimate / held["weights"] - 1) < 0.05, f"estimate {estimate >> 20} MiB, held {held['weights'] >> 20} MiB"
+    if dtype == torch.float32 and prefill == "auto":
+        assert held["prefill_copies"] == 0
 
 
 @pytest.mark.real_model

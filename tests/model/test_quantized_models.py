@@ -183,8 +183,9 @@ def test_prefill_dense_copy_runs_prefill_sized_batches(checkpoint: tuple[str, Pa
 def test_prefill_weights_auto_keeps_a_copy_only_where_the_kernel_is_slower() -> None:
     """`--prefill-weights auto`: q4_k super-blocks (sbmm keeps up with the bf16 GEMM at prefill
     sizes) and the LM head (it multiplies sampled rows, not the prompt) keep no dense copy; q6_k,
-    the group-32 forms and a fused projection with any such part do. bf16 copies every quantized
-    layer, quantized none, and a float layer never has one."""
+    the group-32 forms and a fused projection with any such part do — in a 16-bit model: a float32
+    one keeps none (the copy would be 4 bytes a weight). bf16 copies every quantized layer, quantized
+    none, and a float layer never has one."""
     from freetoken.models.linear import HEAD, keeps_dense_copy
     from freetoken.ops.superblock import PackedStack, PackedSuperBlock
 
@@ -193,8 +194,8 @@ def test_prefill_weights_auto_keeps_a_copy_only_where_the_kernel_is_slower() -> 
         packed.kind = kind
         return packed
 
-    def layer(packed: object) -> Linear:
-        lin = Linear(32, 8, False, torch.float32, "cpu")
+    def layer(packed: object, dtype: torch.dtype = torch.bfloat16) -> Linear:
+        lin = Linear(32, 8, False, dtype, "cpu")
         lin.packed = packed  # type: ignore[assignment]
         return lin
 
@@ -210,6 +211,9 @@ def test_prefill_weights_auto_keeps_a_copy_only_where_the_kernel_is_slower() -> 
     }
     assert auto == {"q4": False, "q6": True, "group32": True, "q4_stack": False, "mixed": True}
     assert not keeps_dense_copy("auto", q6, HEAD) and keeps_dense_copy("bf16", q6, HEAD)
+    wide = [layer(superblock("q6_k"), torch.float32), layer(object(), torch.float32)]
+    assert not any(keeps_dense_copy("auto", lin, "model.layers.0.x.weight") for lin in wide)
+    assert all(keeps_dense_copy("bf16", lin, "model.layers.0.x.weight") for lin in wide)
     for lin in (q4, q6, group32, mixed_stack):
         assert keeps_dense_copy("bf16", lin, "w") and not keeps_dense_copy("quantized", lin, "w")
     assert not keeps_dense_copy("bf16", Linear(32, 8, False, torch.float32, "cpu"), "w")  # float: nothing to copy
