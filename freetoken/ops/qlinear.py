@@ -25,14 +25,16 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from freetoken.ops.layout import _chunk_transpose, _pack, _padded, _unpack
+from freetoken.ops.layout import READ_PAD, ROWS_PER_PASS, _chunk_transpose, _unpack, pack_rows
 from freetoken.ops.quantized import (
     GROUP,
     ColumnOrderedWeight,
     Quantized,
     QuantizedWeight,
+    RawGroupBlocks,
     StackedWeight,
     SuperBlockWeight,
+    still_in_blocks,
 )
 from freetoken.ops.superblock import PackedColumns, PackedStack, PackedSuperBlock
 
@@ -119,8 +121,8 @@ class PackedWeight:
     def __init__(self, qw: QuantizedWeight) -> None:
         n, k = qw.q.shape
         self.out_features, self.in_features, self.bits = n, k, _packed_bits(qw)
-        # The kernel's layout on every device (see _pack): vpdpbusd takes unsigned weights.
-        self.packed = _padded(_pack(qw.q, self.bits))
+        # The kernel's layout on every device (layout.py _pack): vpdpbusd takes unsigned weights.
+        self.packed = pack_rows(qw.q, self.bits)
         self.scale = qw.scale.contiguous()
         self.minimum = qw.minimum.contiguous() if qw.minimum is not None else None
         # Only without the kernel, for 4-bit on CPU: torch's int4 layout, beside ours (rows() reads ours).
@@ -154,6 +156,45 @@ class PackedWeight:
     @staticmethod
     def from_quantized(qw: QuantizedWeight) -> PackedWeight:
         return PackedWeight(qw)
+
+    @staticmethod
+    def in_passes(w: RawGroupBlocks) -> PackedWeight:
+        """`PackedWeight(w)` bit for bit, for a matrix still in its file's blocks (CPU, the
+        kernel's layout), decoded and packed ROWS_PER_PASS rows at a time, each pass's file pages
+        dropped once packed: the load holds one pass's integers, not the whole matrix's plus its
+        file pages (the bundled Gemma's 262,144-row table: 515 -> ~5 MB above what it keeps).
+        Packs at the width of the first pass and starts over at 8 bits in the rare case a later
+        pass's integers do not fit 5."""
+        n, k = w.shape
+        starts = range(0, n, ROWS_PER_PASS)
+        bits = _packed_bits(w.rows(0, ROWS_PER_PASS))
+        while True:
+            scale = torch.empty(n, k // GROUP, dtype=torch.float16)
+            minimum: torch.Tensor | None = None
+            flat: torch.Tensor | None = None
+            for start in starts:
+                part = w.rows(start, start + ROWS_PER_PASS)
+                if bits == 5 and _packed_bits(part) != 5:
+                    break
+                rows = pack_rows(part.q, bits)
+                if flat is None:
+                    flat = torch.zeros(n * rows.shape[1] + READ_PAD, dtype=torch.uint8)
+                    packed = flat[: n * rows.shape[1]].view(n, rows.shape[1])
+                packed[start : start + rows.shape[0]] = rows
+                scale[start : start + rows.shape[0]] = part.scale
+                if part.minimum is not None:
+                    minimum = torch.empty_like(scale) if minimum is None else minimum
+                    minimum[start : start + rows.shape[0]] = part.minimum
+                if w.release is not None:
+                    w.release(part.parts)
+            else:
+                break
+            bits = 8
+        self = PackedWeight.__new__(PackedWeight)
+        self.out_features, self.in_features, self.bits = n, k, bits
+        self.packed, self.scale, self.minimum, self.int4pack = packed, scale, minimum, None
+        self._bind_paths()
+        return self
 
     def state(self) -> dict:
         """The packed form as plain values (tensors, numbers, strings): `from_state` rebuilds it
@@ -306,7 +347,7 @@ def pack(w: Quantized) -> Packed:
         return PackedStack([pack(p) for p in w.parts])
     if isinstance(w, ColumnOrderedWeight):
         return PackedColumns(pack(w.inner), w.order)
-    device = w.device if isinstance(w, SuperBlockWeight) else w.q.device
+    device = w.device
     if _wants_triton(device):
         layout = _triton_layout()
         return layout(w.to_group32() if isinstance(w, SuperBlockWeight) else w)  # type: ignore[misc]
@@ -314,6 +355,8 @@ def pack(w: Quantized) -> Packed:
         if _SUPERBLOCKS and w.device.type == "cpu":
             return PackedSuperBlock(w, _SB_KERNEL)
         return PackedWeight(w.to_group32())
+    if isinstance(w, RawGroupBlocks) and still_in_blocks(w) and _KERNEL is not None:
+        return PackedWeight.in_passes(w)
     return PackedWeight(w)
 
 

@@ -12,6 +12,8 @@ format (the GGUF loader converts its block types into these forms).
 - `RawSuperBlocks`, a `SuperBlockWeight` still in the file's blocks (uint8 [N, K / 256 * block
   bytes]): packing for the kernel reads the blocks once (superblock.py, natively); every other use
   decodes the integers on first touch.
+- `RawGroupBlocks`, the same for a `QuantizedWeight` (Q8_0, Q5_0, Q4_0, ... blocks): decoded on
+  first touch, which is packing, so a load holds one such matrix decoded at a time.
 - `StackedWeight`, row blocks of different forms stacked along N (a fused QKV whose V is Q6_K while
   Q and K are Q4_K keeps each part's own form).
 - `ColumnOrderedWeight`, a matrix whose stored columns are the inputs in another order (a GGUF's
@@ -46,6 +48,10 @@ class QuantizedWeight:
     @property
     def shape(self) -> tuple[int, int]:
         return (self.q.shape[0], self.q.shape[1])
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
 
     def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> QuantizedWeight:
         """The same weight with `fn` applied to each row-indexed tensor (slice, permute, pad, move)."""
@@ -222,6 +228,90 @@ class RawSuperBlocks(SuperBlockWeight):
         return f"RawSuperBlocks({self.kind}, {self.shape[0]}x{self.k})"
 
 
+class RawGroupBlocks(QuantizedWeight):
+    """A group-32 matrix [N, K] still in the GGUF's blocks (`kind` the GGML type's name: Q8_0,
+    Q5_0, Q4_0, ...): `parts`, row blocks each uint8 [rows, K / block * block bytes], stacked in
+    order — views of the file's memory map where the loader could (read only, never written).
+    Rows can be sliced, permuted, padded and concatenated in this form; the integers (`q`,
+    `scale`, `minimum`) are decoded with `decode` (supplied by the loader, weights/requant.py,
+    which owns the block formats) on first touch and kept. Packing is that first touch, so a load
+    holds one matrix decoded at a time, not every matrix of the file at once (a Q8_0 1.1B's first
+    load peaked 1.2 GB above what it kept)."""
+
+    def __init__(
+        self,
+        bits: int,
+        kind: str,
+        parts: list[torch.Tensor],
+        k: int,
+        decode: Callable[[torch.Tensor, str, int], QuantizedWeight],
+        release: Callable[[list[torch.Tensor]], None] | None = None,
+    ) -> None:
+        if (
+            bits not in (4, 8)
+            or k % GROUP
+            or not parts
+            or any(b.dtype != torch.uint8 or b.dim() != 2 or b.shape[1] != parts[0].shape[1] for b in parts)
+        ):
+            raise ValueError(f"RawGroupBlocks: bits={bits}, K={k}, parts {[(b.dtype, tuple(b.shape)) for b in parts]}")
+        self.bits, self.kind, self.parts, self.k, self._decode = bits, kind, parts, k, decode
+        self.release = release  # once packed: the blocks' file pages need not stay counted as resident
+        self._ints: QuantizedWeight | None = None
+
+    @property
+    def blocks(self) -> torch.Tensor:
+        """All rows' blocks as one tensor (joined here when there are several parts)."""
+        return self.parts[0] if len(self.parts) == 1 else torch.cat(self.parts)
+
+    def decoded(self) -> QuantizedWeight:
+        """The same weight in its integers (decoded on the first call)."""
+        if self._ints is None:
+            self._ints = self._decode(self.blocks, self.kind, self.k)
+        return self._ints
+
+    q = property(lambda self: self.decoded().q)  # type: ignore[assignment]
+    scale = property(lambda self: self.decoded().scale)  # type: ignore[assignment]
+    minimum = property(lambda self: self.decoded().minimum)  # type: ignore[assignment]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (sum(b.shape[0] for b in self.parts), self.k)
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts[0].device
+
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> QuantizedWeight:
+        if self._ints is not None:
+            return self._ints.map_rows(fn)
+        blocks = fn(self.blocks)
+        if blocks.device.type != "cpu":  # the decoder is CPU code: decode first
+            return self.decoded().map_rows(fn)
+        return RawGroupBlocks(self.bits, self.kind, [blocks], self.k, self._decode, self.release)
+
+    def cols(self, start: int, stop: int) -> QuantizedWeight:
+        return self.decoded().cols(start, stop)
+
+    def rows(self, start: int, stop: int) -> RawGroupBlocks:
+        """Rows [start, stop) still in their blocks: views of the parts they lie in, not a copy of
+        the joined matrix (as `map_rows` makes of a fused one)."""
+        views, at = [], 0
+        for b in self.parts:
+            lo, hi = max(start - at, 0), min(stop - at, b.shape[0])
+            if lo < hi:
+                views.append(b[lo:hi])
+            at += b.shape[0]
+        return RawGroupBlocks(self.bits, self.kind, views, self.k, self._decode, self.release)
+
+    def __repr__(self) -> str:
+        return f"RawGroupBlocks({self.kind}, {self.shape[0]}x{self.k})"
+
+
+def still_in_blocks(w: object) -> bool:
+    """Whether `w` is a matrix still in its file's blocks on the CPU (nothing decoded yet)."""
+    return isinstance(w, (RawSuperBlocks, RawGroupBlocks)) and w._ints is None and w.device.type == "cpu"
+
+
 @dataclass
 class StackedWeight:
     parts: list[QuantizedWeight | SuperBlockWeight]  # row blocks in order, same K
@@ -258,7 +348,7 @@ class ColumnOrderedWeight:
     def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> ColumnOrderedWeight:
         """Row operations commute with the column order: applied to the stored matrix."""
         inner = self.inner.map_rows(fn)
-        device = inner.device if isinstance(inner, SuperBlockWeight) else inner.q.device
+        device = inner.device
         return ColumnOrderedWeight(inner, self.order.to(device))
 
 
@@ -306,7 +396,7 @@ def on_device(qw: Quantized, device: torch.device | str) -> Quantized:
         return StackedWeight([on_device(p, device) for p in qw.parts])  # type: ignore[misc]
     if isinstance(qw, ColumnOrderedWeight):
         return ColumnOrderedWeight(on_device(qw.inner, device), qw.order.to(device))  # type: ignore[arg-type]
-    if isinstance(qw, RawSuperBlocks) and qw._ints is None and qw.device == torch.device(device):
+    if still_in_blocks(qw) and qw.device == torch.device(device):  # type: ignore[union-attr]
         return qw
     return qw.map_rows(lambda t: t.to(device))
 
@@ -366,6 +456,12 @@ def concat(parts: list[Quantized]) -> Quantized:
             torch.cat([p.d for p in sbs]),
             cat([p.m for p in sbs]),
             cat([p.dmin for p in sbs]),
+        )
+    if all(still_in_blocks(p) and isinstance(p, RawGroupBlocks) for p in flat) and len({p.kind for p in flat}) == 1:
+        groups: list[RawGroupBlocks] = flat  # type: ignore[assignment]
+        first = groups[0]
+        return RawGroupBlocks(
+            first.bits, first.kind, [b for p in groups for b in p.parts], first.k, first._decode, first.release
         )
     if not all(isinstance(p, QuantizedWeight) for p in flat):
         runs: list[list[QuantizedWeight | SuperBlockWeight]] = []

@@ -28,7 +28,7 @@ from freetoken.weights.gguf_file import GGUFFile, GGUFTensorInfo
 from freetoken.weights.gguf_metadata import metadata_of, open_gguf
 from freetoken.weights.names import HFTensorAssembler, hf_target
 from freetoken.weights.progress import ProgressCallback
-from freetoken.weights.requant import INTEGER_TYPES, SUPERBLOCK_TYPES, QType, superblock_rows, to_quantized
+from freetoken.weights.requant import INTEGER_TYPES, SUPERBLOCK_TYPES, QType, group_rows, superblock_rows, to_quantized
 
 # Stacked expert matrices kept in their file form (`keep_quantized`): integer types and MXFP4.
 EXPERT_TYPES: frozenset[int] = INTEGER_TYPES | {QType.MXFP4}
@@ -140,7 +140,8 @@ def load_gguf(
 ) -> GGUFCheckpoint:
     """Read the GGUF file at `path`: HF config, HF-named tensors in `dtype` on `device`, metadata
     and the count of tensors per quant type. With `keep_quantized`, matrices of an integer GGML
-    type come back as `QuantizedWeight`s (Q4_K / Q6_K as `SuperBlockWeight`s; on the CPU) instead of being dequantized, and stacked
+    type come back still in their blocks, decoded when packed (`RawGroupBlocks`; Q4_K / Q6_K as
+    `RawSuperBlocks`; on the CPU) instead of being dequantized, and stacked
     expert tensors of an integer type or MXFP4 as lists of `Deferred` per-expert matrices
     (`expert_stack`)."""
     p = Path(path)
@@ -167,7 +168,7 @@ def load_gguf(
             elif rows and t.ggml_type in SUPERBLOCK_TYPES:
                 assembler.add_quantized(t.name, superblock_rows(data, t.ggml_type, t.shape, t.name))
             elif rows and t.ggml_type in INTEGER_TYPES:
-                assembler.add_quantized(t.name, to_quantized(data, t.ggml_type, t.shape, t.name))
+                assembler.add_quantized(t.name, group_rows(data, t.ggml_type, t.shape, t.name))
             else:
                 wanted = torch.float32 if assembler.keeps_float32(t.name) else decode_dtype(t, dtype)
                 assembler.add(t.name, dequantize(data, t.ggml_type, t.shape, t.name, wanted, device))

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from freetoken.errors import ModelLoadError
-from freetoken.ops.quantized import GROUP, SUPER, QuantizedWeight, RawSuperBlocks, SuperBlockWeight
+from freetoken.ops.quantized import GROUP, SUPER, QuantizedWeight, RawGroupBlocks, RawSuperBlocks, SuperBlockWeight
 from freetoken.weights.dequant import (
     _byte_view,
     _Constants,
@@ -233,6 +233,29 @@ def superblock_rows(
     return RawSuperBlocks(
         "q4_k" if qtype == QType.Q4_K else "q6_k", [data.view(n, -1)], k, _decode_blocks, _release_blocks
     )
+
+
+def group_rows(
+    raw: np.ndarray | torch.Tensor, qtype: QType | int, shape: Sequence[int], name: str = "<unnamed>"
+) -> RawGroupBlocks:
+    """The matrix of `shape` [N, K] in `raw`, of a type `to_quantized` translates, kept in its
+    blocks (a read-only view of the memory map: no copy): translated by `to_quantized` on first
+    use, which is packing (ops/quantized.py `RawGroupBlocks`)."""
+    if qtype not in _TRANSLATORS or qtype in SUPERBLOCK_TYPES:
+        raise ModelLoadError(f"tensor {name}: {type_name(qtype)} has no group-32 form kept in its blocks")
+    qtype = QType(qtype)
+    n, k, _ = _block_rows(raw, qtype, shape, name)
+    data = _byte_view(raw)
+    if isinstance(data, np.ndarray):  # read-only map: viewed, never written (the translators copy)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.from_numpy(data)
+    bits = _TRANSLATORS[qtype][0]
+    return RawGroupBlocks(bits, qtype.name, [data.view(n, -1)], k, _decode_group_blocks, _release_blocks)
+
+
+def _decode_group_blocks(blocks: torch.Tensor, kind: str, k: int) -> QuantizedWeight:
+    return to_quantized(blocks, QType[kind], (blocks.shape[0], k))
 
 
 def _release_blocks(parts: list[torch.Tensor]) -> None:

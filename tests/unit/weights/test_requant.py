@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from freetoken.errors import ModelLoadError
-from freetoken.ops.quantized import GROUP, dequantize as dequantize_groups
+from freetoken.ops.quantized import GROUP, QuantizedWeight, RawGroupBlocks, concat, dequantize as dequantize_groups
 from freetoken.weights.dequant import dequantize
-from freetoken.weights.requant import INTEGER_TYPES, to_quantized
+from freetoken.weights.requant import INTEGER_TYPES, SUPERBLOCK_TYPES, group_rows, to_quantized
 from block_data import block_bytes
 
 Q = gguf.GGMLQuantizationType
@@ -82,6 +82,83 @@ def test_llama_q_rows_are_unpermuted_like_the_float_path() -> None:
     ints.add_quantized("blk.0.attn_q.weight", to_quantized(raw, Q.Q8_0, (16, 64)))
     name = "model.layers.0.self_attn.q_proj.weight"
     assert torch.equal(dequantize_groups(ints.finish()[name]), floats.finish()[name])
+
+
+@pytest.mark.parametrize("qtype", sorted(INTEGER_TYPES - SUPERBLOCK_TYPES, key=int))
+def test_a_group_matrix_stays_in_its_blocks_until_its_integers_are_read(qtype: Q) -> None:
+    """`group_rows` keeps the file's blocks: rows permuted, padded and fused in that form, decoded
+    once on first touch (packing) to exactly `to_quantized`'s integers, so a load holds one such
+    matrix decoded at a time."""
+    raw, shape = block_bytes(qtype, seed=600 + int(qtype))
+    other, _ = block_bytes(qtype, seed=700 + int(qtype))
+    w, v = group_rows(raw, qtype, shape), group_rows(other, qtype, shape)
+    ints, v_ints = to_quantized(raw, qtype, shape), to_quantized(other, qtype, shape)
+    order = torch.tensor([2, 0, 3, 1])
+    permuted = w.map_rows(lambda t: t[order])
+    padded = v.map_rows(lambda t: torch.cat([t, t.new_zeros(2, *t.shape[1:])]))
+    fused = concat([permuted, v])
+    assert isinstance(permuted, RawGroupBlocks) and isinstance(fused, RawGroupBlocks) and len(fused.parts) == 2
+    assert fused.shape == (8, shape[1]) and fused.bits == ints.bits
+    assert w._ints is None and v._ints is None and fused._ints is None  # nothing decoded yet
+    reference = lambda qw: dequantize_groups(QuantizedWeight(qw.bits, qw.q, qw.scale, qw.minimum))  # noqa: E731
+    assert torch.equal(reference(fused), torch.cat([reference(ints)[order], reference(v_ints)]))
+    assert torch.equal(w.q, ints.q) and torch.equal(w.scale, ints.scale) and w._ints is not None
+    assert (w.minimum is None) == (ints.minimum is None)
+    if ints.minimum is None:  # zero block bytes are a zero matrix for the symmetric types
+        assert torch.equal(reference(padded), torch.cat([reference(v_ints), torch.zeros(2, shape[1])]))
+    assert not isinstance(w.map_rows(lambda t: t[1:3]), RawGroupBlocks)  # decoded: rows from the integers
+    with pytest.raises(ModelLoadError, match="kept in its blocks"):
+        group_rows(raw, Q.Q4_K, shape)
+
+
+@pytest.mark.parametrize("case", ["q8_0", "q8_0 within 5 bits, then not", "q5_0", "q4_0 fused"])
+def test_packing_in_passes_is_the_packing_of_the_whole_matrix(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`PackedWeight.in_passes` (a matrix still in its blocks, packed a few rows at a time) gives
+    the bytes, scales, minima and width of packing the decoded matrix at once, including the
+    restart at 8 bits when a pass after the first does not fit 5."""
+    import importlib
+
+    layout = importlib.import_module("freetoken.ops.layout")
+    qlinear = importlib.import_module("freetoken.ops.qlinear")  # the module (the package exports a function of its name)
+    monkeypatch.setattr(qlinear, "ROWS_PER_PASS", 3)
+    monkeypatch.setattr(layout, "ROWS_PER_PASS", 2)  # pack_rows' own passes inside each
+    qtype = {"q5_0": Q.Q5_0, "q4_0 fused": Q.Q4_0}.get(case, Q.Q8_0)
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(int(qtype))
+    rows, k = 11, 640  # 11 rows: passes of 3 and a short last one; K = 640: a compact tail
+    values = rng.standard_normal((rows, k)).astype(np.float32)
+    raw = gguf.quants.quantize(values, qtype).reshape(rows, -1)
+    if case == "q8_0 within 5 bits, then not":
+        blocks = raw.reshape(-1, type_size).copy()
+        ints = blocks[:, 2:].view(np.int8)
+        ints[:] = np.clip(ints, -16, 15)
+        ints[7 * (k // block_size), 3] = 100  # row 7 (the third pass) leaves the 5-bit range
+        raw = blocks.reshape(rows, -1)
+    w = group_rows(raw, qtype, (rows, k))
+    if case == "q4_0 fused":
+        w = concat([w.rows(0, 4), w.rows(4, rows)])
+        assert isinstance(w, RawGroupBlocks) and len(w.parts) == 2
+    got = qlinear.PackedWeight.in_passes(w)
+    want = qlinear.PackedWeight(to_quantized(raw, qtype, (rows, k)))
+    expected_bits = {"q8_0": 8, "q8_0 within 5 bits, then not": 8, "q5_0": 5, "q4_0 fused": 4}[case]
+    assert got.bits == want.bits == expected_bits
+    assert torch.equal(got.packed, want.packed) and torch.equal(got.scale, want.scale)
+    assert (got.minimum is None) == (want.minimum is None)
+    assert got.minimum is None or torch.equal(got.minimum, want.minimum)
+    padding = got.packed.untyped_storage().nbytes() - got.packed.numel()
+    assert padding >= layout.READ_PAD  # the kernel's reads past the last row stay in the buffer
+
+
+@pytest.mark.real_model
+def test_a_quantized_load_leaves_every_group_matrix_in_its_blocks(gemma_gguf) -> None:  # type: ignore[no-untyped-def]
+    """The GGUF reader hands the model the bundled Gemma's Q8_0 / Q5_0 matrices undecoded (the
+    load decodes each as it packs it), its row-permuted and fused ones included."""
+    from freetoken.weights.gguf import load_gguf
+
+    tensors = load_gguf(gemma_gguf, torch.bfloat16, keep_quantized=True).tensors
+    groups = [t for t in tensors.values() if isinstance(t, QuantizedWeight)]
+    assert len(groups) > 50 and all(isinstance(t, RawGroupBlocks) and t._ints is None for t in groups)
+    assert {t.kind for t in groups} == {"Q8_0", "Q5_0"}
 
 
 def test_errors_name_the_tensor() -> None:
