@@ -19,7 +19,10 @@ Supported `tokenizer.ggml.model` values:
 from __future__ import annotations
 
 import re
+from array import array
 from collections.abc import Sequence
+
+import numpy as np
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as Backend
@@ -96,16 +99,22 @@ def merges_from_vocab(tokens: Sequence[str], priority: Sequence[float]) -> list[
     """BPE merges implied by a SentencePiece vocabulary: every split of a token into two tokens of
     the vocabulary, best first -- higher `priority` of the merged token, then longer left part,
     then longer right part, then file order."""
+    # Ranked as numbers in compact arrays and split into strings only once sorted: Gemma 3's
+    # 262k-token vocabulary has ~10^6 merges, and a tuple of both halves per merge while sorting
+    # was ~290 MB of load-time peak.
     present = set(tokens)
-    ranked: list[tuple[float, int, int, int, str, str]] = []
-    for order, (token, prio) in enumerate(zip(tokens, priority)):
-        n = len(token)
-        for cut in range(1, n):
-            left, right = token[:cut], token[cut:]
-            if left in present and right in present:
-                ranked.append((-prio, -cut, cut - n, order, left, right))
-    ranked.sort()
-    return [(left, right) for _, _, _, _, left, right in ranked]
+    orders, cuts = array("l"), array("l")
+    for order, token in enumerate(tokens):
+        for cut in range(1, len(token)):
+            if token[:cut] in present and token[cut:] in present:
+                orders.append(order)
+                cuts.append(cut)
+    order_of = np.frombuffer(orders, dtype=np.int64) if orders else np.zeros(0, np.int64)
+    cut_of = np.frombuffer(cuts, dtype=np.int64) if cuts else np.zeros(0, np.int64)
+    prio = np.asarray(priority, dtype=np.float64)[order_of]
+    length = np.fromiter((len(t) for t in tokens), dtype=np.int64, count=len(tokens))[order_of]
+    ranked = np.lexsort((order_of, cut_of - length, -cut_of, -prio))  # the last key sorts first
+    return [(tokens[o][:c], tokens[o][c:]) for o, c in zip(order_of[ranked].tolist(), cut_of[ranked].tolist())]
 
 
 def _spm_backend(metadata: dict[str, object], file_tokens: list[str]) -> Backend:
