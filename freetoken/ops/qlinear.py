@@ -82,6 +82,11 @@ _EXTENSION = _load_extension()
 _KERNEL: ModuleType | None = _load_kernel(_EXTENSION)  # decided once at import; never reassigned
 # Whether the kernel takes 5-bit weights (an older build of the extension does not).
 _FIVE_BITS = _KERNEL is not None and 5 in getattr(_KERNEL, "bits", ())
+# The native Q8_0 repack (csrc/repack.cpp); None in a build without it (then torch packs).
+try:
+    from freetoken.ops import _repack_cpu as _REPACK
+except ImportError:  # pragma: no cover - the package is built with it
+    _REPACK = None
 # The super-block kernel (sbmm), which also runs on CPUs with AVX2 but no AVX-512.
 _SB_KERNEL: ModuleType | None = _load_superblock_kernel(_EXTENSION)
 _SUPERBLOCKS = _SB_KERNEL is not None
@@ -158,11 +163,38 @@ class PackedWeight:
         return PackedWeight(qw)
 
     @staticmethod
+    def from_blocks(w: RawGroupBlocks) -> PackedWeight:
+        """`PackedWeight(w)` bit for bit, for a matrix still in its file's blocks (CPU, the
+        kernel's layout): Q8_0 moved natively in one pass over the blocks (csrc/repack.cpp: no
+        integers decoded, both cores), unless its integers fit 5 bits; every other type (or that
+        case) decoded and packed in passes (`in_passes`). Each way the blocks' file pages are
+        dropped once packed."""
+        if _REPACK is None or w.kind != "Q8_0" or not hasattr(_REPACK, "repack_q8_0"):
+            return PackedWeight.in_passes(w)
+        packed, scale, fits5 = _REPACK.repack_q8_0([b.contiguous() for b in w.parts], w.k)
+        if fits5 and _FIVE_BITS:
+            return PackedWeight.in_passes(w)
+        if w.release is not None:
+            w.release(w.parts)
+        return PackedWeight._made(packed, scale, None, 8)
+
+    @staticmethod
+    def _made(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None, bits: int) -> PackedWeight:
+        """A PackedWeight of rows already in the kernel's layout (READ_PAD bytes after them)."""
+        self = PackedWeight.__new__(PackedWeight)
+        self.out_features, self.bits = packed.shape[0], bits
+        self.in_features = scale.shape[1] * GROUP
+        self.packed, self.scale, self.minimum, self.int4pack = packed, scale, minimum, None
+        self._bind_paths()
+        return self
+
+    @staticmethod
     def in_passes(w: RawGroupBlocks) -> PackedWeight:
         """`PackedWeight(w)` bit for bit, for a matrix still in its file's blocks (CPU, the
         kernel's layout), decoded and packed ROWS_PER_PASS rows at a time, each pass's file pages
         dropped once packed: the load holds one pass's integers, not the whole matrix's plus its
-        file pages (the bundled Gemma's 262,144-row table: 515 -> ~5 MB above what it keeps).
+        file pages (the bundled Gemma's 262,144-row table: +515 MB at load packed at once, +195
+        MB in passes, its own packed bytes).
         Packs at the width of the first pass and starts over at 8 bits in the rare case a later
         pass's integers do not fit 5."""
         n, k = w.shape
@@ -190,11 +222,7 @@ class PackedWeight:
             else:
                 break
             bits = 8
-        self = PackedWeight.__new__(PackedWeight)
-        self.out_features, self.in_features, self.bits = n, k, bits
-        self.packed, self.scale, self.minimum, self.int4pack = packed, scale, minimum, None
-        self._bind_paths()
-        return self
+        return PackedWeight._made(packed, scale, minimum, bits)
 
     def state(self) -> dict:
         """The packed form as plain values (tensors, numbers, strings): `from_state` rebuilds it
@@ -356,7 +384,7 @@ def pack(w: Quantized) -> Packed:
             return PackedSuperBlock(w, _SB_KERNEL)
         return PackedWeight(w.to_group32())
     if isinstance(w, RawGroupBlocks) and still_in_blocks(w) and _KERNEL is not None:
-        return PackedWeight.in_passes(w)
+        return PackedWeight.from_blocks(w)
     return PackedWeight(w)
 
 

@@ -8,8 +8,10 @@
 // - out of it: (values, meta) rows -> float32 or bfloat16 weights [R, K], bit for bit what
 //   quantized.dequantize gives (float32 products d * sc and dmin * m, then q * scale + minimum,
 //   one rounding to bfloat16, nearest-even): the prefill copies and embedding rows.
+// - Q8_0 rows -> the group-32 kernel's bits-8 rows and scales (layout.py's `_pack`), the one
+//   group-32 file type moved natively (the others are decoded and packed by torch, ops/qlinear.py).
 // Rows are split over OpenMP threads. It does not run the matmul (qlinear.cpp) and knows no other
-// GGUF type. Tests hold both equal to the torch paths.
+// GGUF type. Tests hold each equal to the torch paths.
 //
 // The layout, for a chunk of 512 weights (16 groups of 32; a row is padded with zero groups to
 // whole chunks, and a last half chunk keeps only the first 32 bytes of each 64-byte vector):
@@ -282,12 +284,84 @@ at::Tensor dequantize_superblocks(const at::Tensor& values, const at::Tensor& me
   return out;
 }
 
+constexpr int64_t kGroup = 32, kQ8Block = 34;  // Q8_0: d f16 | qs int8[32]
+constexpr int64_t kReadPad = 64;                // bytes the group-32 kernel may read past the last row (layout.READ_PAD)
+
+// One row of Q8_0 blocks -> the group-32 kernel's bits-8 row (layout._pack: q + 128, each chunk of
+// nb <= 16 groups vector-major: byte 4 nb v + 4 l + b = weight 4 v + b of group l) and its float16
+// scales; lo / hi widen to the row's smallest and largest integer (q + 128).
+void q8_0_row(const uint8_t* raw, int64_t k, uint8_t* out, uint8_t* scale, uint8_t& lo, uint8_t& hi) {
+  const int64_t groups = k / kGroup;
+  for (int64_t c = 0; c < groups; c += 16) {
+    const int64_t nb = groups - c < 16 ? groups - c : 16;
+    uint8_t* chunk = out + c * kGroup;
+    for (int64_t l = 0; l < nb; ++l) {
+      const uint8_t* block = raw + (c + l) * kQ8Block;
+      std::memcpy(scale + 2 * (c + l), block, 2);
+      for (int v = 0; v < 8; ++v) {
+        const uint32_t word = load32(block + 2 + 4 * v) ^ 0x80808080u;
+        store32(chunk + 4 * nb * v + 4 * l, word);
+      }
+    }
+  }
+  for (int64_t j = 0; j < k; ++j) {
+    lo = out[j] < lo ? out[j] : lo;
+    hi = out[j] > hi ? out[j] : hi;
+  }
+}
+
+// The group-32 kernel's bits-8 form of the [N, K] Q8_0 matrix whose blocks are the row blocks
+// `parts` stacked (each uint8 [rows, K / 32 * 34], read where they lie): (packed uint8 [N, K] with
+// kReadPad zero bytes after it in its storage, scale float16 [N, K / 32], whether every integer
+// lies in [-16, 15] — the caller packs such a matrix as 5 bits instead). Byte for byte what
+// PackedWeight makes of requant.to_quantized's integers.
+std::tuple<at::Tensor, at::Tensor, bool> repack_q8_0(const std::vector<at::Tensor>& parts, int64_t k) {
+  TORCH_CHECK(k > 0 && k % kGroup == 0, "repack_q8_0: K must be a positive multiple of 32, got ", k);
+  const int64_t row_bytes = k / kGroup * kQ8Block;
+  std::vector<const uint8_t*> rows;
+  for (const auto& raw : parts) {
+    TORCH_CHECK(raw.scalar_type() == at::kByte && raw.dim() == 2 && raw.is_contiguous() && raw.device().is_cpu(),
+                "repack_q8_0: each part must be contiguous uint8 [rows, bytes] on the CPU");
+    TORCH_CHECK(raw.size(1) == row_bytes, "repack_q8_0: ", raw.size(1), " bytes per row, expected ", row_bytes,
+                " for K ", k);
+    const uint8_t* base = raw.data_ptr<uint8_t>();
+    for (int64_t r = 0; r < raw.size(0); ++r) rows.push_back(base + r * row_bytes);
+  }
+  const int64_t n = static_cast<int64_t>(rows.size());
+  auto flat = fresh({n * k + kReadPad}, at::kByte);
+  auto scale = at::empty({n, k / kGroup}, at::kHalf);
+  uint8_t* op = flat.data_ptr<uint8_t>();
+  uint8_t* sp = reinterpret_cast<uint8_t*>(scale.data_ptr<at::Half>());
+  std::memset(op + n * k, 0, kReadPad);
+  uint8_t lo = 255, hi = 0;
+  {
+    pybind11::gil_scoped_release no_gil;
+#pragma omp parallel
+    {
+      uint8_t my_lo = 255, my_hi = 0;
+#pragma omp for schedule(dynamic, 16)
+      for (int64_t r = 0; r < n; ++r) q8_0_row(rows[r], k, op + r * k, sp + r * (k / kGroup) * 2, my_lo, my_hi);
+#pragma omp critical
+      {
+        lo = my_lo < lo ? my_lo : lo;
+        hi = my_hi > hi ? my_hi : hi;
+      }
+    }
+  }
+  const bool fits5 = n > 0 && lo >= 128 - 16 && hi <= 128 + 15;
+  return {flat.narrow(0, 0, n * k).view({n, k}), scale, fits5};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("repack_superblocks", &repack_superblocks,
         "GGUF Q4_K / Q6_K row blocks [rows, bytes], stacked -> the sbmm kernel's (values, meta) rows", py::arg("parts"),
         py::arg("kind"), py::arg("k"));
+  m.def("repack_q8_0", &repack_q8_0,
+        "GGUF Q8_0 row blocks [rows, bytes], stacked -> the group-32 kernel's bits-8 rows, float16 scales, and "
+        "whether the integers fit 5 bits",
+        py::arg("parts"), py::arg("k"));
   m.def("dequantize_superblocks", &dequantize_superblocks,
         "the sbmm kernel's (values, meta) rows -> float32 or bfloat16 weights [R, K]", py::arg("values"),
         py::arg("meta"), py::arg("kind"), py::arg("k"), py::arg("bf16"));

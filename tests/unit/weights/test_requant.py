@@ -111,11 +111,17 @@ def test_a_group_matrix_stays_in_its_blocks_until_its_integers_are_read(qtype: Q
         group_rows(raw, Q.Q4_K, shape)
 
 
-@pytest.mark.parametrize("case", ["q8_0", "q8_0 within 5 bits, then not", "q5_0", "q4_0 fused"])
-def test_packing_in_passes_is_the_packing_of_the_whole_matrix(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`PackedWeight.in_passes` (a matrix still in its blocks, packed a few rows at a time) gives
-    the bytes, scales, minima and width of packing the decoded matrix at once, including the
-    restart at 8 bits when a pass after the first does not fit 5."""
+@pytest.mark.parametrize("how", ["in_passes", "from_blocks"])
+@pytest.mark.parametrize(
+    "case", ["q8_0", "q8_0 within 5 bits, then not", "q8_0 within 5 bits", "q5_0", "q4_0 fused", "q8_0 fused"]
+)
+def test_packing_from_the_blocks_is_the_packing_of_the_whole_matrix(
+    how: str, case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`PackedWeight.in_passes` (a matrix still in its blocks, packed a few rows at a time) and
+    `from_blocks` (Q8_0 moved natively by csrc/repack.cpp, the rest in passes) give the bytes,
+    scales, minima and width of packing the decoded matrix at once, including the restart at 8 bits
+    when a pass after the first does not fit 5, and 5 bits for a Q8_0 matrix whose integers fit."""
     import importlib
 
     layout = importlib.import_module("freetoken.ops.layout")
@@ -123,28 +129,32 @@ def test_packing_in_passes_is_the_packing_of_the_whole_matrix(case: str, monkeyp
     monkeypatch.setattr(qlinear, "ROWS_PER_PASS", 3)
     monkeypatch.setattr(layout, "ROWS_PER_PASS", 2)  # pack_rows' own passes inside each
     qtype = {"q5_0": Q.Q5_0, "q4_0 fused": Q.Q4_0}.get(case, Q.Q8_0)
+    five = qlinear._FIVE_BITS
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(int(qtype))
     rows, k = 11, 640  # 11 rows: passes of 3 and a short last one; K = 640: a compact tail
     values = rng.standard_normal((rows, k)).astype(np.float32)
     raw = gguf.quants.quantize(values, qtype).reshape(rows, -1)
-    if case == "q8_0 within 5 bits, then not":
+    if case.startswith("q8_0 within 5 bits"):
         blocks = raw.reshape(-1, type_size).copy()
         ints = blocks[:, 2:].view(np.int8)
         ints[:] = np.clip(ints, -16, 15)
-        ints[7 * (k // block_size), 3] = 100  # row 7 (the third pass) leaves the 5-bit range
+        if case.endswith("then not"):
+            ints[7 * (k // block_size), 3] = 100  # row 7 (the third pass) leaves the 5-bit range
         raw = blocks.reshape(rows, -1)
     w = group_rows(raw, qtype, (rows, k))
-    if case == "q4_0 fused":
+    if case.endswith("fused"):
         w = concat([w.rows(0, 4), w.rows(4, rows)])
         assert isinstance(w, RawGroupBlocks) and len(w.parts) == 2
-    got = qlinear.PackedWeight.in_passes(w)
+    got = getattr(qlinear.PackedWeight, how)(w)
     want = qlinear.PackedWeight(to_quantized(raw, qtype, (rows, k)))
-    expected_bits = {"q8_0": 8, "q8_0 within 5 bits, then not": 8, "q5_0": 5, "q4_0 fused": 4}[case]
+    expected_bits = {"q5_0": 5 if five else 8, "q4_0 fused": 4, "q8_0 within 5 bits": 5 if five else 8}.get(case, 8)
     assert got.bits == want.bits == expected_bits
     assert torch.equal(got.packed, want.packed) and torch.equal(got.scale, want.scale)
     assert (got.minimum is None) == (want.minimum is None)
     assert got.minimum is None or torch.equal(got.minimum, want.minimum)
+    if how == "from_blocks" and qtype == Q.Q8_0 and got.bits == 8:
+        assert w._ints is None  # moved natively: no integers decoded
     padding = got.packed.untyped_storage().nbytes() - got.packed.numel()
     assert padding >= layout.READ_PAD  # the kernel's reads past the last row stay in the buffer
 
