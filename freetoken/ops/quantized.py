@@ -157,53 +157,38 @@ class SuperBlockWeight:
         return quantize_int8(dequantize(self, torch.float32))
 
 
-class RawSuperBlocks(SuperBlockWeight):
-    """A Q4_K / Q6_K matrix [N, K] still in the GGUF's blocks: `parts`, row blocks each uint8
-    [rows, K / 256 * block bytes] (one row of blocks per matrix row), stacked in order — views of
-    the file's memory map where the loader could (read only, never written), several when a fused
-    projection was concatenated (the blocks are not copied to join them). Rows can be sliced,
-    permuted, padded and concatenated in this form; `qlinear.pack` turns it into the kernel's
-    layout straight from the blocks. Any other use of the integer fields (`q`, `sc`, `d`, `m`,
-    `dmin`) decodes them once with `decode` (supplied by the loader, weights/requant.py, which owns
-    the block format) and keeps the result."""
+class _InBlocks:
+    """What a matrix still in its file's blocks is, whatever the block type (`RawSuperBlocks`,
+    `RawGroupBlocks`): `parts`, row blocks each uint8 [rows, K / block * block bytes] (one row of
+    blocks per matrix row), stacked in order — views of the file's memory map where the loader
+    could (read only, never written), several when a fused projection was concatenated (the
+    blocks are not copied to join them). Rows can be sliced, permuted, padded and concatenated in
+    this form; the integer fields are decoded once, on first touch, by `decode` (supplied by the
+    loader, weights/requant.py, which owns the block formats) and kept. `release` (once packed)
+    lets the loader drop the blocks' file pages from the process (a part that is not in a file's
+    map, such as a permuted copy, is left alone by it)."""
 
-    def __init__(
-        self,
-        kind: str,
-        parts: list[torch.Tensor],
-        k: int,
-        decode: Callable[[torch.Tensor, str, int], SuperBlockWeight],
-        release: Callable[[list[torch.Tensor]], None] | None = None,
-    ) -> None:
-        if (
-            kind not in SUPERBLOCK_KINDS
-            or k % SUPER
-            or not parts
-            or any(b.dtype != torch.uint8 or b.dim() != 2 or b.shape[1] != parts[0].shape[1] for b in parts)
-        ):
-            raise ValueError(f"RawSuperBlocks: kind={kind}, K={k}, parts {[(b.dtype, tuple(b.shape)) for b in parts]}")
-        self.kind, self.parts, self.k, self._decode = kind, parts, k, decode
-        # once packed: lets the loader drop the blocks' file pages from the process (a part that is
-        # not in a file's map, such as a permuted copy, is left alone by it)
-        self.release = release
-        self._ints: SuperBlockWeight | None = None
+    kind: str
+    k: int
+    parts: list[torch.Tensor]
+    release: Callable[[list[torch.Tensor]], None] | None
+    _decode: Callable[[torch.Tensor, str, int], QuantizedWeight | SuperBlockWeight]
+    _ints: QuantizedWeight | SuperBlockWeight | None
+
+    def _with(self, parts: list[torch.Tensor]) -> _InBlocks:
+        """The same kind of weight over other row blocks."""
+        raise NotImplementedError
 
     @property
     def blocks(self) -> torch.Tensor:
         """All rows' blocks as one tensor (joined here when there are several parts)."""
         return self.parts[0] if len(self.parts) == 1 else torch.cat(self.parts)
 
-    def decoded(self) -> SuperBlockWeight:
+    def decoded(self):  # type: ignore[no-untyped-def]
         """The same weight in its integers (decoded on the first call)."""
         if self._ints is None:
             self._ints = self._decode(self.blocks, self.kind, self.k)
         return self._ints
-
-    q = property(lambda self: self.decoded().q)  # type: ignore[assignment]
-    sc = property(lambda self: self.decoded().sc)  # type: ignore[assignment]
-    d = property(lambda self: self.decoded().d)  # type: ignore[assignment]
-    m = property(lambda self: self.decoded().m)  # type: ignore[assignment]
-    dmin = property(lambda self: self.decoded().dmin)  # type: ignore[assignment]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -213,30 +198,72 @@ class RawSuperBlocks(SuperBlockWeight):
     def device(self) -> torch.device:
         return self.parts[0].device
 
-    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> SuperBlockWeight:
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]):  # type: ignore[no-untyped-def]
         if self._ints is not None:
             return self._ints.map_rows(fn)
         blocks = fn(self.blocks)
         if blocks.device.type != "cpu":  # the decoder and the packer are CPU code: decode first
             return self.decoded().map_rows(fn)
-        return RawSuperBlocks(self.kind, [blocks], self.k, self._decode, self.release)
+        return self._with([blocks])
 
-    def cols(self, start: int, stop: int) -> SuperBlockWeight:
+    def rows(self, start: int, stop: int):  # type: ignore[no-untyped-def]
+        """Rows [start, stop) still in their blocks: views of the parts they lie in, not a copy of
+        the joined matrix (as `map_rows` makes of a fused one)."""
+        views, at = [], 0
+        for b in self.parts:
+            lo, hi = max(start - at, 0), min(stop - at, b.shape[0])
+            if lo < hi:
+                views.append(b[lo:hi])
+            at += b.shape[0]
+        return self._with(views)
+
+    def cols(self, start: int, stop: int):  # type: ignore[no-untyped-def]
         return self.decoded().cols(start, stop)
 
     def __repr__(self) -> str:
-        return f"RawSuperBlocks({self.kind}, {self.shape[0]}x{self.k})"
+        return f"{type(self).__name__}({self.kind}, {self.shape[0]}x{self.k})"
 
 
-class RawGroupBlocks(QuantizedWeight):
-    """A group-32 matrix [N, K] still in the GGUF's blocks (`kind` the GGML type's name: Q8_0,
-    Q5_0, Q4_0, ...): `parts`, row blocks each uint8 [rows, K / block * block bytes], stacked in
-    order — views of the file's memory map where the loader could (read only, never written).
-    Rows can be sliced, permuted, padded and concatenated in this form; the integers (`q`,
-    `scale`, `minimum`) are decoded with `decode` (supplied by the loader, weights/requant.py,
-    which owns the block formats) on first touch and kept. Packing is that first touch, so a load
-    holds one matrix decoded at a time, not every matrix of the file at once (a Q8_0 1.1B's first
-    load peaked 1.2 GB above what it kept)."""
+def _check_parts(parts: list[torch.Tensor]) -> bool:
+    """Whether `parts` are 2-D uint8 row blocks of one width."""
+    return bool(parts) and all(
+        b.dtype == torch.uint8 and b.dim() == 2 and b.shape[1] == parts[0].shape[1] for b in parts
+    )
+
+
+class RawSuperBlocks(_InBlocks, SuperBlockWeight):
+    """A Q4_K / Q6_K matrix [N, K] still in the GGUF's blocks (`_InBlocks`); `qlinear.pack` turns it
+    into the kernel's layout straight from the blocks (superblock.py, natively)."""
+
+    def __init__(
+        self,
+        kind: str,
+        parts: list[torch.Tensor],
+        k: int,
+        decode: Callable[[torch.Tensor, str, int], SuperBlockWeight],
+        release: Callable[[list[torch.Tensor]], None] | None = None,
+    ) -> None:
+        if kind not in SUPERBLOCK_KINDS or k % SUPER or not _check_parts(parts):
+            raise ValueError(f"RawSuperBlocks: kind={kind}, K={k}, parts {[(b.dtype, tuple(b.shape)) for b in parts]}")
+        self.kind, self.parts, self.k, self._decode, self.release = kind, parts, k, decode, release
+        self._ints: SuperBlockWeight | None = None
+
+    def _with(self, parts: list[torch.Tensor]) -> RawSuperBlocks:
+        return RawSuperBlocks(self.kind, parts, self.k, self._decode, self.release)  # type: ignore[arg-type]
+
+    q = property(lambda self: self.decoded().q)  # type: ignore[assignment]
+    sc = property(lambda self: self.decoded().sc)  # type: ignore[assignment]
+    d = property(lambda self: self.decoded().d)  # type: ignore[assignment]
+    m = property(lambda self: self.decoded().m)  # type: ignore[assignment]
+    dmin = property(lambda self: self.decoded().dmin)  # type: ignore[assignment]
+
+
+class RawGroupBlocks(_InBlocks, QuantizedWeight):
+    """A group-32 matrix [N, K] still in the GGUF's blocks (`_InBlocks`; `kind` the GGML type's
+    name: Q8_0, Q5_0, Q4_0, ...), `bits` its group-32 form's. Packing is the first touch of its
+    integers (or, for Q8_0, moves the blocks natively without decoding), so a load holds one matrix
+    decoded at a time, not every matrix of the file at once (a Q8_0 1.1B's first load peaked 1.8 GB
+    above what it kept)."""
 
     def __init__(
         self,
@@ -247,64 +274,17 @@ class RawGroupBlocks(QuantizedWeight):
         decode: Callable[[torch.Tensor, str, int], QuantizedWeight],
         release: Callable[[list[torch.Tensor]], None] | None = None,
     ) -> None:
-        if (
-            bits not in (4, 8)
-            or k % GROUP
-            or not parts
-            or any(b.dtype != torch.uint8 or b.dim() != 2 or b.shape[1] != parts[0].shape[1] for b in parts)
-        ):
+        if bits not in (4, 8) or k % GROUP or not _check_parts(parts):
             raise ValueError(f"RawGroupBlocks: bits={bits}, K={k}, parts {[(b.dtype, tuple(b.shape)) for b in parts]}")
-        self.bits, self.kind, self.parts, self.k, self._decode = bits, kind, parts, k, decode
-        self.release = release  # once packed: the blocks' file pages need not stay counted as resident
+        self.bits, self.kind, self.parts, self.k, self._decode, self.release = bits, kind, parts, k, decode, release
         self._ints: QuantizedWeight | None = None
 
-    @property
-    def blocks(self) -> torch.Tensor:
-        """All rows' blocks as one tensor (joined here when there are several parts)."""
-        return self.parts[0] if len(self.parts) == 1 else torch.cat(self.parts)
-
-    def decoded(self) -> QuantizedWeight:
-        """The same weight in its integers (decoded on the first call)."""
-        if self._ints is None:
-            self._ints = self._decode(self.blocks, self.kind, self.k)
-        return self._ints
+    def _with(self, parts: list[torch.Tensor]) -> RawGroupBlocks:
+        return RawGroupBlocks(self.bits, self.kind, parts, self.k, self._decode, self.release)  # type: ignore[arg-type]
 
     q = property(lambda self: self.decoded().q)  # type: ignore[assignment]
     scale = property(lambda self: self.decoded().scale)  # type: ignore[assignment]
     minimum = property(lambda self: self.decoded().minimum)  # type: ignore[assignment]
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (sum(b.shape[0] for b in self.parts), self.k)
-
-    @property
-    def device(self) -> torch.device:
-        return self.parts[0].device
-
-    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> QuantizedWeight:
-        if self._ints is not None:
-            return self._ints.map_rows(fn)
-        blocks = fn(self.blocks)
-        if blocks.device.type != "cpu":  # the decoder is CPU code: decode first
-            return self.decoded().map_rows(fn)
-        return RawGroupBlocks(self.bits, self.kind, [blocks], self.k, self._decode, self.release)
-
-    def cols(self, start: int, stop: int) -> QuantizedWeight:
-        return self.decoded().cols(start, stop)
-
-    def rows(self, start: int, stop: int) -> RawGroupBlocks:
-        """Rows [start, stop) still in their blocks: views of the parts they lie in, not a copy of
-        the joined matrix (as `map_rows` makes of a fused one)."""
-        views, at = [], 0
-        for b in self.parts:
-            lo, hi = max(start - at, 0), min(stop - at, b.shape[0])
-            if lo < hi:
-                views.append(b[lo:hi])
-            at += b.shape[0]
-        return RawGroupBlocks(self.bits, self.kind, views, self.k, self._decode, self.release)
-
-    def __repr__(self) -> str:
-        return f"RawGroupBlocks({self.kind}, {self.shape[0]}x{self.k})"
 
 
 def still_in_blocks(w: object) -> bool:
