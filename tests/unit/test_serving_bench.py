@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -16,8 +17,19 @@ from typing import Any, AsyncIterator
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import peer  # noqa: E402
+
+def _by_path(name: str) -> Any:
+    """benchmarks/<name>.py loaded by path: putting benchmarks/ on sys.path would leave its
+    `serving.py` ahead of tests/server's `serving` helper for every later test in this process."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+peer = _by_path("peer")
 
 # peer loads its sibling by path under this name (tests/server has a `serving` module of its own)
 serving = sys.modules["bench_serving"]
