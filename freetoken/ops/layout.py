@@ -125,12 +125,19 @@ def _masks_of(n_groups: int, k: int) -> int:
     return 1 if n_groups < 4 else n_groups // 2
 
 
+def padded_rows(n: int, width: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Zeroed uint8 rows [n, width] whose storage has READ_PAD bytes after the last row: the
+    kernel's plain 64-byte loads of a short last chunk read past the row (those lanes meet zero
+    activations)."""
+    flat = torch.zeros(n * width + READ_PAD, dtype=torch.uint8, device=device)
+    return flat[: n * width].view(n, width)
+
+
 def _padded(packed: torch.Tensor) -> torch.Tensor:
-    """A copy whose storage has READ_PAD bytes after the last row: the kernel's plain 64-byte loads
-    of a short last chunk read past the row (those lanes meet zero activations)."""
-    flat = torch.zeros(packed.numel() + READ_PAD, dtype=torch.uint8, device=packed.device)
-    flat[: packed.numel()] = packed.reshape(-1)
-    return flat[: packed.numel()].view(packed.shape)
+    """A copy of packed rows in `padded_rows`."""
+    out = padded_rows(packed.shape[0], packed.shape[1], packed.device)
+    out.copy_(packed)
+    return out
 
 
 # Rows packed per pass by `pack_rows`: the packing's temporaries (several copies of the rows it
@@ -145,9 +152,7 @@ def pack_rows(q: torch.Tensor, bits: int) -> torch.Tensor:
     first = _pack(q[:ROWS_PER_PASS], bits)
     if n <= ROWS_PER_PASS:
         return _padded(first)
-    width = first.shape[1]
-    flat = torch.zeros(n * width + READ_PAD, dtype=torch.uint8, device=q.device)
-    out = flat[: n * width].view(n, width)
+    out = padded_rows(n, first.shape[1], q.device)
     out[:ROWS_PER_PASS] = first
     del first
     for start in range(ROWS_PER_PASS, n, ROWS_PER_PASS):

@@ -25,7 +25,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from freetoken.ops.layout import READ_PAD, ROWS_PER_PASS, _chunk_transpose, _unpack, pack_rows
+from freetoken.ops.layout import ROWS_PER_PASS, _chunk_transpose, _pack, _unpack, pack_rows, padded_rows
 from freetoken.ops.quantized import (
     GROUP,
     ColumnOrderedWeight,
@@ -36,7 +36,7 @@ from freetoken.ops.quantized import (
     SuperBlockWeight,
     still_in_blocks,
 )
-from freetoken.ops.superblock import PackedColumns, PackedStack, PackedSuperBlock
+from freetoken.ops.superblock import _REPACK, PackedColumns, PackedStack, PackedSuperBlock  # _REPACK: csrc/repack.cpp
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +82,6 @@ _EXTENSION = _load_extension()
 _KERNEL: ModuleType | None = _load_kernel(_EXTENSION)  # decided once at import; never reassigned
 # Whether the kernel takes 5-bit weights (an older build of the extension does not).
 _FIVE_BITS = _KERNEL is not None and 5 in getattr(_KERNEL, "bits", ())
-# The native Q8_0 repack (csrc/repack.cpp); None in a build without it (then torch packs).
-try:
-    from freetoken.ops import _repack_cpu as _REPACK
-except ImportError:  # pragma: no cover - the package is built with it
-    _REPACK = None
 # The super-block kernel (sbmm), which also runs on CPUs with AVX2 but no AVX-512.
 _SB_KERNEL: ModuleType | None = _load_superblock_kernel(_EXTENSION)
 _SUPERBLOCKS = _SB_KERNEL is not None
@@ -198,20 +193,18 @@ class PackedWeight:
         Packs at the width of the first pass and starts over at 8 bits in the rare case a later
         pass's integers do not fit 5."""
         n, k = w.shape
-        starts = range(0, n, ROWS_PER_PASS)
-        bits = _packed_bits(w.rows(0, ROWS_PER_PASS))
+        first = w.rows(0, ROWS_PER_PASS)  # decoded once: for the width, then packed
+        bits = _packed_bits(first)
         while True:
             scale = torch.empty(n, k // GROUP, dtype=torch.float16)
             minimum: torch.Tensor | None = None
-            flat: torch.Tensor | None = None
-            for start in starts:
-                part = w.rows(start, start + ROWS_PER_PASS)
+            packed: torch.Tensor | None = None
+            for start in range(0, n, ROWS_PER_PASS):
+                part = first if start == 0 else w.rows(start, start + ROWS_PER_PASS)
                 if bits == 5 and _packed_bits(part) != 5:
                     break
-                rows = pack_rows(part.q, bits)
-                if flat is None:
-                    flat = torch.zeros(n * rows.shape[1] + READ_PAD, dtype=torch.uint8)
-                    packed = flat[: n * rows.shape[1]].view(n, rows.shape[1])
+                rows = _pack(part.q, bits)
+                packed = padded_rows(n, rows.shape[1]) if packed is None else packed
                 packed[start : start + rows.shape[0]] = rows
                 scale[start : start + rows.shape[0]] = part.scale
                 if part.minimum is not None:

@@ -127,7 +127,7 @@ def test_packing_from_the_blocks_is_the_packing_of_the_whole_matrix(
     layout = importlib.import_module("freetoken.ops.layout")
     qlinear = importlib.import_module("freetoken.ops.qlinear")  # the module (the package exports a function of its name)
     monkeypatch.setattr(qlinear, "ROWS_PER_PASS", 3)
-    monkeypatch.setattr(layout, "ROWS_PER_PASS", 2)  # pack_rows' own passes inside each
+    monkeypatch.setattr(layout, "ROWS_PER_PASS", 2)  # PackedWeight's pack_rows, in passes too
     qtype = {"q5_0": Q.Q5_0, "q4_0 fused": Q.Q4_0}.get(case, Q.Q8_0)
     five = qlinear._FIVE_BITS
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
@@ -147,7 +147,9 @@ def test_packing_from_the_blocks_is_the_packing_of_the_whole_matrix(
         w = concat([w.rows(0, 4), w.rows(4, rows)])
         assert isinstance(w, RawGroupBlocks) and len(w.parts) == 2
     got = getattr(qlinear.PackedWeight, how)(w)
-    want = qlinear.PackedWeight(to_quantized(raw, qtype, (rows, k)))
+    ints = to_quantized(raw, qtype, (rows, k))
+    want = qlinear.PackedWeight(ints)
+    assert torch.equal(want.packed, layout._pack(ints.q, want.bits))  # pack_rows' passes: the one packing
     expected_bits = {"q5_0": 5 if five else 8, "q4_0 fused": 4, "q8_0 within 5 bits": 5 if five else 8}.get(case, 8)
     assert got.bits == want.bits == expected_bits
     assert torch.equal(got.packed, want.packed) and torch.equal(got.scale, want.scale)
