@@ -11,11 +11,15 @@ import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from freetoken import __version__
 from freetoken.errors import ConfigError, FreeTokenError
 from freetoken.utils.logs import FORMATS, LogSettings
 from freetoken.utils.logs import configure as configure_logging
+
+if TYPE_CHECKING:
+    from freetoken.server.settings import ServerConfig
 
 MODEL_HELP = "a .gguf file, a directory with config.json + safetensors + tokenizer.json, or gemma3-270m (default) / smollm2-135m-instruct"
 
@@ -722,11 +726,13 @@ def serve_options(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from freetoken.config import EngineConfig
-    from freetoken.distributed.checks import check_model_heads
-    from freetoken.server.settings import ServerConfig
-    from freetoken.server.startup import start
+    import time
 
+    from freetoken.config import EngineConfig
+    from freetoken.server.process.supervisor import EarlyEngine
+    from freetoken.weights.source import resolve_model
+
+    began = time.monotonic()
     model, host, port, api_key = serve_options(args, os.environ)
     engine = EngineConfig(
         model=model,
@@ -766,8 +772,32 @@ def _serve(args: argparse.Namespace) -> None:
         cuda_graphs=args.cuda_graphs,
     )
     engine.validate()
-    check_model_heads(engine.model, engine.tensor_parallel_size)  # before listening: one line
-    server = ServerConfig(
+    # The engine process first, held: its ~3 s of torch imports overlap everything below (this
+    # process's own imports, the checks, the web stack); a check that fails ends it unreleased.
+    early = EarlyEngine.start(engine, args.served_model_name or resolve_model(engine.model).name, held=True)
+    try:
+        server = _server_config(args, host, port, api_key)
+        from freetoken.distributed.checks import check_model_heads
+        from freetoken.server.startup import start
+
+        check_model_heads(engine.model, engine.tensor_parallel_size)  # before listening: one line
+        # preflight, the port, the engine released: before the web stack's imports
+        started = start(engine, server, engine=early, began=began)
+    except BaseException:
+        early.abandon()
+        raise
+    try:
+        from freetoken.server.serve import run_server
+    except BaseException:
+        started.abandon()
+        raise
+    run_server(engine, server, started)
+
+
+def _server_config(args: argparse.Namespace, host: str, port: int, api_key: str | None) -> ServerConfig:
+    from freetoken.server.settings import ServerConfig
+
+    return ServerConfig(
         host=host,
         port=port,
         api_key=api_key,
@@ -789,13 +819,6 @@ def _serve(args: argparse.Namespace) -> None:
         max_running_requests=args.max_running_requests,
         max_waiting_requests=args.max_waiting_requests,
     )
-    started = start(engine, server)  # preflight, the port, the engine process: before the web stack's imports
-    try:
-        from freetoken.server.serve import run_server
-    except BaseException:
-        started.abandon()
-        raise
-    run_server(engine, server, started)
 
 
 def _launch(args: argparse.Namespace) -> None:

@@ -2,7 +2,8 @@
 start the engine.
 
 Owns the order of a start: the settings' own checks and `--model` resolved; the engine process
-started held (`EarlyEngine`: it imports torch and its modules, ~1.4 s, then waits); the model's
+started held (`EarlyEngine`: it imports torch and its modules, ~3 s on a 2-core Zen 3, then
+waits; `ft serve` starts it before importing this module, whose imports take ~0.4 s); the model's
 metadata-only preflight (preflight.py) and the listening socket (a port in use is a one-line
 ConfigError naming `--port`) — a refusal ends the held process before it has read any weight —
 then the engine released, so that its model load runs while this process imports FastAPI and
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from freetoken.config import EngineConfig
 from freetoken.errors import ConfigError
 from freetoken.server.preflight import model_facts, preflight
-from freetoken.server.process.client import EarlyEngine
+from freetoken.server.process.supervisor import EarlyEngine
 from freetoken.server.settings import ServerConfig
 from freetoken.weights.gguf_metadata import open_gguf
 from freetoken.weights.source import ModelSource, resolve_model
@@ -76,17 +77,32 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def start(engine_config: EngineConfig, server_config: ServerConfig, *, start_engine: bool = True) -> Started:
+def start(
+    engine_config: EngineConfig,
+    server_config: ServerConfig,
+    *,
+    start_engine: bool = True,
+    engine: EarlyEngine | None = None,
+    began: float | None = None,
+) -> Started:
     """Check everything that can be checked without weights, take the port, and (with
     `start_engine`) start the engine process. Raises ConfigError / ModelLoadError before any
     weight is read: the engine process is started held as soon as the flags and the model's path
-    are known (its ~1.4 s of imports overlap the checks), and released only once they passed."""
-    began = time.monotonic()
-    engine_config.validate()
-    server_config.validate()
-    source = resolve_model(engine_config.model)
+    are known (its ~3 s of imports overlap the checks), and released only once they passed.
+    `engine`: already started held by the caller (`ft serve` starts it before importing this
+    module; `began` is when that start began); it is ended if a check fails."""
+    began = time.monotonic() if began is None else began
+    try:
+        engine_config.validate()
+        server_config.validate()
+        source = resolve_model(engine_config.model)
+    except BaseException:
+        if engine is not None:
+            engine.abandon()
+        raise
     served_name = server_config.served_model_name or source.name
-    engine = EarlyEngine.start(engine_config, served_name, held=True) if start_engine else None
+    if engine is None and start_engine:
+        engine = EarlyEngine.start(engine_config, served_name, held=True)
     try:
         # A GGUF file is checked whole (directory and metadata, no tensor data) before any weight is read.
         metadata = open_gguf(source.path).metadata if source.kind == "gguf" else None

@@ -146,3 +146,14 @@ def test_the_first_steps_import_no_web_stack_and_no_torch() -> None:
             "print(sorted(m for m in ('fastapi', 'starlette', 'uvicorn', 'torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_GUARD_S, cwd=ROOT)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr + out.stdout
+
+
+def test_what_runs_before_the_engine_process_starts_imports_nothing_heavy() -> None:
+    """`ft serve` starts the engine process right after reading its flags (cli.py), before the
+    ~0.4 s of imports its checks need (gguf, numpy, zmq, the tokenizer): what it imports up to
+    then must stay light, or the engine's ~3 s of torch imports start that much later."""
+    code = ("import sys, freetoken.cli, freetoken.config, freetoken.server.process.supervisor, freetoken.weights.source; "
+            "heavy = ('gguf', 'numpy', 'zmq', 'tokenizers', 'jinja2', 'pydantic', 'fastapi', 'uvicorn', 'torch'); "
+            "print(sorted(m for m in heavy if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_GUARD_S, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr + out.stdout

@@ -79,11 +79,17 @@ def run_ft_until_start(argv: list[str], monkeypatch: pytest.MonkeyPatch, env: di
     would have been started. A flag the parser refuses exits 2; a configuration that cannot work
     is one `ft serve: error:` line and a non-zero return: both fail here."""
     from freetoken.server import startup
+    from freetoken.server.process import supervisor
 
-    def fake_start(engine: Any, server: Any) -> None:
-        raise Started(engine, server)
+    class NoEngine:  # `ft serve` starts its engine process before the checks: none here
+        def abandon(self) -> None:
+            pass
+
+    def fake_start(engine_config: Any, server_config: Any, **_: Any) -> None:
+        raise Started(engine_config, server_config)
 
     monkeypatch.setattr(startup, "start", fake_start)
+    monkeypatch.setattr(supervisor.EarlyEngine, "start", staticmethod(lambda *args, **kwargs: NoEngine()))
     for name in ("FT_MODEL", "FT_HOST", "FT_PORT", "FT_API_KEY"):
         monkeypatch.delenv(name, raising=False)
     for name, value in (env or {}).items():

@@ -18,13 +18,9 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-import multiprocessing
-import multiprocessing.process
-import multiprocessing.synchronize
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
@@ -32,11 +28,8 @@ import zmq.asyncio
 from freetoken.config import EngineConfig
 from freetoken.errors import FreeTokenError
 from freetoken.request import SamplingParams
-from freetoken.server.process.heartbeat import (
-    DEFAULT_HANG_TIMEOUT_S,
-    INTERVAL_S as HEARTBEAT_INTERVAL_S,
-    HeartbeatWatch,
-)
+from freetoken.server.process.heartbeat import DEFAULT_HANG_TIMEOUT_S, HeartbeatWatch
+from freetoken.server.process.heartbeat import INTERVAL_S as HEARTBEAT_INTERVAL_S
 from freetoken.server.process.messages import (
     AbortRequest,
     AddRequest,
@@ -55,11 +48,12 @@ from freetoken.server.process.messages import (
 )
 from freetoken.server.process.supervisor import (
     DEFAULT_LOAD_TIMEOUT_S,
+    EarlyEngine,
     ExitReport,
     RestartPolicy,
     Supervisor,
     WorkerEndpoints,
-    start_engine_process,
+    endpoints_in,
 )
 from freetoken.utils.heap import freeze_startup_heap
 
@@ -80,48 +74,6 @@ class EngineRefused(FreeTokenError):
         self.message = message
         self.code = code
         self.param = param
-
-
-def _endpoints(directory: str, incarnation: int) -> WorkerEndpoints:
-    return WorkerEndpoints(engine=f"ipc://{directory}/engine-{incarnation}", api=f"ipc://{directory}/api-{incarnation}")
-
-
-@dataclass
-class EarlyEngine:
-    """An engine process started before its client exists: `ft serve` starts it held as soon as
-    the model's path is known (server/startup.py) and releases it once the preflight and the bind
-    passed, so that its imports and model load overlap the API process's own start-up (the web
-    stack's imports, the tokenizer, uvicorn). The client adopts it as incarnation 0; until then
-    its messages wait in ZMQ (the engine connects to an endpoint nobody has bound yet)."""
-
-    directory: str
-    process: multiprocessing.process.BaseProcess
-    go: multiprocessing.synchronize.Event | None = None  # set: a held process may load
-
-    @staticmethod
-    def start(config: EngineConfig, served_name: str, held: bool = False) -> EarlyEngine:
-        """Start the process; `held`, it imports its modules and waits for `release` before it
-        reads any weight (started before the checks that may still refuse the configuration)."""
-        directory = tempfile.mkdtemp(prefix="freetoken-")  # short: ipc paths are limited to ~100 bytes
-        go = multiprocessing.get_context("spawn").Event() if held else None
-        try:
-            process = start_engine_process(config, _endpoints(directory, 0), served_name, 0, go)
-        except BaseException:
-            shutil.rmtree(directory, ignore_errors=True)
-            raise
-        return EarlyEngine(directory, process, go)
-
-    def release(self) -> None:
-        """Let a held process load its model."""
-        if self.go is not None:
-            self.go.set()
-
-    def abandon(self) -> None:
-        """The server will not run after all (a later start-up step failed): end the process."""
-        if self.process.exitcode is None:
-            self.process.kill()
-        self.process.join(5.0)
-        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 class EngineClient:
@@ -399,7 +351,7 @@ class EngineClient:
         """A new engine process is about to start: fresh endpoints, a fresh receiver."""
         if self._ctx is None or self._dir is None:
             raise RuntimeError("the engine client is not started")
-        endpoints = _endpoints(self._dir, incarnation)
+        endpoints = endpoints_in(self._dir, incarnation)
         push = self._ctx.socket(zmq.PUSH, socket_class=zmq.Socket)
         push.setsockopt(zmq.SNDHWM, 0)
         push.setsockopt(zmq.LINGER, 0)

@@ -10,8 +10,10 @@ that times out counts as a death under the restart policy), killing a hung engin
 (`kill`, then it is handled like a death), and the stop sequence (wait, terminate, kill). It
 does not talk to the engine: the client owns the sockets, tells it when the engine said Ready
 (`ready`), and is told through two callbacks, `on_spawn` (a new incarnation is about to start:
-give it its endpoints) and `on_exit` (it is gone, and what happens next).
-It never imports torch: the engine process imports its main module itself.
+give it its endpoints) and `on_exit` (it is gone, and what happens next). `EarlyEngine` is the
+first incarnation started before any client or supervisor exists (`ft serve` starts it held
+right after reading its flags). It never imports torch or the web stack: the engine process
+imports its main module itself, and `ft serve` imports this module before anything heavy.
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ import asyncio
 import logging
 import multiprocessing
 import multiprocessing.process
+import multiprocessing.synchronize
+import shutil
 import signal
+import tempfile
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -102,6 +107,49 @@ def start_engine_process(
     )
     process.start()
     return process
+
+
+def endpoints_in(directory: str, incarnation: int) -> WorkerEndpoints:
+    """The endpoints of incarnation `incarnation` in the private directory `directory`."""
+    return WorkerEndpoints(engine=f"ipc://{directory}/engine-{incarnation}", api=f"ipc://{directory}/api-{incarnation}")
+
+
+@dataclass
+class EarlyEngine:
+    """An engine process started before its client exists: `ft serve` starts it held as soon as
+    the model's path is known (server/startup.py) and releases it once the preflight and the bind
+    passed, so that its imports and model load overlap the API process's own start-up (the web
+    stack's imports, the tokenizer, uvicorn). The client adopts it as incarnation 0; until then
+    its messages wait in ZMQ (the engine connects to an endpoint nobody has bound yet)."""
+
+    directory: str
+    process: multiprocessing.process.BaseProcess
+    go: multiprocessing.synchronize.Event | None = None  # set: a held process may load
+
+    @staticmethod
+    def start(config: EngineConfig, served_name: str, held: bool = False) -> EarlyEngine:
+        """Start the process; `held`, it imports its modules and waits for `release` before it
+        reads any weight (started before the checks that may still refuse the configuration)."""
+        directory = tempfile.mkdtemp(prefix="freetoken-")  # short: ipc paths are limited to ~100 bytes
+        go = multiprocessing.get_context("spawn").Event() if held else None
+        try:
+            process = start_engine_process(config, endpoints_in(directory, 0), served_name, 0, go)
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        return EarlyEngine(directory, process, go)
+
+    def release(self) -> None:
+        """Let a held process load its model."""
+        if self.go is not None:
+            self.go.set()
+
+    def abandon(self) -> None:
+        """The server will not run after all (a later start-up step failed): end the process."""
+        if self.process.exitcode is None:
+            self.process.kill()
+        self.process.join(5.0)
+        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def out_of_memory_hint(config: EngineConfig) -> str:
