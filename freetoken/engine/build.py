@@ -207,7 +207,7 @@ def build_engine_for(config: EngineConfig, loaded: LoadedModel, peers: Peers | N
     )
     runner = Runner(loaded.model, loaded.config, tensors, peers, alone_max=config.alone_max, graphs=graphs)
     disk = None if config.kv_disk_dir is None else disk_tier(config, loaded, tensors, window)
-    return Engine(resolved, runner, kv, GrammarCompiler(loaded.tokenizer), disk)
+    return Engine(resolved, runner, kv, GrammarCompiler(lambda: loaded.tokenizer), disk)
 
 
 def model_identity(loaded: LoadedModel) -> list[object]:

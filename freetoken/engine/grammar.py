@@ -34,7 +34,7 @@ vocabulary is written bare, `<|im_start|>`, or by id, `<[1]>`; a quoted string m
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import llguidance
 import llguidance.numpy as llg_numpy
@@ -76,16 +76,23 @@ def grammar_definition(kind: str, text: str) -> str:
 
 
 class GrammarCompiler:
-    """Compiles grammars for one tokenizer. The llguidance tokenizer is built on first use (a
-    large vocabulary takes seconds), and compiled grammars are kept by `(kind, text)`, least
-    recently used dropped first."""
+    """Compiles grammars for one tokenizer. The tokenizer (given, or made by a callable: the
+    engine's is built only when a grammar first needs it) and the llguidance tokenizer are built
+    on first use (a large vocabulary takes seconds), and compiled grammars are kept by
+    `(kind, text)`, least recently used dropped first."""
 
-    def __init__(self, tokenizer: Tokenizer, cache_size: int = CACHE_SIZE) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Tokenizer | Callable[[], Tokenizer], cache_size: int = CACHE_SIZE) -> None:
+        self._tokenizer = tokenizer
         self.cache_size = cache_size
         self._llg: llguidance.LLTokenizer | None = None
         self._compiled: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
         self.compilations = 0  # grammars compiled (cache misses), for tests and status
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if not isinstance(self._tokenizer, Tokenizer):
+            self._tokenizer = self._tokenizer()
+        return self._tokenizer
 
     @property
     def llg(self) -> llguidance.LLTokenizer:

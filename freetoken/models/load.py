@@ -1,7 +1,9 @@
 """Loading a model for serving: checkpoint -> ModelConfig -> model with weights -> tokenizer.
 
 Owns the one path every entry point (`ft generate`, `LLM`, the engine process) uses to turn
-`--model` into a ready model and its tokenizer. It does not size KV memory or schedule anything.
+`--model` into a ready model and its tokenizer. The tokenizer is built on first use: the engine
+process needs it only to compile a grammar, and a large vocabulary takes seconds to build (the
+API process builds its own). It does not size KV memory or schedule anything.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import functools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,8 +30,10 @@ from freetoken.models.registry import build_model, config_from_hf
 from freetoken.models.snapshot import SNAPSHOT_VERSION, capture, restore
 from freetoken.ops.qlinear import signature
 from freetoken.tokenizer import Tokenizer
+from freetoken.tokenizer.cache import TokenizerCache
+from freetoken.utils.disk_cache import cache_dir, code_identity
 from freetoken.utils.heap import return_freed_memory
-from freetoken.weights.gguf_metadata import forget_opened
+from freetoken.weights.gguf_metadata import forget_opened, open_gguf
 from freetoken.weights.loader import (
     Checkpoint,
     ModelSource,
@@ -39,7 +44,7 @@ from freetoken.weights.loader import (
 )
 from freetoken.weights.progress import ProgressCallback
 from freetoken.weights.source import file_identity
-from freetoken.weights.weight_cache import WeightCache, cache_dir, code_identity
+from freetoken.weights.weight_cache import WeightCache
 
 log = logging.getLogger("freetoken.models")
 
@@ -49,7 +54,7 @@ class LoadedModel:
     source: ModelSource
     config: ModelConfig
     model: torch.nn.Module
-    tokenizer: Tokenizer
+    make_tokenizer: Callable[[], Tokenizer] = field(repr=False, compare=False)  # `tokenizer` is built by it, once
     dtype: torch.dtype
     device: torch.device
     quant_types: dict[str, int]
@@ -59,11 +64,17 @@ class LoadedModel:
     # the weight cache's write of this load's snapshot, still running after the load returns (None: no write)
     cache_writer: threading.Thread | None = field(default=None, repr=False, compare=False)
 
+    @functools.cached_property
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer, built on first use (Gemma 3's 262k-token vocabulary: ~3 s)."""
+        return self.make_tokenizer()
 
-def load_tokenizer(source: ModelSource, metadata: dict[str, object] | None) -> Tokenizer:
+
+def load_tokenizer(source: ModelSource, weights_cache: str | None = None) -> Tokenizer:
+    """The tokenizer of `source`: from the GGUF's metadata (through the tokenizer cache under
+    `weights_cache`, tokenizer/cache.py) or the model directory's tokenizer files."""
     if source.kind == "gguf":
-        assert metadata is not None  # a GGUF checkpoint always carries its metadata
-        return Tokenizer.from_gguf_metadata(metadata)
+        return Tokenizer.from_gguf_metadata(open_gguf(source.path).metadata, TokenizerCache.for_setting(weights_cache))
     return Tokenizer.from_pretrained_dir(source.path)
 
 
@@ -206,7 +217,6 @@ def load_model(
         shard.install_collectives(model, plan)
     model.eval()
     bind_submodules(model)
-    tokenizer = load_tokenizer(source, ckpt.metadata)
     quant_types = ckpt.quant_types
     del ckpt  # the checkpoint's temporaries: freed, then returned to the system
     forget_opened()  # and the file's map with them (its pages would count as resident memory)
@@ -229,7 +239,17 @@ def load_model(
         "" if plan is None else f" (block outputs: {plan.row_parallel})",
     )
     return LoadedModel(
-        source, config, model, tokenizer, dtype, device, quant_types, weights, formats, cached is not None, writer
+        source,
+        config,
+        model,
+        functools.partial(load_tokenizer, source, weights_cache),  # the file's metadata, read again if ever needed
+        dtype,
+        device,
+        quant_types,
+        weights,
+        formats,
+        cached is not None,
+        writer,
     )
 
 

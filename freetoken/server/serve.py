@@ -40,6 +40,7 @@ from freetoken.server.sampling_defaults import SamplingDefaults, read_sampling_d
 from freetoken.server.settings import ServerConfig
 from freetoken.server.startup import Started, start
 from freetoken.tokenizer import Tokenizer
+from freetoken.tokenizer.cache import TokenizerCache
 from freetoken.weights.source import base_model_note
 
 log = logging.getLogger("freetoken.server")
@@ -51,10 +52,11 @@ class EngineGaveUp(FreeTokenError):
     """The supervisor will not restart the engine: `ft serve` exits non-zero."""
 
 
-def load_tokenizer(started: Started, server_config: ServerConfig) -> Tokenizer:
-    """The model's tokenizer, with `--chat-template` applied (ConfigError names the flag)."""
+def load_tokenizer(started: Started, server_config: ServerConfig, weights_cache: str | None = None) -> Tokenizer:
+    """The model's tokenizer, with `--chat-template` applied (ConfigError names the flag); a
+    GGUF's is read from the tokenizer cache under `--weights-cache` when it was built before."""
     if started.metadata is not None:
-        tokenizer = Tokenizer.from_gguf_metadata(started.metadata)
+        tokenizer = Tokenizer.from_gguf_metadata(started.metadata, TokenizerCache.for_setting(weights_cache))
     else:
         tokenizer = Tokenizer.from_pretrained_dir(started.source.path)
     if server_config.chat_template is not None:
@@ -154,7 +156,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, started
     port = started.sock.getsockname()[1]
     console = _Console(server_config, started, port)
     try:
-        tokenizer = load_tokenizer(started, server_config)
+        tokenizer = load_tokenizer(started, server_config, engine_config.weights_cache)
         served_name = started.served_name
         holder: list[_Server] = []
         client = EngineClient(

@@ -16,6 +16,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as Backend
 
 from freetoken.errors import ModelLoadError
+from freetoken.tokenizer.cache import TokenizerCache
 from freetoken.tokenizer.chat_template import ChatTemplate, NoChatTemplate, builtin_chat_template
 from freetoken.tokenizer.gguf_vocab import backend_from_gguf_metadata, byte_fallback_ids
 
@@ -70,10 +71,12 @@ class Tokenizer:
     # ---- construction ------------------------------------------------------------------------
 
     @classmethod
-    def from_gguf_metadata(cls, metadata: Mapping[str, object]) -> Tokenizer:
-        """The tokenizer a GGUF file describes (`metadata` as `read_metadata` returns it)."""
+    def from_gguf_metadata(cls, metadata: Mapping[str, object], cache: TokenizerCache | None = None) -> Tokenizer:
+        """The tokenizer a GGUF file describes (`metadata` as `read_metadata` returns it); with
+        `cache`, a SentencePiece vocabulary's merges are read from it when they were derived before
+        (cache.py), else derived and kept."""
         meta = dict(metadata)
-        backend = backend_from_gguf_metadata(meta)
+        backend = backend_from_gguf_metadata(meta, cache)
         size = backend.get_vocab_size(with_added_tokens=True)
 
         def special(key: str) -> int | None:

@@ -1,8 +1,7 @@
 """The weight cache on disk: what a load made of a checkpoint, kept so the next start maps it.
 
-Owns the cache directory (`--weights-cache auto`: `$FREETOKEN_CACHE_DIR/weights`, else
-`$XDG_CACHE_HOME/freetoken/weights`, else `~/.cache/freetoken/weights`), the identity of a
-checkpoint's files and of the code that packs them, and one entry per key: `<digest>.pt` (the
+Owns one entry per key in the cache directory (`--weights-cache`: utils/disk_cache.py says where
+it is and how the code that packs weights is identified): `<digest>.pt` (the
 value, `torch.save`d) beside `<digest>.json` (its key, size and an XXH3-64 digest per 64 MiB chunk).
 
 An entry is never trusted blindly: `read` checks the manifest's key against the one asked for,
@@ -27,7 +26,6 @@ import pickle
 import shutil
 import threading
 import time
-from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -41,32 +39,6 @@ CHUNK = 64 << 20  # bytes per digest
 DIGEST = "xxh3_64"  # the manifest's field: an entry written with another checksum is a miss
 SPARE_DISK = 512 << 20  # bytes left free on the cache's disk after a write, at least
 STALE_TMP_S = 3600  # a temporary file older than this is a crashed write's: deleted
-
-
-def cache_dir(setting: str | None) -> Path | None:
-    """The directory `--weights-cache` names: `auto` (the user cache dir), `off` / None (no
-    cache), or a path."""
-    if setting is None or setting == "off":
-        return None
-    if setting != "auto":
-        return Path(setting).expanduser()
-    base = os.environ.get("FREETOKEN_CACHE_DIR")
-    if base:
-        return Path(base).expanduser() / "weights"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "freetoken" / "weights"
-
-
-def code_identity(roots: Iterable[Path]) -> str:
-    """A digest of every Python and extension file under `roots`: code that packs weights
-    differently is another identity (a snapshot from another version is never read)."""
-    h = hashlib.sha256()
-    for root in roots:
-        for p in sorted(root.rglob("*")):
-            if p.suffix in (".py", ".so") and p.is_file():
-                h.update(str(p.relative_to(root.parent)).encode())
-                h.update(p.read_bytes())
-    return h.hexdigest()[:32]
 
 
 def _digest(key: dict) -> str:

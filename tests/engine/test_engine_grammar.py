@@ -125,3 +125,28 @@ def test_preemption_keeps_matchers_in_step(tiny_gemma) -> None:  # noqa: ANN001
         outs[pages] = [r.output_ids for r in reqs]
         assert len(engine.grammars) == 0
     assert outs[400] == outs[30]
+
+
+def test_the_engine_builds_its_tokenizer_only_when_a_grammar_needs_it(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """The engine process needs a tokenizer only to compile a grammar, and a large vocabulary
+    takes seconds to build (Gemma 3's: ~3 s of every start): a load and unconstrained requests
+    never build it, the first constrained request does, once."""
+    import torch
+    from tiny_models import write_tiny_model
+
+    import freetoken.models.load as load_module
+
+    built = []
+    real = load_module.load_tokenizer
+    monkeypatch.setattr(load_module, "load_tokenizer", lambda *args: built.append(args) or real(*args))
+    loaded = load_module.load_model(str(write_tiny_model("gemma3", tmp_path)), torch.float64, torch.device("cpu"))
+    engine = _engine(loaded)
+    _run(engine, [Request("plain", [2, 5, 7], SamplingParams(max_tokens=3, temperature=0.0))])
+    assert built == []
+    constrained = [
+        Request(f"json{i}", [2, 5, 7], SamplingParams(max_tokens=8, temperature=1.0, seed=i, grammar=("json_object", "")))
+        for i in range(2)
+    ]
+    _run(engine, constrained)
+    assert all(r.output_ids for r in constrained)
+    assert len(built) == 1 and loaded.tokenizer is loaded.tokenizer and len(built) == 1
