@@ -429,9 +429,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--reasoning-parser",
         default=None,
-        choices=["think", "gemma4", "none"],
-        help="split <think>...</think> (think) or <|channel>thought...<channel|> (gemma4) reasoning off the output "
-        "(default: from the model's template or vocabulary)",
+        choices=["think", "gemma4", "mistral", "none"],
+        help="split <think>...</think> (think), <|channel>thought...<channel|> (gemma4) or [THINK]...[/THINK] "
+        "(mistral: Magistral) reasoning off the output (default: from the model's template or vocabulary)",
     )
 
     g.add_argument(

@@ -1,7 +1,8 @@
 """Reasoning in marked blocks: splitting a generation into its reasoning and the rest, incrementally.
 
-Two markups: `think`, `<think>...</think>` (Qwen 3, DeepSeek R1 and their distills), and `gemma4`,
-`<|channel>thought\n...<channel|>` (Gemma 4). Owns `ThinkStream` (feed text deltas, get the
+Three markups: `think`, `<think>...</think>` (Qwen 3, DeepSeek R1 and their distills), `gemma4`,
+`<|channel>thought\n...<channel|>` (Gemma 4), and `mistral`, `[THINK]...[/THINK]` (Magistral
+Small 2509 and later, whose markers are control tokens of its vocabulary). Owns `ThinkStream` (feed text deltas, get the
 reasoning and the content they make certain; text that may still be the start of a marker is held
 back), `reasoning_stream` (the stream for a parser name), `REASONING_PARSERS` (the names
 `--reasoning-parser` accepts) and `detect_reasoning_parser` (the model's template or vocabulary
@@ -19,9 +20,10 @@ from freetoken.tokenizer.detokenizer import held_back
 
 THINK_START, THINK_END = "<think>", "</think>"
 GEMMA4_START, GEMMA4_END = "<|channel>thought", "<channel|>"
-THINK, GEMMA4 = "think", "gemma4"
-MARKERS = {THINK: (THINK_START, THINK_END), GEMMA4: (GEMMA4_START, GEMMA4_END)}
-REASONING_PARSERS = (THINK, GEMMA4, "none")
+MISTRAL_START, MISTRAL_END = "[THINK]", "[/THINK]"
+THINK, GEMMA4, MISTRAL = "think", "gemma4", "mistral"
+MARKERS = {THINK: (THINK_START, THINK_END), GEMMA4: (GEMMA4_START, GEMMA4_END), MISTRAL: (MISTRAL_START, MISTRAL_END)}
+REASONING_PARSERS = (THINK, GEMMA4, MISTRAL, "none")
 
 
 class ThinkStream:
@@ -105,10 +107,12 @@ def split_reasoning(text: str, *, in_reasoning: bool, name: str = THINK) -> tupl
 
 
 def detect_reasoning_parser(*, chat_template: str | None, tokens: Iterable[str]) -> str | None:
-    """`gemma4` when the model's template or vocabulary knows `<channel|>`, `think` when it knows
-    `</think>`, else None (no reasoning parser: the output is all content)."""
+    """`gemma4` when the model's template or vocabulary knows `<channel|>`, `mistral` when it knows
+    `[/THINK]`, `think` when it knows `</think>`, else None (no reasoning parser: the output is
+    all content). Magistral 2509's template names `[THINK]` in its default system prompt, and its
+    vocabulary has both as control tokens; 2506's wrote `<think>` as text (`think`)."""
     template, vocab = chat_template or "", set(tokens)
-    for name in (GEMMA4, THINK):
+    for name in (GEMMA4, MISTRAL, THINK):
         end = MARKERS[name][1]
         if end in template or end in vocab:
             return name

@@ -1,4 +1,4 @@
-"""The reasoning split (`<think>` and Gemma 4's `<|channel>thought`): whole and streamed in every
+"""The reasoning split (`<think>`, Gemma 4's `<|channel>thought` and Magistral's `[THINK]`): whole and streamed in every
 chunking give the same result, reasoning opened in the prompt, markers split across deltas,
 unclosed reasoning, plain output, and detection from the template or vocabulary."""
 
@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from freetoken.tokenizer.reasoning import GEMMA4, ThinkStream, detect_reasoning_parser, reasoning_stream, split_reasoning
+from freetoken.tokenizer.reasoning import (
+    GEMMA4,
+    MISTRAL,
+    ThinkStream,
+    detect_reasoning_parser,
+    reasoning_stream,
+    split_reasoning,
+)
 
 THINK_NAME = "think"
 CASES = [
@@ -30,7 +37,18 @@ GEMMA4_CASES = [
     ("<|channel>thought\ncut o", False, ("cut o", "")),
     ("<think>x</think>y", False, ("", "<think>x</think>y")),
 ]
-ALL_CASES = [(THINK_NAME, *c) for c in CASES] + [(GEMMA4, *c) for c in GEMMA4_CASES]
+# Magistral Small 2509: `[THINK]` and `[/THINK]` are control tokens, decoded with the rest
+MISTRAL_CASES = [
+    ("[THINK]The user asks for 2+2. That is 4.[/THINK]The answer is 4.", False, ("The user asks for 2+2. That is 4.", "The answer is 4.")),
+    ("[THINK]\nStep one.\n[/THINK]\n\n**4**", False, ("Step one.", "**4**")),
+    ("[THINK]cut off mid thou", False, ("cut off mid thou", "")),
+    ("[THI", False, ("", "[THI")),
+    ("No reasoning [THINK] here", False, ("", "No reasoning [THINK] here")),
+    ("<think>x</think>y", False, ("", "<think>x</think>y")),
+]
+ALL_CASES = (
+    [(THINK_NAME, *c) for c in CASES] + [(GEMMA4, *c) for c in GEMMA4_CASES] + [(MISTRAL, *c) for c in MISTRAL_CASES]
+)
 
 
 @pytest.mark.parametrize(("name", "text", "opened", "expected"), ALL_CASES)
@@ -56,6 +74,11 @@ def test_detection() -> None:
     assert detect_reasoning_parser(chat_template="{{ '<|channel>thought' }}...{{ '<channel|>' }}", tokens=[]) == GEMMA4
     assert detect_reasoning_parser(chat_template=None, tokens=["<|turn>", "<channel|>"]) == GEMMA4
     assert detect_reasoning_parser(chat_template="{{ '<|channel|>' }}", tokens=[]) is None  # Harmony's is not Gemma 4's
+    # Magistral 2509: the markers are control tokens, and its default system prompt names them
+    assert detect_reasoning_parser(chat_template=None, tokens=["[INST]", "[THINK]", "[/THINK]"]) == MISTRAL
+    magistral = "{%- set default_system_message = 'First draft your thinking process ... [THINK]your thoughts[/THINK]' %}"
+    assert detect_reasoning_parser(chat_template=magistral, tokens=["[INST]"]) == MISTRAL
+    assert detect_reasoning_parser(chat_template="[INST]{{ m }}[/INST]", tokens=["[INST]", "[/INST]"]) is None
 
 
 def test_reasoning_then_a_call_through_the_tool_stream() -> None:
