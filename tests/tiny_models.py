@@ -161,10 +161,24 @@ QWEN3_5_MOE = dict(
     num_experts=4,
     num_experts_per_tok=2,
 )
+# Qwen3-Next: Qwen3.5-MoE's network with the linear layers' q/k/v/z and b/a projections fused per
+# key head (2 key heads over 4 value heads, k 8 != v 12 channels: a wrong row in the split shows),
+# one dense layer (`mlp_only_layers`) among three linear ones and a full-attention one.
+QWEN3_NEXT = dict(
+    QWEN3_5,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[1],
+)
 FAMILIES.update(
     {
         "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM, QWEN3_5),
         "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM, QWEN3_5_MOE),
+        "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM, QWEN3_NEXT),
     }
 )
 

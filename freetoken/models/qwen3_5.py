@@ -22,8 +22,12 @@ forward. The family's pieces:
 - the MoE (Qwen3.5-MoE): Qwen3-MoE's softmax router (top-k always renormalised) and experts
   (`qwen3_moe.py`), plus a shared expert whose output is scaled by sigmoid(shared_expert_gate).
 
-Also `config_from_hf`, the reader of a `qwen3_5` / `qwen3_5_moe` config.json dict (the text
-model's, or a multimodal checkpoint's `text_config`). It does not read files or pick slots.
+Qwen3-Next (`qwen3_next`) is this network too: its fused `in_proj_qkvz` / `in_proj_ba` are split
+at load into the four projections above (`_split_fused_projections`), and its config may name
+dense layers and leave the top k unrenormalised.
+
+Also `config_from_hf`, the reader of a `qwen3_5` / `qwen3_5_moe` / `qwen3_next` config.json dict
+(the text model's, or a multimodal checkpoint's `text_config`). It does not read files or pick slots.
 """
 
 from __future__ import annotations
@@ -293,6 +297,8 @@ class Qwen3_5ForCausalLM(nn.Module):
             local = self._local(name)
             if local is not None:
                 rest[local] = t
+        for i in c.linear_layers:
+            _split_fused_projections(rest, f"layers.{i}.linear_attn.", c)
         for i, layer in enumerate(self.layers):
             if isinstance(layer.mlp, Qwen3_5MoE):
                 prefix = f"layers.{i}.mlp.experts."
@@ -307,6 +313,46 @@ class Qwen3_5ForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, i, batch, kv)
         return output_logits(x, batch, self.norm, self.embed_tokens, self.lm_head)  # [N, vocab]
+
+
+def _split_fused_projections(rest: dict[str, Weight], prefix: str, c: ModelConfig) -> None:
+    """Qwen3-Next's fused linear-layer projections as Qwen3.5's four, in place: `in_proj_qkvz`
+    holds, for each key head g, its q rows (Dk), k rows (Dk), then the v rows and z rows (r Dv
+    each) of its r = Hv / Hk value heads; `in_proj_ba` the b rows then the a rows (r each) of the
+    same value heads. Qwen3.5 keeps [q of every key head | k ... | v ...], z, b and a apart, value
+    heads in the same grouped order (transformers' `fix_query_key_value_ordering` read as row
+    indices). A row is whole in every weight form, so quantized rows move as they are."""
+    qkvz, ba = rest.pop(prefix + "in_proj_qkvz.weight", None), rest.pop(prefix + "in_proj_ba.weight", None)
+    if qkvz is None and ba is None:
+        return
+    if qkvz is None or ba is None:
+        raise ModelLoadError(f"{prefix}: in_proj_qkvz and in_proj_ba come together; one is missing")
+    hk, dk, dv = c.linear_num_key_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    r = c.linear_num_value_heads // hk
+    group = 2 * dk + 2 * r * dv  # rows per key head in in_proj_qkvz
+    base = torch.arange(hk)[:, None]
+    rows = {  # name -> rows of the fused weight, in Qwen3.5's order
+        "in_proj_qkv": torch.cat(
+            [
+                (base * group + torch.arange(dk)).flatten(),
+                (base * group + dk + torch.arange(dk)).flatten(),
+                (base * group + 2 * dk + torch.arange(r * dv)).flatten(),
+            ]
+        ),
+        "in_proj_z": (base * group + 2 * dk + r * dv + torch.arange(r * dv)).flatten(),
+        "in_proj_b": (base * 2 * r + torch.arange(r)).flatten(),
+        "in_proj_a": (base * 2 * r + r + torch.arange(r)).flatten(),
+    }
+    for name, index in rows.items():
+        fused = qkvz if name in ("in_proj_qkv", "in_proj_z") else ba
+        expected = hk * group if fused is qkvz else 2 * r * hk
+        if fused.shape[0] != expected:
+            raise ModelLoadError(
+                f"{prefix}: a fused projection has {fused.shape[0]} rows, the config implies {expected}"
+            )
+        rest[f"{prefix}{name}.weight"] = (
+            fused.index_select(0, index) if isinstance(fused, torch.Tensor) else fused.map_rows(lambda t, i=index: t[i])
+        )
 
 
 # --- reading config.json -------------------------------------------------------------------------
@@ -328,6 +374,8 @@ _DEFAULTS = dict(
     eos_token_id=None,
 )
 _MOE_DEFAULTS = dict(_DEFAULTS, hidden_size=2048, num_hidden_layers=40, num_key_value_heads=2, intermediate_size=0)
+# transformers' Qwen3NextConfig defaults
+_NEXT_DEFAULTS = dict(_MOE_DEFAULTS, vocab_size=151_936, num_hidden_layers=48, intermediate_size=5632)
 
 
 def _text_config(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -354,11 +402,13 @@ def _rope(config: Mapping[str, Any]) -> RopeConfig:
 
 
 def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
-    """A Qwen3.5 / Qwen3.5-MoE `config.json` dict (model_type "qwen3_5", "qwen3_5_text",
-    "qwen3_5_moe", "qwen3_5_moe_text") as a ModelConfig."""
-    moe = str(config.get("model_type", "")).startswith("qwen3_5_moe")
+    """A Qwen3.5 / Qwen3.5-MoE / Qwen3-Next `config.json` dict (model_type "qwen3_5",
+    "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next") as a ModelConfig."""
+    model_type = str(config.get("model_type", ""))
+    nxt = model_type == "qwen3_next"
+    moe = nxt or model_type.startswith("qwen3_5_moe")
     text = _text_config(config)
-    common = read_common(text, _MOE_DEFAULTS if moe else _DEFAULTS)
+    common = read_common(text, _NEXT_DEFAULTS if nxt else _MOE_DEFAULTS if moe else _DEFAULTS)
     n = common["num_layers"]
     interval = int(hf_get(text, "full_attention_interval", 4))
     layer_types = tuple(
@@ -371,14 +421,24 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
     extra: dict[str, Any] = {}
     if moe:
         extra = dict(
-            num_experts=int(hf_get(text, "num_experts", 256)),
-            num_experts_per_tok=int(hf_get(text, "num_experts_per_tok", 8)),
+            num_experts=int(hf_get(text, "num_experts", 512 if nxt else 256)),
+            num_experts_per_tok=int(hf_get(text, "num_experts_per_tok", 10 if nxt else 8)),
             moe_intermediate_size=int(hf_get(text, "moe_intermediate_size", 512)),
             shared_expert_intermediate_size=int(hf_get(text, "shared_expert_intermediate_size", 512)),
-            norm_topk_prob=True,  # transformers' Qwen3.5-MoE router always renormalises the top k
+            # transformers' Qwen3.5-MoE router always renormalises the top k; Qwen3-Next's when told
+            norm_topk_prob=bool(hf_get(text, "norm_topk_prob", True)) if nxt else True,
         )
+    if nxt:  # Qwen3-Next's dense layers: listed, or off the sparse step, or every layer without experts
+        step = int(hf_get(text, "decoder_sparse_step", 1))
+        only = {int(i) for i in text.get("mlp_only_layers") or ()}
+        experts = extra["num_experts"]
+        extra["dense_mlp_layers"] = tuple(
+            i for i in range(n) if i in only or experts == 0 or step <= 0 or (i + 1) % step != 0
+        )
+        if str(hf_get(text, "hidden_act", "silu")) != "silu":
+            raise ModelLoadError("qwen3_next with a hidden_act other than silu is not supported")
     return ModelConfig(
-        architecture="qwen3_5_moe" if moe else "qwen3_5",
+        architecture="qwen3_next" if nxt else "qwen3_5_moe" if moe else "qwen3_5",
         **common,
         layer_types=layer_types,
         rope_full=rope,

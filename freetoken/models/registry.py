@@ -37,6 +37,7 @@ MODELS: dict[str, tuple[Callable[[Mapping[str, Any]], ModelConfig], Callable[...
     "mistral": (mistral.config_from_hf, llama.LlamaForCausalLM),
     "qwen3_5": (qwen3_5.config_from_hf, qwen3_5.Qwen3_5ForCausalLM),
     "qwen3_5_moe": (qwen3_5.config_from_hf, qwen3_5.Qwen3_5ForCausalLM),
+    "qwen3_next": (qwen3_5.config_from_hf, qwen3_5.Qwen3_5ForCausalLM),
     "glm4_moe": (glm4_moe.config_from_hf, glm4_moe.Glm4MoeForCausalLM),
 }
 

@@ -1,4 +1,4 @@
-"""Qwen3.5 and Qwen3.5-MoE (Gated DeltaNet + gated attention) through the engine against
+"""Qwen3.5, Qwen3.5-MoE and Qwen3-Next (Gated DeltaNet + gated attention) through the engine against
 transformers on tiny random weights (`tests/tiny_models.py`): greedy tokens with prefill chunked
 at several sizes and batched with requests of other lengths, page and state-slot audits after
 every step (`--debug-kv`); the state pool balances (its free slots and the tree's snapshots).
@@ -24,7 +24,7 @@ NEW = 6
 PROMPTS = [list(range(3, 40)), list(range(3, 20)) + [7, 9, 11], [5, 6, 7], list(range(50, 120, 3))]
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe"])
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(request.param, Path(tmp_path_factory.mktemp(request.param)))
 

@@ -1,4 +1,4 @@
-"""Qwen3.5 and Qwen3.5-MoE logits against transformers on tiny random weights (`tiny_models.py`),
+"""Qwen3.5, Qwen3.5-MoE and Qwen3-Next logits against transformers on tiny random weights (`tiny_models.py`),
 through a paged runner that also hands each request a state slot: a whole-prompt prefill (the
 chunked delta rule), prefill chunks then decode rows (the recurrent form) with another request
 in the same batch, and a multimodal checkpoint's nested `text_config` read as the text model.
@@ -31,7 +31,7 @@ L = 23
 TOL = {torch.float64: 1e-6, torch.float32: 1e-4}
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe"])
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     directory = write_tiny_model(request.param, Path(tmp_path_factory.mktemp(request.param)))
     ref = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float64, attn_implementation="eager")
@@ -88,9 +88,51 @@ def test_chunks_then_decode_rows_beside_another_request(family: dict[str, Any]) 
 
 def test_multimodal_checkpoint_config_reads_its_text_config(family: dict[str, Any]) -> None:
     text = json.loads((family["dir"] / "config.json").read_text())
+    if text["model_type"] == "qwen3_next":
+        pytest.skip("Qwen3-Next has no multimodal checkpoint (test_qwen3_next_config_reads_its_dense_layers)")
     moe = text["model_type"] == "qwen3_5_moe_text"
     nested = {"model_type": "qwen3_5_moe" if moe else "qwen3_5", "text_config": text, "vision_config": {}}
     assert config_from_hf(nested) == config_from_hf(text)
     config = config_from_hf(text)
     assert config.has_linear and config.rope_full.partial_rotary_factor == 0.25
     assert config.linear_layers == ((0,) if moe else (0, 1, 2))
+
+
+def test_qwen3_next_config_reads_its_dense_layers_and_renormalisation() -> None:
+    from tiny_models import QWEN3_NEXT
+
+    base = {**QWEN3_NEXT, "model_type": "qwen3_next"}
+    config = config_from_hf(base)
+    assert config.architecture == "qwen3_next" and config.linear_layers == (0, 1, 2)
+    assert config.dense_mlp_layers == (1,) and config.norm_topk_prob and config.num_experts == 4
+    assert config_from_hf({**base, "norm_topk_prob": False}).norm_topk_prob is False
+    stepped = config_from_hf({**base, "mlp_only_layers": [], "decoder_sparse_step": 2})
+    assert stepped.dense_mlp_layers == (0, 2)  # (i + 1) % 2 != 0
+    assert config_from_hf({**base, "mlp_only_layers": [], "num_experts": 0}).dense_mlp_layers == (0, 1, 2, 3)
+
+
+def test_qwen3_next_split_is_transformers_ordering() -> None:
+    """The load-time row split of `in_proj_qkvz` / `in_proj_ba` against transformers' own
+    `fix_query_key_value_ordering` on random projection outputs."""
+    from tiny_models import QWEN3_NEXT
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+
+    from freetoken.models.qwen3_5 import _split_fused_projections
+
+    hf = transformers.Qwen3NextConfig(**QWEN3_NEXT)
+    net = Qwen3NextGatedDeltaNet(hf, 0)
+    config = config_from_hf({**QWEN3_NEXT, "model_type": "qwen3_next"})
+    hidden = torch.randn(1, 5, hf.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        q, k, v, z, b, a = net.fix_query_key_value_ordering(net.in_proj_qkvz(hidden), net.in_proj_ba(hidden))
+    rest = {"x.in_proj_qkvz.weight": net.in_proj_qkvz.weight.detach(), "x.in_proj_ba.weight": net.in_proj_ba.weight.detach()}
+    _split_fused_projections(rest, "x.", config)
+    assert sorted(rest) == ["x.in_proj_a.weight", "x.in_proj_b.weight", "x.in_proj_qkv.weight", "x.in_proj_z.weight"]
+    qkv = hidden @ rest["x.in_proj_qkv.weight"].T
+    key_dim = config.linear_num_key_heads * config.linear_key_head_dim
+    torch.testing.assert_close(qkv[..., :key_dim], q.flatten(2))
+    torch.testing.assert_close(qkv[..., key_dim : 2 * key_dim], k.flatten(2))
+    torch.testing.assert_close(qkv[..., 2 * key_dim :], v.flatten(2))
+    torch.testing.assert_close(hidden @ rest["x.in_proj_z.weight"].T, z.flatten(2))
+    torch.testing.assert_close(hidden @ rest["x.in_proj_b.weight"].T, b)
+    torch.testing.assert_close(hidden @ rest["x.in_proj_a.weight"].T, a)

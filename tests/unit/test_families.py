@@ -100,7 +100,7 @@ def f(arch):
     """llama's rows."""
     if arch == "llama":
         return f"{arch}.qwen3moe.key"
-    return "qwen3_next" if arch else "not a family: llama3"
+    return "qwen9_next" if arch else "not a family: llama3"
 '''
     assert family_literals(source, family_words()) == [
         "2: 'gemma3'", "2: 'gpt-oss'", "5: 'llama'", "6: '.qwen3moe.key'"
