@@ -41,6 +41,9 @@ LINEAR_V_ROWS = "linear_v_rows"  # rows: value head dim rows per value head (the
 LINEAR_V_SCALARS = "linear_v_scalars"  # one row or value per value head (alpha, beta, dt bias)
 LINEAR_A_LOG = "linear_a_log"  # LINEAR_V_SCALARS of -exp(A_log), stored as is: log(-x)
 LINEAR_V_COLUMNS = "linear_v_columns"  # columns: value head dim columns per value head (out_proj)
+# the same two without the value heads' reordering (Qwen3-Next: its converter keeps HF's order)
+A_LOG = "a_log"  # -exp(A_log), stored as is: log(-x)
+CONV_KERNEL = "conv_kernel"  # a depthwise kernel [C, K] -> HF's [C, 1, K]
 
 # How an expert's separate gate / up stacks become HF's gate_up_proj:
 ROWS = "rows"  # gate rows, then up rows (a fused stack is already so)

@@ -22,9 +22,10 @@ forward. The family's pieces:
 - the MoE (Qwen3.5-MoE): Qwen3-MoE's softmax router (top-k always renormalised) and experts
   (`qwen3_moe.py`), plus a shared expert whose output is scaled by sigmoid(shared_expert_gate).
 
-Qwen3-Next (`qwen3_next`) is this network too: its fused `in_proj_qkvz` / `in_proj_ba` are split
-at load into the four projections above (`_split_fused_projections`), and its config may name
-dense layers and leave the top k unrenormalised.
+Qwen3-Next (`qwen3_next`) is this network too: its fused `in_proj_qkvz` / `in_proj_ba` (or, from
+llama.cpp's GGUF, the fused b/a alone) are split at load into the four projections above
+(`_split_fused_projections`), and its config may name dense layers and leave the top k
+unrenormalised.
 
 Also `config_from_hf`, the reader of a `qwen3_5` / `qwen3_5_moe` / `qwen3_next` config.json dict
 (the text model's, or a multimodal checkpoint's `text_config`). It does not read files or pick slots.
@@ -316,43 +317,51 @@ class Qwen3_5ForCausalLM(nn.Module):
 
 
 def _split_fused_projections(rest: dict[str, Weight], prefix: str, c: ModelConfig) -> None:
-    """Qwen3-Next's fused linear-layer projections as Qwen3.5's four, in place: `in_proj_qkvz`
-    holds, for each key head g, its q rows (Dk), k rows (Dk), then the v rows and z rows (r Dv
-    each) of its r = Hv / Hk value heads; `in_proj_ba` the b rows then the a rows (r each) of the
-    same value heads. Qwen3.5 keeps [q of every key head | k ... | v ...], z, b and a apart, value
-    heads in the same grouped order (transformers' `fix_query_key_value_ordering` read as row
-    indices). A row is whole in every weight form, so quantized rows move as they are."""
-    qkvz, ba = rest.pop(prefix + "in_proj_qkvz.weight", None), rest.pop(prefix + "in_proj_ba.weight", None)
-    if qkvz is None and ba is None:
-        return
-    if qkvz is None or ba is None:
-        raise ModelLoadError(f"{prefix}: in_proj_qkvz and in_proj_ba come together; one is missing")
+    """Qwen3-Next's fused linear-layer projections as Qwen3.5's, in place: `in_proj_qkvz` holds,
+    for each key head g, its q rows (Dk), k rows (Dk), then the v rows and z rows (r Dv each) of
+    its r = Hv / Hk value heads; `in_proj_ba` the b rows then the a rows (r each) of the same
+    value heads. Qwen3.5 keeps [q of every key head | k ... | v ...], z, b and a apart, value heads
+    in the same grouped order (transformers' `fix_query_key_value_ordering` read as row indices).
+    Each is split where present (llama.cpp's converter writes q/k/v and z apart already, and b/a
+    fused). A row is whole in every weight form, so quantized rows move as they are."""
     hk, dk, dv = c.linear_num_key_heads, c.linear_key_head_dim, c.linear_value_head_dim
     r = c.linear_num_value_heads // hk
     group = 2 * dk + 2 * r * dv  # rows per key head in in_proj_qkvz
     base = torch.arange(hk)[:, None]
-    rows = {  # name -> rows of the fused weight, in Qwen3.5's order
-        "in_proj_qkv": torch.cat(
-            [
-                (base * group + torch.arange(dk)).flatten(),
-                (base * group + dk + torch.arange(dk)).flatten(),
-                (base * group + 2 * dk + torch.arange(r * dv)).flatten(),
-            ]
+    splits = {  # fused name -> (its rows, {Qwen3.5 name: its rows in the fused weight})
+        "in_proj_qkvz": (
+            hk * group,
+            {
+                "in_proj_qkv": torch.cat(
+                    [
+                        (base * group + torch.arange(dk)).flatten(),
+                        (base * group + dk + torch.arange(dk)).flatten(),
+                        (base * group + 2 * dk + torch.arange(r * dv)).flatten(),
+                    ]
+                ),
+                "in_proj_z": (base * group + 2 * dk + r * dv + torch.arange(r * dv)).flatten(),
+            },
         ),
-        "in_proj_z": (base * group + 2 * dk + r * dv + torch.arange(r * dv)).flatten(),
-        "in_proj_b": (base * 2 * r + torch.arange(r)).flatten(),
-        "in_proj_a": (base * 2 * r + r + torch.arange(r)).flatten(),
+        "in_proj_ba": (
+            hk * 2 * r,
+            {
+                "in_proj_b": (base * 2 * r + torch.arange(r)).flatten(),
+                "in_proj_a": (base * 2 * r + r + torch.arange(r)).flatten(),
+            },
+        ),
     }
-    for name, index in rows.items():
-        fused = qkvz if name in ("in_proj_qkv", "in_proj_z") else ba
-        expected = hk * group if fused is qkvz else 2 * r * hk
+    for fused_name, (expected, parts) in splits.items():
+        fused = rest.pop(f"{prefix}{fused_name}.weight", None)
+        if fused is None:
+            continue
         if fused.shape[0] != expected:
-            raise ModelLoadError(
-                f"{prefix}: a fused projection has {fused.shape[0]} rows, the config implies {expected}"
+            raise ModelLoadError(f"{prefix}{fused_name}: {fused.shape[0]} rows, the config implies {expected}")
+        for name, index in parts.items():
+            rest[f"{prefix}{name}.weight"] = (
+                fused.index_select(0, index)
+                if isinstance(fused, torch.Tensor)
+                else fused.map_rows(lambda t, i=index: t[i])
             )
-        rest[f"{prefix}{name}.weight"] = (
-            fused.index_select(0, index) if isinstance(fused, torch.Tensor) else fused.map_rows(lambda t, i=index: t[i])
-        )
 
 
 # --- reading config.json -------------------------------------------------------------------------

@@ -23,6 +23,8 @@ import torch
 from freetoken.errors import ModelLoadError
 from freetoken.families import gguf_facts
 from freetoken.families.base import (
+    A_LOG,
+    CONV_KERNEL,
     EXPERTS_TRANSPOSE,
     INTERLEAVE,
     LINEAR_A_LOG,
@@ -141,6 +143,10 @@ def _to_hf_layout(
         return t.transpose(-1, -2)  # ggml [E, out, in] -> HF [E, in, out]
     if layout == ONE_ROW:
         return t.reshape(1, -1)
+    if layout == A_LOG:
+        return torch.log(-t)
+    if layout == CONV_KERNEL:
+        return t[:, None, :]  # [C, K] -> [C, 1, K]
     dv = linear[3] if linear is not None else 1
     if layout == LINEAR_QKV_ROWS:
         return _linear_qkv(t, linear)

@@ -1,5 +1,5 @@
-"""Qwen3.5 and Qwen3.5-MoE from a GGUF file written by llama.cpp's own `convert_hf_to_gguf.py`
-(the `qwen35` / `qwen35moe` architectures, `--outtype f32 --no-mtp`) from the tiny checkpoints of
+"""Qwen3.5, Qwen3.5-MoE and Qwen3-Next from a GGUF file written by llama.cpp's own `convert_hf_to_gguf.py`
+(the `qwen35` / `qwen35moe` / `qwen3next` architectures, `--outtype f32 --no-mtp`) from the tiny checkpoints of
 `tiny_models.py`: the file gives the checkpoint's tensors and config back (norms un-shifted,
 A_log from `ssm_a`, the value heads un-tiled), and the engine gives transformers' greedy tokens.
 The converter's BPE pre-tokenizer check does not know the tiny test vocabulary, so it is answered
@@ -46,11 +46,13 @@ PROMPTS = [list(range(3, 40)), [5, 6, 7]]
 NEW = 6
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe"])
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def converted(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     if not (LLAMA_CPP / "convert_hf_to_gguf.py").exists():
         pytest.skip("llama.cpp's convert_hf_to_gguf.py is not present")
-    directory = write_tiny_model(request.param, Path(tmp_path_factory.mktemp(request.param)) / "hf")
+    # llama.cpp's qwen3next has no dense layers: the tiny Qwen3-Next's one is made an MoE here
+    overrides = {"mlp_only_layers": []} if request.param == "qwen3_next" else {}
+    directory = write_tiny_model(request.param, Path(tmp_path_factory.mktemp(request.param)) / "hf", **overrides)
     out = directory.parent / "model.gguf"
     args = [str(LLAMA_CPP), str(directory), "--outfile", str(out), "--outtype", "f32", "--no-mtp"]
     subprocess.run([sys.executable, "-c", CONVERT, *args], check=True, capture_output=True, timeout=300)
@@ -70,13 +72,28 @@ def stacked(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def unfused(sd: dict[str, torch.Tensor], directory: Path) -> dict[str, torch.Tensor]:
+    """Qwen3-Next's fused linear-layer projections split as the model splits them at load (the
+    GGUF holds q/k/v and z apart, b/a fused; the checkpoint both fused); other families as they are."""
+    config = config_from_hf(json.loads((directory / "config.json").read_text()))
+    if config.architecture != "qwen3_next":
+        return sd
+    from freetoken.models.qwen3_5 import _split_fused_projections
+
+    out = dict(sd)
+    for i in config.linear_layers:
+        _split_fused_projections(out, f"model.layers.{i}.linear_attn.", config)
+    return out
+
+
 def test_gguf_gives_the_checkpoint_back(converted: tuple[Path, Path]) -> None:
     directory, path = converted
     ck = load_gguf(path, dtype=torch.float64)
-    sd = stacked(load_safetensors_dir(directory, dtype=torch.float64))
-    assert set(ck.tensors) == set(sd)
+    tensors = unfused(ck.tensors, directory)
+    sd = unfused(stacked(load_safetensors_dir(directory, dtype=torch.float64)), directory)
+    assert set(tensors) == set(sd)
     for name, want in sd.items():
-        torch.testing.assert_close(ck.tensors[name], want, atol=1e-6, rtol=1e-6, msg=name)
+        torch.testing.assert_close(tensors[name], want, atol=1e-6, rtol=1e-6, msg=name)
     got, want = config_from_hf(ck.hf_config), config_from_hf(json.loads((directory / "config.json").read_text()))
     assert got.layer_types == want.layer_types and got.rope_full == want.rope_full
     for field in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
@@ -92,10 +109,11 @@ def test_gguf_rewritten_by_llama_quantize_gives_the_checkpoint_back(converted: t
     copy = path.with_name("copy.gguf")
     subprocess.run([str(LLAMA_QUANTIZE), str(path), str(copy), "COPY"], check=True, capture_output=True, timeout=300)
     ck = load_gguf(copy, dtype=torch.float64)
-    sd = stacked(load_safetensors_dir(directory, dtype=torch.float64))
-    assert set(ck.tensors) == set(sd)
+    tensors = unfused(ck.tensors, directory)
+    sd = unfused(stacked(load_safetensors_dir(directory, dtype=torch.float64)), directory)
+    assert set(tensors) == set(sd)
     for name, want in sd.items():
-        torch.testing.assert_close(ck.tensors[name], want, atol=1e-6, rtol=1e-6, msg=name)
+        torch.testing.assert_close(tensors[name], want, atol=1e-6, rtol=1e-6, msg=name)
 
 
 def test_gguf_greedy_tokens_equal_transformers(converted: tuple[Path, Path]) -> None:

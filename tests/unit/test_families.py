@@ -17,6 +17,8 @@ import pytest
 import freetoken
 from freetoken.families import all_families, by_model_type, find_gguf, gguf_architectures, named
 from freetoken.families.base import (
+    A_LOG,
+    CONV_KERNEL,
     EXPERTS_TRANSPOSE,
     INTERLEAVE,
     LINEAR_A_LOG,
@@ -149,7 +151,7 @@ def test_each_family_names_only_what_the_tokenizer_and_the_shard_plan_know() -> 
 
 
 def test_the_gguf_architectures_are_the_families() -> None:
-    assert sorted(gguf_architectures()) == ["gemma3", "gemma4", "glm4moe", "gpt-oss", "llama", "qwen2", "qwen3", "qwen35", "qwen35moe", "qwen3moe"]
+    assert sorted(gguf_architectures()) == ["gemma3", "gemma4", "glm4moe", "gpt-oss", "llama", "qwen2", "qwen3", "qwen35", "qwen35moe", "qwen3moe", "qwen3next"]
     for arch in gguf_architectures():
         assert find_gguf(arch) is not None and find_gguf(arch).arch == arch  # type: ignore[union-attr]
     assert find_gguf("mamba") is None
@@ -158,6 +160,7 @@ def test_the_gguf_architectures_are_the_families() -> None:
 def test_each_family_names_only_what_the_weights_package_does() -> None:
     layouts = {None, UNPERMUTE_Q_ROWS, UNPERMUTE_K_ROWS, NORM_MINUS_ONE, EXPERTS_TRANSPOSE, ONE_ROW}
     layouts |= {LINEAR_QKV_ROWS, LINEAR_CONV, LINEAR_V_ROWS, LINEAR_V_SCALARS, LINEAR_A_LOG, LINEAR_V_COLUMNS}
+    layouts |= {A_LOG, CONV_KERNEL}
     for fam in all_families():
         if fam.gguf is None:
             continue
