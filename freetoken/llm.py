@@ -13,12 +13,22 @@ from collections.abc import Iterator, Sequence
 from freetoken.config import EngineConfig
 from freetoken.engine.build import build_engine_for, load_for
 from freetoken.engine.engine import Engine, RequestUpdate
+from freetoken.errors import ConfigError
 from freetoken.models.load import LoadedModel
 from freetoken.request import FinishReason, Request, RequestOutput, SamplingParams
 from freetoken.tokenizer import Tokenizer
 from freetoken.tokenizer.detokenizer import IncrementalDetokenizer
+from freetoken.weights.gguf_metadata import open_gguf
+from freetoken.weights.sampling_defaults import FIELDS, MODES, SamplingDefaults, read_sampling_defaults
 
 Prompt = str | list[int]
+
+
+def _checkpoint_defaults(loaded: LoadedModel) -> SamplingDefaults:
+    source = loaded.source
+    if source.kind == "gguf":
+        return read_sampling_defaults(metadata=open_gguf(source.path).metadata)
+    return read_sampling_defaults(directory=source.path)
 
 
 class LLM:
@@ -46,6 +56,7 @@ class LLM:
         threads: int | None = None,
         config: EngineConfig | None = None,
         loaded: LoadedModel | None = None,
+        sampling_defaults: str = "model",
     ) -> None:
         if config is None:
             config = EngineConfig(
@@ -67,10 +78,22 @@ class LLM:
                 debug_kv=debug_kv,
                 threads=threads,
             )
+        if sampling_defaults not in MODES:
+            raise ConfigError(f"sampling_defaults must be one of {', '.join(MODES)}, got {sampling_defaults!r}")
         self.config = config
         self.loaded = loaded if loaded is not None else load_for(config)
         self.engine: Engine = build_engine_for(config, self.loaded)
         self._ids = itertools.count()
+        # the checkpoint's recommended sampling (generation_config.json or GGUF general.sampling.*),
+        # for calls that pass no params, as `ft serve --sampling-defaults model` does for requests
+        self.sampling_defaults = (
+            _checkpoint_defaults(self.loaded) if sampling_defaults == "model" else SamplingDefaults()
+        )
+
+    def default_sampling_params(self) -> SamplingParams:
+        """What `generate` / `stream` use when given no params: `SamplingParams()` with the
+        checkpoint's own temperature, top_p, top_k, min_p and penalties where it gives them."""
+        return self.sampling_defaults.apply(SamplingParams(), FIELDS)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -84,7 +107,7 @@ class LLM:
             prompts = [prompts]  # type: ignore[list-item]
         prompt_list = list(prompts)
         if params is None or isinstance(params, SamplingParams):
-            param_list = [params or SamplingParams()] * len(prompt_list)
+            param_list = [params or self.default_sampling_params()] * len(prompt_list)
         else:
             param_list = list(params)
         if len(param_list) != len(prompt_list):
@@ -136,7 +159,7 @@ class LLM:
         detokenizer is sure of it (stop strings held back until they cannot match). The pieces
         join to what `generate` returns as `text` for the same prompt and params. Closing the
         iterator early (or an exception in the caller) aborts the request and frees its pages."""
-        params = params or SamplingParams()
+        params = params or self.default_sampling_params()
         tok = self.tokenizer
         ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
         rid = f"offline-{next(self._ids)}"

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import IO
 
 from freetoken.utils.logs import CLEAR_LINE, is_terminal
-from freetoken.server.sampling_defaults import SamplingDefaults
+from freetoken.weights.sampling_defaults import SamplingDefaults
 
 DEFAULT_URL = "http://127.0.0.1:1919"  # ft serve's default --host / --port, which ft chat and ft launch use
 BAR_WIDTH = 24

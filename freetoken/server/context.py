@@ -17,9 +17,9 @@ from freetoken.server.operations.activity import Activity
 from freetoken.server.operations.drain import DrainGate
 from freetoken.server.operations.metrics import Metrics
 from freetoken.server.process.messages import Ready
-from freetoken.server.sampling_defaults import SamplingDefaults
 from freetoken.server.settings import ServerConfig
 from freetoken.tokenizer import Tokenizer
+from freetoken.weights.sampling_defaults import SamplingDefaults
 
 if TYPE_CHECKING:
     from freetoken.server.process.client import EngineClient

@@ -36,11 +36,11 @@ from freetoken.server.console import LoadBar, ready_block
 from freetoken.server.context import ServingContext
 from freetoken.server.operations.metrics import Metrics
 from freetoken.server.process.messages import Ready
-from freetoken.server.sampling_defaults import SamplingDefaults, read_sampling_defaults
 from freetoken.server.settings import ServerConfig
 from freetoken.server.startup import Started, start
 from freetoken.tokenizer import Tokenizer
 from freetoken.tokenizer.cache import TokenizerCache
+from freetoken.weights.sampling_defaults import SamplingDefaults, read_sampling_defaults
 from freetoken.weights.source import base_model_note
 
 log = logging.getLogger("freetoken.server")

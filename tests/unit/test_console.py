@@ -48,7 +48,7 @@ def test_the_ready_block_ends_with_a_note_about_the_model_when_there_is_one() ->
 
 
 def test_ready_block_names_the_models_sampling_defaults() -> None:
-    from freetoken.server.sampling_defaults import SamplingDefaults
+    from freetoken.weights.sampling_defaults import SamplingDefaults
 
     defaults = SamplingDefaults({"temperature": 0.6, "top_k": 20}, "generation_config.json")
     text, fields = ready_block("q", "127.0.0.1", 1919, architecture="qwen3", context_length=512, api_key=False, seconds=1.0,

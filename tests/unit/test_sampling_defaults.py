@@ -20,11 +20,12 @@ from freetoken.server.openai.chat import chat_input
 from freetoken.server.openai.completions import completion_input
 from freetoken.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from freetoken.server.openai.routes import model_card
-from freetoken.server.sampling_defaults import SamplingDefaults, left_out, read_sampling_defaults
+from freetoken.server.sampling_defaults import left_out
 from freetoken.server.serve import model_sampling_defaults
 from freetoken.server.settings import ServerConfig
 from freetoken.tokenizer import Tokenizer
 from freetoken.tokenizer.testing import write_tiny_tokenizer
+from freetoken.weights.sampling_defaults import SamplingDefaults, read_sampling_defaults
 
 QWEN3_GENERATION_CONFIG = {"do_sample": True, "eos_token_id": [151645, 151643], "temperature": 0.6, "top_k": 20, "top_p": 0.95}
 MESSAGES = [{"role": "user", "content": "hi"}]

@@ -36,7 +36,8 @@ from freetoken.server.responses.protocol import ResponsesRequest
 from freetoken.server.responses.store import ResponseStore, StoredResponse
 from freetoken.server.responses.stream import collected_items, response_events
 from freetoken.server.responses.tools import ResponsesTools, responses_tools, text_grammar
-from freetoken.server.sampling_defaults import SamplingDefaults, left_out
+from freetoken.server.sampling_defaults import left_out
+from freetoken.weights.sampling_defaults import SamplingDefaults
 
 log = logging.getLogger(__name__)
 
