@@ -87,9 +87,14 @@ def test_chunks_then_decode_rows_beside_another_request(family: dict[str, Any]) 
 
 
 def test_multimodal_checkpoint_config_reads_its_text_config(family: dict[str, Any]) -> None:
+    """A multimodal checkpoint's `text_config` is the text model's config; Qwen3-Next has none
+    (text only): its own config.json is read as it is."""
     text = json.loads((family["dir"] / "config.json").read_text())
     if text["model_type"] == "qwen3_next":
-        pytest.skip("Qwen3-Next has no multimodal checkpoint (test_qwen3_next_config_reads_its_dense_layers)")
+        config = config_from_hf(text)
+        assert config.architecture == "qwen3_next" and config.rope_full.partial_rotary_factor == 0.25
+        assert config.linear_layers == (0, 1, 2) and config.dense_mlp_layers == (1,)
+        return
     moe = text["model_type"] == "qwen3_5_moe_text"
     nested = {"model_type": "qwen3_5_moe" if moe else "qwen3_5", "text_config": text, "vision_config": {}}
     assert config_from_hf(nested) == config_from_hf(text)
