@@ -7,6 +7,7 @@ own: it adds requests, steps the engine and collects outputs.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterator, Sequence
 
@@ -18,17 +19,9 @@ from freetoken.models.load import LoadedModel
 from freetoken.request import FinishReason, Request, RequestOutput, SamplingParams
 from freetoken.tokenizer import Tokenizer
 from freetoken.tokenizer.detokenizer import IncrementalDetokenizer
-from freetoken.weights.gguf_metadata import open_gguf
-from freetoken.weights.sampling_defaults import FIELDS, MODES, SamplingDefaults, read_sampling_defaults
+from freetoken.weights.sampling_defaults import FIELDS, MODES, SamplingDefaults, checkpoint_sampling_defaults
 
 Prompt = str | list[int]
-
-
-def _checkpoint_defaults(loaded: LoadedModel) -> SamplingDefaults:
-    source = loaded.source
-    if source.kind == "gguf":
-        return read_sampling_defaults(metadata=open_gguf(source.path).metadata)
-    return read_sampling_defaults(directory=source.path)
 
 
 class LLM:
@@ -84,11 +77,16 @@ class LLM:
         self.loaded = loaded if loaded is not None else load_for(config)
         self.engine: Engine = build_engine_for(config, self.loaded)
         self._ids = itertools.count()
-        # the checkpoint's recommended sampling (generation_config.json or GGUF general.sampling.*),
-        # for calls that pass no params, as `ft serve --sampling-defaults model` does for requests
-        self.sampling_defaults = (
-            _checkpoint_defaults(self.loaded) if sampling_defaults == "model" else SamplingDefaults()
-        )
+        self._sampling_mode = sampling_defaults
+
+    @functools.cached_property
+    def sampling_defaults(self) -> SamplingDefaults:
+        """The checkpoint's recommended sampling (generation_config.json or GGUF general.sampling.*),
+        as `ft serve --sampling-defaults model` uses it; read when first needed (a GGUF's metadata
+        is parsed again), none with `sampling_defaults="none"`."""
+        if self._sampling_mode == "none":
+            return SamplingDefaults()
+        return checkpoint_sampling_defaults(self.loaded.source)
 
     def default_sampling_params(self) -> SamplingParams:
         """What `generate` / `stream` use when given no params: `SamplingParams()` with the

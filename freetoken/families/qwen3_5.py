@@ -61,10 +61,13 @@ _LAYOUT = {
 }
 
 
-def layout(rest: str) -> str | None:
-    if rest in _LAYOUT:
-        return _LAYOUT[rest]
+def norm_layout(rest: str) -> str | None:
+    """The `(1 + w)` norms, stored as `1 + w`: every norm but the gated `ssm_norm` (Qwen3-Next's too)."""
     return NORM_MINUS_ONE if rest.endswith("norm.weight") and rest != "ssm_norm.weight" else None
+
+
+def layout(rest: str) -> str | None:
+    return _LAYOUT.get(rest) or norm_layout(rest)
 
 
 def translate(k: Keys, cfg: dict[str, object], tensor_names: Collection[str]) -> None:

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from freetoken.families import qwen3_5_moe
-from freetoken.families.base import A_LOG, CONV_KERNEL, NORM_MINUS_ONE, ONE_ROW, ROWS, Family, GGUFFacts, HFFacts
+from freetoken.families import qwen3_5, qwen3_5_moe
+from freetoken.families.base import A_LOG, CONV_KERNEL, ONE_ROW, ROWS, Family, GGUFFacts, HFFacts
 from freetoken.families.gguf_keys import Keys
 
 TENSORS: dict[str, str] = {
@@ -34,9 +34,7 @@ _LAYOUT = {"ssm_a": A_LOG, "ssm_conv1d.weight": CONV_KERNEL, "ffn_gate_inp_shexp
 
 
 def layout(rest: str) -> str | None:
-    if rest in _LAYOUT:
-        return _LAYOUT[rest]
-    return NORM_MINUS_ONE if rest.endswith("norm.weight") and rest != "ssm_norm.weight" else None
+    return _LAYOUT.get(rest) or qwen3_5.norm_layout(rest)
 
 
 def translate(k: Keys, cfg: dict[str, object], tensor_names: Collection[str]) -> None:

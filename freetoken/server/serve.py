@@ -40,7 +40,7 @@ from freetoken.server.settings import ServerConfig
 from freetoken.server.startup import Started, start
 from freetoken.tokenizer import Tokenizer
 from freetoken.tokenizer.cache import TokenizerCache
-from freetoken.weights.sampling_defaults import SamplingDefaults, read_sampling_defaults
+from freetoken.weights.sampling_defaults import SamplingDefaults, checkpoint_sampling_defaults
 from freetoken.weights.source import base_model_note
 
 log = logging.getLogger("freetoken.server")
@@ -72,9 +72,7 @@ def model_sampling_defaults(started: Started, server_config: ServerConfig) -> Sa
     """The checkpoint's sampling defaults (`--sampling-defaults model`), or none."""
     if server_config.sampling_defaults == "none":
         return SamplingDefaults()
-    if started.metadata is not None:
-        return read_sampling_defaults(metadata=started.metadata)
-    return read_sampling_defaults(directory=started.source.path)
+    return checkpoint_sampling_defaults(started.source, started.metadata)
 
 
 class _Server(uvicorn.Server):

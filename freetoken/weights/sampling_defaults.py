@@ -3,7 +3,8 @@ request leaves out (`ft serve --sampling-defaults model`, the default, and `LLM(
 sampling_defaults="model")`; `none` keeps the APIs' defaults).
 
 Owns `SamplingDefaults` (the values and where they came from; `apply` puts them into a request's
-`SamplingParams` for the fields it left out) and `read_sampling_defaults` (from a Hugging Face
+`SamplingParams` for the fields it left out), `checkpoint_sampling_defaults` (those of a model
+source, by its kind) and `read_sampling_defaults` (from a Hugging Face
 directory's `generation_config.json`: `temperature`, `top_p`, `top_k`, `min_p`,
 `repetition_penalty`, `presence_penalty`; or from GGUF metadata's `general.sampling.*` keys that
 llama.cpp's converters write: `temp`, `top_p`, `top_k`, `min_p`, `penalty_repeat`). As in vLLM,
@@ -21,6 +22,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from freetoken.request import SamplingParams
+from freetoken.weights.gguf_metadata import open_gguf
+from freetoken.weights.source import ModelSource
 
 log = logging.getLogger("freetoken.weights")
 
@@ -69,6 +72,14 @@ def read_sampling_defaults(
     if not isinstance(config, dict):
         return SamplingDefaults()
     return _checked({name: config[name] for name in FIELDS if name in config}, "generation_config.json")
+
+
+def checkpoint_sampling_defaults(source: ModelSource, metadata: Mapping[str, object] | None = None) -> SamplingDefaults:
+    """The defaults of the checkpoint `source` names: a GGUF's metadata (`metadata` when already
+    read, else read from the file) or a model directory's `generation_config.json`."""
+    if source.kind == "gguf":
+        return read_sampling_defaults(metadata=metadata if metadata is not None else open_gguf(source.path).metadata)
+    return read_sampling_defaults(directory=source.path)
 
 
 def _checked(raw: Mapping[str, object], source: str) -> SamplingDefaults:

@@ -54,10 +54,10 @@ def test_missing_and_out_of_range_values_are_left_out(tmp_path: Path) -> None:
 
 def test_sampling_defaults_none_ignores_them(tmp_path: Path) -> None:
     (tmp_path / "generation_config.json").write_text(json.dumps(QWEN3_GENERATION_CONFIG))
-    started: Any = SimpleNamespace(metadata=None, source=SimpleNamespace(path=tmp_path))
+    started: Any = SimpleNamespace(metadata=None, source=SimpleNamespace(kind="safetensors", path=tmp_path))
     assert model_sampling_defaults(started, ServerConfig()).values["temperature"] == 0.6  # `model` is the default
     assert model_sampling_defaults(started, ServerConfig(sampling_defaults="none")) == SamplingDefaults()
-    gguf: Any = SimpleNamespace(metadata={"general.sampling.top_p": 0.8}, source=None)
+    gguf: Any = SimpleNamespace(metadata={"general.sampling.top_p": 0.8}, source=SimpleNamespace(kind="gguf", path=None))
     assert model_sampling_defaults(gguf, ServerConfig()).values == {"top_p": 0.8}
 
 
